@@ -1,0 +1,48 @@
+"""odmlq: quantize JAX/Flax models once, for XLA serving and full-integer LiteRT.
+
+Write rules, trace the model into a Plan, and see exactly what each op, weight
+and edge becomes before any backend runs:
+
+  >>> import odmlq
+  >>> p = odmlq.plan(model, [odmlq.Rule('.*', weight_qtype='int8', act_qtype='int8')], x)
+  >>> print(p)
+"""
+
+from odmlq.calibration import (
+    RMS,
+    MSE,
+    AbsMax,
+    Calibration,
+    Entropy,
+    FixedRange,
+    MinMax,
+    MovingAverageMinMax,
+    Percentile,
+    Statistics,
+)
+from odmlq.errors import (
+    CalibrationError,
+    GranularityError,
+    OdmlqError,
+    PlanError,
+    QTypeError,
+    RuleError,
+    TraceError,
+)
+from odmlq.granularity import PerBlock, PerChannel, PerTensor
+from odmlq.graph import Edge, Graph, Op, Operand, trace
+from odmlq.plan import EdgePlan, OpPlan, Plan, QuantSpec, WeightPlan, plan
+from odmlq.qarray import QArray, compute_scale, fake_quant, quantize, quantize_tensor
+from odmlq.qtypes import QType, qtype
+from odmlq.rules import Rule, UnmatchedRuleWarning, load_rules
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AbsMax", "Calibration", "CalibrationError", "Edge", "EdgePlan", "Entropy", "FixedRange",
+    "GranularityError", "Graph", "MSE", "MinMax", "MovingAverageMinMax", "OdmlqError", "Op",
+    "OpPlan", "Operand", "PerBlock", "PerChannel", "PerTensor", "Percentile", "Plan",
+    "PlanError", "QArray", "QType", "QTypeError", "QuantSpec", "RMS", "Rule", "RuleError",
+    "Statistics", "TraceError", "UnmatchedRuleWarning", "WeightPlan", "compute_scale",
+    "fake_quant", "load_rules", "plan", "qtype", "quantize", "quantize_tensor", "trace",
+]

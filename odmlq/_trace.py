@@ -1,0 +1,401 @@
+"""Tracing: a model's jaxpr turned into a `Graph` and an evaluable program.
+
+Internal. The public entry is `odmlq.graph.trace`. See graph.py for what the
+graph contains; this module only walks jaxprs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+from jax import lax
+from jax.extend import core as jcore
+
+from odmlq.errors import TraceError
+from odmlq.graph import Edge, Graph, Op, Operand
+
+# jax.nn functions JAX keeps as named calls (`jit[name=...]`); each is one op.
+NAMED_FUNCTIONS = frozenset({
+    "relu", "relu6", "silu", "swish", "hard_sigmoid", "hard_silu", "hard_swish",
+    "hard_tanh", "elu", "selu", "celu", "leaky_relu", "softplus", "soft_sign",
+    "log_sigmoid", "sigmoid", "gelu", "glu", "log_softmax", "softmax",
+    "squareplus", "mish", "sparse_plus",
+})
+# Primitives whose kind gets a shorter name in plans and rules.
+KIND_NAMES = {"conv_general_dilated": "conv"}
+ANCHORS = ("dot_general", "conv_general_dilated")
+_SAME_AXES = frozenset({"convert_element_type", "copy", "copy_p", "reduce_precision"})
+_INLINE_CALLS = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "closed_call",
+                 "core_call", "remat", "checkpoint")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lit:
+    value: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class _W:
+    """What a weight-derived value is: its parameters and axis mapping."""
+
+    params: tuple[str, ...]
+    axis_map: tuple[int | None, ...] | None  # value axis -> parameter axis
+    stacked: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass
+class _Step:
+    eqn: Any
+    ins: list
+    outs: list[int]
+    stack: str = ""
+    kind: str = ""
+    einsum: str | None = None
+    fn: Any = None  # evaluates a named call as one op
+
+
+@dataclasses.dataclass
+class _Region:
+    """A `scan`: its body program and how outer values map into it."""
+
+    eqn: Any
+    ins: list
+    outs: list[int]
+    body: "_Program"
+    stack: str = ""
+    kind: str = "scan"
+
+
+@dataclasses.dataclass
+class _OpRec:
+    kind: str
+    stack: str
+    steps: list
+    einsum: str | None = None
+    region: "_OpRec | None" = None
+    id: str = ""
+    module_path: str = ""
+
+
+@dataclasses.dataclass
+class _Program:
+    invars: list[int]
+    steps: list  # _Step | _Region, in order
+    outvars: list
+    edge_of: dict[int, str] = dataclasses.field(default_factory=dict)
+    alias: set = dataclasses.field(default_factory=set)
+
+    def run_flat(self, values: list, on_edge) -> list:
+        env: dict[int, Any] = {}
+        for v, x in zip(self.invars, values):
+            env[v] = self._hook(v, x, on_edge)
+        for step in self.steps:
+            ins = [r.value if isinstance(r, _Lit) else env[r] for r in step.ins]
+            if isinstance(step, _Region):
+                outs = _run_scan(step, ins, on_edge)
+            elif step.fn is not None:
+                outs = step.fn(*ins)
+            else:
+                outs = _eval_eqn(step.eqn, ins)
+            for v, x in zip(step.outs, outs):
+                env[v] = self._hook(v, x, on_edge)
+        return [r.value if isinstance(r, _Lit) else env[r] for r in self.outvars]
+
+    def _hook(self, v: int, x: Any, on_edge):
+        if on_edge is None or v not in self.edge_of or v in self.alias:
+            return x
+        return on_edge(self.edge_of[v], x)
+
+
+@dataclasses.dataclass
+class _TopProgram:
+    body: _Program
+    in_tree: Any
+    out_tree: Any
+    num_params: int
+
+    def run(self, params, inputs, on_edge):
+        params = _params_of(params)
+        leaves, tree = jax.tree_util.tree_flatten((params, *inputs))
+        if tree != self.in_tree:
+            raise TraceError(
+                "The params and inputs passed to evaluate() do not have the structure the "
+                f"model was traced with.\n  traced: {self.in_tree}\n  given:  {tree}"
+            )
+        outs = self.body.run_flat(leaves, on_edge)
+        return jax.tree_util.tree_unflatten(self.out_tree, outs)
+
+
+def _eval_eqn(eqn, ins: list) -> list:
+    # A one-equation jaxpr evaluated by JAX itself: the public way to apply an
+    # equation, whatever its parameters.
+    invars = [a for a in eqn.invars if not isinstance(a, jcore.Literal)]
+    args = [x for a, x in zip(eqn.invars, ins) if not isinstance(a, jcore.Literal)]
+    info = jcore.DebugInfo("odmlq", eqn.primitive.name, tuple(f"x{i}" for i in range(len(invars))),
+                           tuple(f"y{i}" for i in range(len(eqn.outvars))))
+    jaxpr = jcore.Jaxpr(constvars=[], invars=invars, outvars=list(eqn.outvars), eqns=[eqn],
+                        effects=eqn.effects, debug_info=info)
+    return jax.core.eval_jaxpr(jaxpr, [], *args)
+
+
+def _run_scan(region: _Region, ins: list, on_edge) -> list:
+    p = region.eqn.params
+    nc, ncarry = p["num_consts"], p["num_carry"]
+    consts, init, xs = ins[:nc], ins[nc:nc + ncarry], ins[nc + ncarry:]
+
+    def body(carry, x):
+        outs = region.body.run_flat([*consts, *carry, *x], on_edge)
+        return outs[:ncarry], outs[ncarry:]
+
+    carry, ys = lax.scan(body, list(init), list(xs), length=p["length"],
+                         reverse=p["reverse"], unroll=p["unroll"])
+    return [*carry, *ys]
+
+
+def _params_of(params: Any) -> Any:
+    from flax import nnx
+
+    if isinstance(params, nnx.Module):
+        return nnx.split(params)[1]
+    return params
+
+
+def _path_str(path) -> str:
+    parts = []
+    for key in path:
+        if isinstance(key, jax.tree_util.DictKey):
+            parts.append(str(key.key))
+        elif isinstance(key, jax.tree_util.GetAttrKey):
+            parts.append(key.name)
+        elif isinstance(key, jax.tree_util.SequenceKey):
+            parts.append(str(key.idx))
+        elif isinstance(key, jax.tree_util.FlattenedIndexKey):
+            parts.append(str(key.key))
+        else:
+            parts.append(str(key))
+    if parts and parts[-1] == "value":  # nnx.Variable leaves
+        parts = parts[:-1]
+    if len(parts) > 1 and parts[0] == "params":  # Linen's params collection
+        parts = parts[1:]
+    return "/".join(parts)
+
+
+def _subjaxpr(eqn, name):
+    value = eqn.params[name]
+    if isinstance(value, jcore.ClosedJaxpr):
+        return value.jaxpr, list(value.consts)
+    return value, []
+
+
+class _Walker:
+    """Walks a jaxpr into steps; values get global integer ids."""
+
+    def __init__(self):
+        self.next_id = 0
+        self.avals: dict[int, Any] = {}
+        self.weights: dict[int, _W] = {}
+
+    def new(self, aval) -> int:
+        self.next_id += 1
+        self.avals[self.next_id] = aval
+        return self.next_id
+
+    def ref(self, env, atom):
+        if isinstance(atom, jcore.Literal):
+            return _Lit(atom.val)
+        return env[atom]
+
+    def is_weight(self, r) -> bool:
+        return isinstance(r, _Lit) or r in self.weights
+
+    def walk(self, jaxpr, consts, env, prefix: str, steps: list) -> None:
+        for var, c in zip(jaxpr.constvars, consts):
+            v = self.new(var.aval)
+            self.weights[v] = _W((), _identity(np.ndim(c)))
+            steps.append(_Step(eqn=None, ins=[], outs=[v], fn=(lambda c=c: [c]), kind="constant"))
+            env[var] = v
+        for eqn in jaxpr.eqns:
+            self.walk_eqn(eqn, env, prefix, steps)
+
+    def walk_eqn(self, eqn, env, prefix: str, steps: list) -> None:
+        name = eqn.primitive.name
+        stack = _join(prefix, str(eqn.source_info.name_stack))
+        ins = [self.ref(env, a) for a in eqn.invars]
+        if name in ("jit", "pjit") and eqn.params.get("name") not in NAMED_FUNCTIONS:
+            return self.inline(eqn, "jaxpr", ins, env, stack, steps)
+        if name in _INLINE_CALLS:
+            key = next(k for k in ("call_jaxpr", "fun_jaxpr", "jaxpr") if k in eqn.params)
+            return self.inline(eqn, key, ins, env, stack, steps)
+        outs = [self.new(o.aval) for o in eqn.outvars]
+        for o, v in zip(eqn.outvars, outs):
+            env[o] = v
+        if name == "scan" and not all(self.is_weight(r) for r in ins):
+            steps.append(self.scan_region(eqn, ins, outs, stack))
+            return
+        step = _Step(eqn=eqn, ins=ins, outs=outs, stack=stack, kind=KIND_NAMES.get(name, name))
+        if name in ("jit", "pjit"):
+            step.kind = eqn.params["name"]
+            step.fn = jcore.jaxpr_as_fun(eqn.params["jaxpr"])
+        step.einsum = _einsum_of(stack)
+        if all(self.is_weight(r) for r in ins):
+            for v in outs:
+                self.weights[v] = _propagate(eqn, [self.weights.get(r) for r in ins if not isinstance(r, _Lit)],
+                                             ins, self)
+        steps.append(step)
+
+    def inline(self, eqn, key, ins, env, stack, steps):
+        inner, consts = _subjaxpr(eqn, key)
+        inner_env = {}
+        n_in = len(inner.invars)
+        for var, r in zip(inner.invars, ins[len(ins) - n_in:]):
+            inner_env[var] = r
+        self.walk(inner, consts, inner_env, stack, steps)
+        for o, inner_o in zip(eqn.outvars, inner.outvars):
+            env[o] = self.ref(inner_env, inner_o)
+
+    def scan_region(self, eqn, ins, outs, stack) -> _Region:
+        body_jaxpr, consts = _subjaxpr(eqn, "jaxpr")
+        nc, ncarry = eqn.params["num_consts"], eqn.params["num_carry"]
+        env, invars = {}, []
+        for i, (var, r) in enumerate(zip(body_jaxpr.invars, ins)):
+            v = self.new(var.aval)
+            env[var] = v
+            invars.append(v)
+            w = None if isinstance(r, _Lit) else self.weights.get(r)
+            if isinstance(r, _Lit) or (w is not None and i < nc):
+                self.weights[v] = w if w is not None else _W((), None)
+            elif w is not None and i >= nc + ncarry:  # a stacked weight, sliced per iteration
+                am = w.axis_map
+                stacked = w.stacked + ((am[0],) if am and am[0] is not None else ())
+                self.weights[v] = _W(w.params, am[1:] if am else None, stacked)
+        body_steps: list = []
+        self.walk(body_jaxpr, consts, env, stack, body_steps)
+        outvars = [self.ref(env, o) for o in body_jaxpr.outvars]
+        return _Region(eqn=eqn, ins=ins, outs=outs, body=_Program(invars, body_steps, outvars), stack=stack)
+
+
+def _join(prefix: str, stack: str) -> str:
+    return "/".join(p for p in (prefix, stack) if p)
+
+
+def _einsum_of(stack: str) -> str | None:
+    for part in stack.split("/"):
+        if "->" in part:
+            return part
+    return None
+
+
+def _identity(ndim: int) -> tuple[int, ...]:
+    return tuple(range(ndim))
+
+
+def _propagate(eqn, in_ws: list, ins, walker) -> _W:
+    """The parameters and axis map of a value computed from weights only."""
+    params = tuple(dict.fromkeys(p for w in in_ws if w is not None for p in w.params))
+    stacked = tuple(dict.fromkeys(a for w in in_ws if w is not None for a in w.stacked))
+    first = in_ws[0] if in_ws else None
+    am = first.axis_map if first is not None and len(in_ws) == 1 else None
+    return _W(params, _map_axes(eqn, am), stacked)
+
+
+def _map_axes(eqn, am):
+    if am is None:
+        return None
+    name, p = eqn.primitive.name, eqn.params
+    out_shape = eqn.outvars[0].aval.shape
+    in_shape = eqn.invars[0].aval.shape
+    if name in _SAME_AXES:
+        return am
+    if name == "transpose":
+        return tuple(am[i] for i in p["permutation"])
+    if name == "broadcast_in_dim":
+        out = [None] * len(out_shape)
+        for j, d in enumerate(p["broadcast_dimensions"]):
+            if in_shape[j] == out_shape[d]:
+                out[d] = am[j]
+        return tuple(out)
+    if name in ("reshape", "squeeze"):
+        kept_in = [a for a, s in zip(am, in_shape) if s != 1]
+        if [s for s in in_shape if s != 1] != [s for s in out_shape if s != 1]:
+            return None
+        it = iter(kept_in)
+        return tuple(next(it) if s != 1 else None for s in out_shape)
+    return None
+
+
+def trace(model: Any, example_inputs: tuple, *, variables: Any = None, method: Any = None) -> Graph:
+    from odmlq import _grouping
+
+    fn, params, framework, model_name = _apply_fn(model, example_inputs, variables, method)
+    try:
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(params, *example_inputs)
+    except Exception as e:
+        shapes = ", ".join(
+            f"{tuple(np.shape(x))} {getattr(x, 'dtype', type(x).__name__)}"
+            for x in jax.tree_util.tree_leaves(example_inputs)
+        )
+        raise TraceError(
+            f"Tracing {model_name} failed with example inputs of shapes [{shapes}]: "
+            f"{type(e).__name__}: {e}. Check that the inputs have the shapes and dtypes "
+            "the model expects (and that variables match the model)."
+        ) from e
+    leaves_with_paths, in_tree = jax.tree_util.tree_flatten_with_path((params, *example_inputs))
+    num_params = len(jax.tree_util.tree_leaves(params))
+    walker = _Walker()
+    env, invars, param_info = {}, [], {}
+    for i, (var, (path, leaf)) in enumerate(zip(closed.jaxpr.invars, leaves_with_paths)):
+        v = walker.new(var.aval)
+        env[var] = v
+        invars.append(v)
+        if i < num_params:
+            name = _path_str(path[1:])
+            walker.weights[v] = _W((name,), _identity(len(var.aval.shape)))
+            param_info[name] = (tuple(var.aval.shape), str(var.aval.dtype))
+    steps: list = []
+    walker.walk(closed.jaxpr, closed.consts, env, "", steps)
+    outvars = [walker.ref(env, o) for o in closed.jaxpr.outvars]
+    body = _Program(invars, steps, outvars)
+    out_tree = jax.tree_util.tree_structure(out_shape)
+    graph_parts = _grouping.build(walker, body, num_params, framework)
+    return Graph(
+        ops=graph_parts.ops, edges=graph_parts.edges, inputs=graph_parts.inputs,
+        outputs=graph_parts.outputs, params=param_info, framework=framework,
+        model_name=model_name, program=_TopProgram(body, in_tree, out_tree, num_params),
+    )
+
+
+def _apply_fn(model, example_inputs, variables, method):
+    import flax.linen as nn
+    from flax import nnx
+
+    if isinstance(model, nn.Module):
+        name = type(model).__name__
+        if variables is None:
+            variables = jax.eval_shape(model.init, jax.random.key(0), *example_inputs)
+
+        def fn(v, *xs):
+            return model.apply(v, *xs, method=method)
+
+        return fn, variables, "linen", name
+    if isinstance(model, nnx.Module):
+        graphdef, state = nnx.split(model)
+
+        def fn(s, *xs):
+            m = nnx.merge(graphdef, s)
+            return (getattr(m, method) if isinstance(method, str) else m)(*xs)
+
+        return fn, state, "nnx", type(model).__name__
+    if callable(model):
+        if variables is None:
+            raise TraceError(
+                f"{getattr(model, '__name__', model)!r} is a plain function; pass its params "
+                "as variables=... (it is called as fn(params, *inputs))."
+            )
+        return model, variables, "function", getattr(model, "__name__", type(model).__name__)
+    raise TraceError(
+        f"Cannot trace {type(model).__name__}: pass a flax.linen Module, a flax.nnx Module, "
+        "or a function fn(params, *inputs)."
+    )

@@ -1,0 +1,233 @@
+"""The traced graph of a model: ops, activation edges and weights.
+
+`trace(model, *example_inputs)` turns a Flax model (Linen with its variables,
+NNX, or a plain ``fn(params, *inputs)``) into a `Graph`:
+
+- an `Op` per computation on activations, with a stable id
+  (``{module_path}/{kind}``, suffixed ``_1``, ``_2`` on repeats) and the module
+  path it came from;
+- an `Edge` per activation tensor (model inputs, op outputs), named after the
+  op that produces it (model inputs are ``input_0``, ``input_1``, ...);
+- weights: computations on parameters alone are folded into the operand that
+  consumes them, so a Dense's bias ``reshape`` is not an op, and a weight
+  operand knows the parameter it comes from and which of that parameter's
+  axes are output channels and contraction axes.
+
+A matmul or convolution followed by an ``add`` of a weight is one op (the
+bias is fused, as LiteRT and XLA kernels do). ``jnp.einsum`` is one op.
+``jax.nn`` functions that JAX keeps as named calls (relu, relu6, silu,
+sigmoid, ...) are one op each; other calls are inlined. Loops made by
+``nn.scan`` are a ``scan`` op whose body ops are listed with ``region`` set to
+it; stacked weights keep their stacking axis (each layer gets its own scales).
+
+The graph is also evaluable (`Graph.evaluate`) with a hook on every edge,
+which is how calibration, simulation and reports observe and rewrite tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Graph", "Op", "Operand", "Edge", "trace"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Operand:
+    """One input of an op.
+
+    Attributes:
+      role: ``'input'`` (an activation edge), ``'weight'`` (derived from
+        parameters), ``'bias'`` (a weight added after a matmul/conv) or
+        ``'constant'`` (a literal or closed-over array).
+      edge: the activation edge id, for role ``'input'``.
+      param: the parameter path (``'conv1/kernel'``) for weights and biases.
+      shape, dtype: of the operand as the op sees it.
+      channel_axes: the parameter's output-channel axes for this op (None when
+        they cannot be mapped back to the parameter's layout).
+      contraction_axes: the parameter's contracted axes (matmul/conv inputs).
+      stacked_axes: parameter axes that a loop slices (one slice per
+        iteration): every slice gets its own scales.
+    """
+
+    role: str
+    edge: str | None = None
+    param: str | None = None
+    shape: tuple[int, ...] = ()
+    dtype: str = "float32"
+    channel_axes: tuple[int, ...] | None = ()
+    contraction_axes: tuple[int, ...] | None = ()
+    stacked_axes: tuple[int, ...] = ()
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        for k in ("shape", "channel_axes", "contraction_axes", "stacked_axes"):
+            if d[k] is not None:
+                d[k] = list(d[k])
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Operand":
+        d = dict(d)
+        for k in ("shape", "channel_axes", "contraction_axes", "stacked_axes"):
+            if d.get(k) is not None:
+                d[k] = tuple(d[k])
+        return cls(**d)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Op:
+    """One operation on activations, with the module path it came from."""
+
+    id: str
+    kind: str
+    module_path: str
+    operands: tuple[Operand, ...]
+    outputs: tuple[str, ...]
+    region: str | None = None
+    attributes: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def weights(self) -> tuple[Operand, ...]:
+        return tuple(o for o in self.operands if o.role in ("weight", "bias"))
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return tuple(o.edge for o in self.operands if o.role == "input")
+
+    def to_dict(self) -> dict:
+        return {
+            "id": self.id, "kind": self.kind, "module_path": self.module_path,
+            "operands": [o.to_dict() for o in self.operands],
+            "outputs": list(self.outputs), "region": self.region,
+            "attributes": dict(self.attributes),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Op":
+        return cls(
+            id=d["id"], kind=d["kind"], module_path=d["module_path"],
+            operands=tuple(Operand.from_dict(o) for o in d["operands"]),
+            outputs=tuple(d["outputs"]), region=d.get("region"),
+            attributes=dict(d.get("attributes", {})),
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Edge:
+    """An activation tensor: a model input or an op output.
+
+    `alias` names the edge whose values this one carries (a loop's carry
+    inside its body, a loop's result outside it); an alias takes the
+    quantization spec of what it aliases.
+    """
+
+    id: str
+    shape: tuple[int, ...]
+    dtype: str
+    producer: str | None
+    consumers: tuple[str, ...] = ()
+    is_input: bool = False
+    is_output: bool = False
+    alias: str | None = None
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype.startswith(("float", "bfloat"))
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["shape"], d["consumers"] = list(self.shape), list(self.consumers)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Edge":
+        d = dict(d)
+        d["shape"], d["consumers"] = tuple(d["shape"]), tuple(d["consumers"])
+        return cls(**d)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Graph:
+    """Ops in execution order, edges by id, and the model's parameters.
+
+    A graph read back from JSON describes the model but cannot be evaluated;
+    trace the model again for that.
+    """
+
+    ops: tuple[Op, ...]
+    edges: dict[str, Edge]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    params: dict[str, tuple[tuple[int, ...], str]]
+    framework: str
+    model_name: str
+    program: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    def op(self, op_id: str) -> Op:
+        for op in self.ops:
+            if op.id == op_id:
+                return op
+        raise KeyError(f"No op {op_id!r} in the graph; ops are {[o.id for o in self.ops]}.")
+
+    def evaluate(self, params: Any, *inputs: Any,
+                 on_edge: Callable[[str, Any], Any] | None = None) -> Any:
+        """Runs the model op by op; `on_edge(edge_id, value)` may observe or
+        replace every activation edge (inputs included). Jittable.
+
+        Example:
+          >>> graph = trace(model, x, variables=variables)
+          >>> y = graph.evaluate(variables, x)   # == model.apply(variables, x)
+        """
+        if self.program is None:
+            raise RuntimeError(
+                "This graph was read from JSON and holds no program; trace the model "
+                "again (odmlq.plan(model, rules, *inputs)) to evaluate it."
+            )
+        return self.program.run(params, inputs, on_edge)
+
+    def to_dict(self) -> dict:
+        return {
+            "framework": self.framework, "model_name": self.model_name,
+            "inputs": list(self.inputs), "outputs": list(self.outputs),
+            "params": {k: [list(s), d] for k, (s, d) in self.params.items()},
+            "ops": [o.to_dict() for o in self.ops],
+            "edges": [e.to_dict() for e in self.edges.values()],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Graph":
+        return cls(
+            ops=tuple(Op.from_dict(o) for o in d["ops"]),
+            edges={e["id"]: Edge.from_dict(e) for e in d["edges"]},
+            inputs=tuple(d["inputs"]), outputs=tuple(d["outputs"]),
+            params={k: (tuple(s), dt) for k, (s, dt) in d["params"].items()},
+            framework=d["framework"], model_name=d["model_name"],
+        )
+
+
+def trace(model: Any, *example_inputs: Any, variables: Any = None,
+          method: str | Callable | None = None) -> Graph:
+    """Traces `model` on `example_inputs` (arrays or jax.ShapeDtypeStruct).
+
+    Args:
+      model: a Linen module (pass `variables`, or they are made abstractly
+        with `jax.eval_shape(model.init, ...)`), an NNX module, or a function
+        ``fn(params, *inputs)`` (pass the params as `variables`).
+      *example_inputs: inputs with the shapes and dtypes the model will see.
+      variables: Linen variables, or the params of a plain function.
+      method: for Linen, the method to apply (default ``__call__``).
+
+    Raises:
+      TraceError: naming the call that failed and the input shapes.
+    """
+    from odmlq import _trace  # the tracer is large; keep it out of this module
+
+    return _trace.trace(model, example_inputs, variables=variables, method=method)
+
+
+def _shape_dtype(x: Any) -> tuple[tuple[int, ...], str]:
+    return tuple(int(d) for d in np.shape(x)), str(np.dtype(x.dtype))

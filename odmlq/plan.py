@@ -1,0 +1,390 @@
+"""The Plan: what every tensor edge and weight of a traced model becomes.
+
+`plan(model, rules, *example_inputs)` traces the model once and applies the
+rules: each op gets the first rule that matches it, its weights and output
+edges get resolved `QuantSpec`s, activation inputs take their producer's spec
+and model inputs their first consumer's. The Plan is the single source of
+truth: backends and reports read it and never re-decide.
+
+Example:
+  >>> p = plan(model, [Rule('.*', weight_qtype='int8', act_qtype='int8')], x, variables=v)
+  >>> print(p)            # an aligned table of ops and edges
+  >>> Plan.from_json(p.to_json()) == p
+  True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from odmlq import calibration as calibration_lib
+from odmlq.errors import GranularityError, PlanError, RuleError
+from odmlq.granularity import PerBlock, PerChannel, PerTensor
+from odmlq.graph import Edge, Graph, Op, Operand, trace
+from odmlq.qtypes import BACKENDS, qtype as lookup_qtype
+from odmlq.rules import Rule, rules_from_dicts, rules_to_dicts, warn_unmatched
+
+__all__ = ["QuantSpec", "WeightPlan", "OpPlan", "EdgePlan", "Plan", "plan"]
+
+PLAN_FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QuantSpec:
+    """How one tensor is quantized, fully resolved against its shape.
+
+    Attributes:
+      qtype: canonical qtype name.
+      scale_axes: axes along which the scale varies (() is per-tensor).
+      block_axis, block_size: blockwise scales along `block_axis`.
+      symmetric: no zero point.
+      narrow_range: int codes in [-qmax, qmax] (symmetric int weights).
+      calibration: how the range is chosen (None for dynamic activations).
+      dynamic: the range is taken from the tensor itself at run time.
+    """
+
+    qtype: str
+    scale_axes: tuple[int, ...] = ()
+    block_axis: int | None = None
+    block_size: int | None = None
+    symmetric: bool = True
+    narrow_range: bool = False
+    calibration: Any = None
+    dynamic: bool = False
+
+    def describe(self) -> str:
+        if self.block_size is not None:
+            gran = f"block({self.block_size}, axis={self.block_axis})"
+            if self.scale_axes:
+                gran += f" channels{list(self.scale_axes)}"
+        elif self.scale_axes:
+            gran = f"per-channel{list(self.scale_axes)}"
+        else:
+            gran = "per-tensor"
+        parts = [self.qtype, gran, "sym" if self.symmetric else "asym"]
+        if self.narrow_range:
+            parts.append("narrow")
+        if self.dynamic:
+            parts.append("dynamic")
+        elif self.calibration is not None:
+            parts.append(_method_str(self.calibration))
+        emulated = [b for b in BACKENDS if not lookup_qtype(self.qtype).runs_natively_on(b)]
+        if emulated:
+            parts.append(f"(emulated on {'/'.join(emulated)})")
+        return " ".join(parts)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["scale_axes"] = list(self.scale_axes)
+        d["calibration"] = None if self.calibration is None else self.calibration.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "QuantSpec":
+        d = dict(d)
+        d["scale_axes"] = tuple(d["scale_axes"])
+        if d.get("calibration") is not None:
+            d["calibration"] = calibration_lib.parse_calibration_method(d["calibration"])
+        return cls(**d)
+
+
+def _method_str(method) -> str:
+    d = method.to_dict()
+    name = d.pop("method")
+    return name + (f"({', '.join(f'{k}={v}' for k, v in d.items())})" if d else "")
+
+
+def _spec_or_none(d):
+    return None if d is None else QuantSpec.from_dict(d)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WeightPlan:
+    """The plan for one weight operand of an op (`spec` None: float)."""
+
+    param: str
+    role: str
+    spec: QuantSpec | None
+    note: str = ""
+
+    def to_dict(self) -> dict:
+        return {"param": self.param, "role": self.role, "note": self.note,
+                "spec": None if self.spec is None else self.spec.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "WeightPlan":
+        return cls(param=d["param"], role=d["role"], note=d.get("note", ""),
+                   spec=_spec_or_none(d["spec"]))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OpPlan:
+    """The rule that decided an op (None: no rule matched, float) and its weights."""
+
+    op: str
+    rule: int | None
+    weights: tuple[WeightPlan, ...] = ()
+
+    def to_dict(self) -> dict:
+        return {"op": self.op, "rule": self.rule, "weights": [w.to_dict() for w in self.weights]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "OpPlan":
+        return cls(op=d["op"], rule=d["rule"],
+                   weights=tuple(WeightPlan.from_dict(w) for w in d["weights"]))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EdgePlan:
+    """The spec of one activation edge and where it came from."""
+
+    edge: str
+    spec: QuantSpec | None
+    rule: int | None
+    reason: str
+
+    def to_dict(self) -> dict:
+        return {"edge": self.edge, "rule": self.rule, "reason": self.reason,
+                "spec": None if self.spec is None else self.spec.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EdgePlan":
+        return cls(edge=d["edge"], rule=d["rule"], reason=d["reason"], spec=_spec_or_none(d["spec"]))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Plan:
+    """A traced graph with a decision for every op, weight and edge."""
+
+    graph: Graph
+    rules: tuple[Rule, ...]
+    ops: dict[str, OpPlan]
+    edges: dict[str, EdgePlan]
+    unmatched_rules: tuple[int, ...] = ()
+
+    @property
+    def float_ops(self) -> tuple[str, ...]:
+        """Ops that no rule matched (or that a skip rule kept in float)."""
+        return tuple(
+            o.id for o in self.graph.ops
+            if o.kind != "scan"
+            if self.ops[o.id].rule is None or self.rules[self.ops[o.id].rule].skip
+        )
+
+    def edge_spec(self, edge_id: str) -> QuantSpec | None:
+        return self.edges[edge_id].spec
+
+    def to_json(self, indent: int | None = 1) -> str:
+        return json.dumps({
+            "format": "odmlq.plan", "version": PLAN_FORMAT_VERSION,
+            "graph": self.graph.to_dict(), "rules": rules_to_dicts(self.rules),
+            "ops": [o.to_dict() for o in self.ops.values()],
+            "edges": [e.to_dict() for e in self.edges.values()],
+            "unmatched_rules": list(self.unmatched_rules),
+        }, indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError(f"Not a plan: JSON error at line {e.lineno}: {e.msg}.") from None
+        if not isinstance(d, dict) or d.get("format") != "odmlq.plan":
+            raise PlanError("Not an odmlq plan (no 'format': 'odmlq.plan' field).")
+        if d.get("version") != PLAN_FORMAT_VERSION:
+            raise PlanError(
+                f"Plan format version {d.get('version')!r} is not supported (this odmlq "
+                f"reads version {PLAN_FORMAT_VERSION}); re-create the plan with odmlq.plan()."
+            )
+        return cls(
+            graph=Graph.from_dict(d["graph"]),
+            rules=tuple(rules_from_dicts(d["rules"], source="plan")),
+            ops={o["op"]: OpPlan.from_dict(o) for o in d["ops"]},
+            edges={e["edge"]: EdgePlan.from_dict(e) for e in d["edges"]},
+            unmatched_rules=tuple(d["unmatched_rules"]),
+        )
+
+    def __str__(self) -> str:
+        from odmlq import _plan_table
+
+        return _plan_table.render(self)
+
+
+def plan(model: Any, rules: Sequence[Rule] | Rule, *example_inputs: Any,
+         variables: Any = None, method: Any = None) -> Plan:
+    """Traces `model` and decides how every op, weight and edge is quantized.
+
+    Args:
+      model: a Linen module, an NNX module, or ``fn(params, *inputs)``.
+      rules: rules in priority order (first match wins).
+      *example_inputs: arrays or `jax.ShapeDtypeStruct`s as the model sees them.
+      variables: Linen variables (optional: shapes are enough to plan), or
+        the params of a plain function.
+      method: Linen method / NNX method name to trace (default: call).
+
+    Returns:
+      The Plan. Rules that matched nothing are listed in
+      `plan.unmatched_rules` and warned about (`UnmatchedRuleWarning`).
+
+    Example:
+      >>> p = odmlq.plan(model, [odmlq.Rule('.*', weight_qtype='int8', act_qtype='int8')], x)
+      >>> print(p)
+    """
+    rules = _check_rules(rules)
+    graph = trace(model, *example_inputs, variables=variables, method=method)
+    return plan_graph(graph, rules)
+
+
+def _check_rules(rules) -> tuple[Rule, ...]:
+    if isinstance(rules, Rule):
+        rules = [rules]
+    rules = tuple(rules)
+    for i, r in enumerate(rules):
+        if not isinstance(r, Rule):
+            raise RuleError(f"rules[{i}] is a {type(r).__name__}, not an odmlq.Rule: {r!r}.")
+    return rules
+
+
+def plan_graph(graph: Graph, rules: Sequence[Rule]) -> Plan:
+    """Applies `rules` to an already traced graph."""
+    rules = _check_rules(rules)
+    op_plans: dict[str, OpPlan] = {}
+    matched: set[int] = set()
+    for op in graph.ops:
+        index = None
+        if op.kind != "scan":
+            index = next((i for i, r in enumerate(rules) if r.matches(op.module_path, op.kind)), None)
+        if index is not None:
+            matched.add(index)
+        rule = rules[index] if index is not None else None
+        op_plans[op.id] = OpPlan(op=op.id, rule=index, weights=_weight_plans(op, rule, index))
+    edge_plans = _edge_plans(graph, rules, op_plans)
+    unmatched = warn_unmatched(rules, matched)
+    return Plan(graph=graph, rules=rules, ops=op_plans, edges=edge_plans,
+                unmatched_rules=tuple(unmatched))
+
+
+def _weight_plans(op: Op, rule: Rule | None, index: int | None) -> tuple[WeightPlan, ...]:
+    out = []
+    quantized = rule is not None and not rule.skip and rule.weight_qtype is not None
+    for operand in op.weights:
+        if not quantized:
+            out.append(WeightPlan(param=operand.param, role=operand.role, spec=None))
+        elif operand.role == "bias" and op.kind in ("dot_general", "conv", "einsum"):
+            out.append(WeightPlan(
+                param=operand.param, role="bias", spec=None,
+                note="int32, scale = input scale x weight scale (derived by the backend)"))
+        elif not operand.dtype.startswith(("float", "bfloat")):
+            out.append(WeightPlan(param=operand.param, role=operand.role, spec=None,
+                                  note=f"{operand.dtype}: not a float weight"))
+        else:
+            out.append(WeightPlan(param=operand.param, role=operand.role,
+                                  spec=_weight_spec(op, operand, rule, index)))
+    return tuple(out)
+
+
+def _weight_spec(op: Op, operand: Operand, rule: Rule, index: int) -> QuantSpec:
+    qt = lookup_qtype(rule.weight_qtype)
+    granularity = rule.resolved("weight_granularity")
+    symmetric = rule.resolved("weight_symmetric")
+    where = f"op {op.id!r} (rules[{index}]), weight {operand.param!r} of shape {operand.shape}"
+    ndim = len(operand.shape)
+    stacked = tuple(operand.stacked_axes)
+    block_axis = block_size = None
+    if isinstance(granularity, PerTensor):
+        axes = ()
+    elif isinstance(granularity, PerChannel) and granularity.axis is not None:
+        axes = (_normalize_axis(granularity.axis, ndim, where),)
+    else:
+        if operand.channel_axes is None:
+            raise GranularityError(
+                f"{where}: its output-channel axes cannot be traced back to the parameter's "
+                "layout; give the axis explicitly, e.g. PerChannel(axis=-1), or use PerTensor()."
+            )
+        axes = tuple(operand.channel_axes)
+        if isinstance(granularity, PerBlock):
+            block_size = granularity.size
+            if granularity.axis is not None:
+                block_axis = _normalize_axis(granularity.axis, ndim, where)
+            elif operand.contraction_axes is not None and len(operand.contraction_axes) == 1:
+                block_axis = operand.contraction_axes[0]
+            else:
+                raise GranularityError(
+                    f"{where}: PerBlock needs one contraction axis, found "
+                    f"{operand.contraction_axes}; give it: PerBlock({block_size}, axis=...)."
+                )
+            size = operand.shape[block_axis]
+            if size % block_size:
+                divisors = [d for d in range(1, size + 1) if size % d == 0 and d <= 256]
+                raise GranularityError(
+                    f"{where}: block size {block_size} does not divide axis {block_axis} of "
+                    f"size {size}; choose a divisor such as {divisors[-4:]}."
+                )
+            axes = tuple(a for a in axes if a != block_axis)
+    return QuantSpec(
+        qtype=qt.name, scale_axes=tuple(sorted(set(stacked + axes))), block_axis=block_axis,
+        block_size=block_size, symmetric=symmetric, narrow_range=symmetric and qt.is_integer,
+        calibration=rule.resolved("weight_calibration"),
+    )
+
+
+def _normalize_axis(axis: int, ndim: int, where: str) -> int:
+    if not -ndim <= axis < ndim:
+        raise GranularityError(f"{where}: axis {axis} is out of range for a {ndim}-d tensor.")
+    return axis % ndim
+
+
+def _act_spec(edge: Edge, rule: Rule, index: int) -> QuantSpec:
+    qt = lookup_qtype(rule.act_qtype)
+    granularity = rule.resolved("act_granularity")
+    axes: tuple[int, ...] = ()
+    if isinstance(granularity, PerChannel):
+        where = f"edge {edge.id!r} (rules[{index}]) of shape {edge.shape}"
+        axis = -1 if granularity.axis is None else granularity.axis
+        axes = (_normalize_axis(axis, len(edge.shape), where),)
+    symmetric = rule.resolved("act_symmetric")
+    return QuantSpec(
+        qtype=qt.name, scale_axes=axes, symmetric=symmetric, narrow_range=False,
+        calibration=None if rule.act_dynamic else rule.resolved("act_calibration"),
+        dynamic=rule.act_dynamic,
+    )
+
+
+def _edge_plans(graph: Graph, rules, op_plans) -> dict[str, EdgePlan]:
+    by_edge: dict[str, EdgePlan] = {}
+    for edge in graph.edges.values():
+        if edge.alias is not None:
+            continue
+        if not edge.is_float:
+            by_edge[edge.id] = EdgePlan(edge=edge.id, spec=None, rule=None,
+                                        reason=f"{edge.dtype}: not a float tensor")
+            continue
+        if edge.is_input:
+            if not edge.consumers:
+                by_edge[edge.id] = EdgePlan(edge=edge.id, spec=None, rule=None, reason="unused input")
+                continue
+            op_id, how = edge.consumers[0], f"first consumer {edge.consumers[0]}"
+        else:
+            op_id, how = edge.producer, "producer"
+        index = op_plans[op_id].rule
+        rule = rules[index] if index is not None else None
+        if rule is None:
+            by_edge[edge.id] = EdgePlan(edge=edge.id, spec=None, rule=None, reason=f"no rule ({how})")
+        elif rule.skip or rule.act_qtype is None:
+            why = "skip" if rule.skip else "no act_qtype"
+            by_edge[edge.id] = EdgePlan(edge=edge.id, spec=None, rule=index, reason=f"{why} ({how})")
+        else:
+            by_edge[edge.id] = EdgePlan(edge=edge.id, spec=_act_spec(edge, rule, index),
+                                        rule=index, reason=how)
+    for edge in graph.edges.values():
+        if edge.alias is not None:
+            target = edge.alias
+            while graph.edges[target].alias is not None:
+                target = graph.edges[target].alias
+            base = by_edge[target]
+            by_edge[edge.id] = EdgePlan(edge=edge.id, spec=base.spec, rule=base.rule,
+                                        reason=f"alias of {target}")
+    return {e: by_edge[e] for e in graph.edges}

@@ -1,0 +1,326 @@
+"""Quantization rules: which ops are quantized, and how.
+
+A `Rule` matches ops by module path (a regex, full match) and optionally by op
+kind. Rules are tried in order and the first match wins. A rule that matches
+an op decides that op's *weights* and its *output* edge (tensor-centric, as
+LiteRT is); the op's activation inputs take the spec of their producer, and a
+model input takes the spec of its first consumer.
+
+Fields left as None take the defaults in `DEFAULTS` (the one place defaults
+live; every backend reads the same resolved values).
+
+Example:
+  >>> rules = [Rule('head', skip=True), Rule('.*', weight_qtype='int8', act_qtype='int8')]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import yaml
+
+from odmlq import calibration as calibration_lib
+from odmlq.errors import RuleError
+from odmlq.granularity import Granularity, PerBlock, PerChannel, PerTensor, granularity_from_dict
+from odmlq.qtypes import qtype as lookup_qtype
+
+__all__ = ["Rule", "load_rules", "rules_to_dicts", "rules_from_dicts", "UnmatchedRuleWarning", "DEFAULTS"]
+
+
+class UnmatchedRuleWarning(UserWarning):
+    """A rule matched no op of the traced model."""
+
+
+# The single home of every default. `None` in a Rule means "take this".
+DEFAULTS: dict[str, Any] = {
+    "weight_granularity": PerChannel(),
+    "weight_symmetric": True,
+    "weight_calibration": calibration_lib.AbsMax(),
+    "act_granularity": PerTensor(),
+    # int8 activations are asymmetric (LiteRT's int8 scheme); int16 activations
+    # must be symmetric (LiteRT's 16x8 kernels require zero point 0); fp8 has no
+    # zero point.
+    "act_symmetric": {"int": False, "int16": True, "float": True},
+    # Global min/max: on the digits models it beats averaged per-batch ranges
+    # by 20+ dB (DESIGN.md, peers).
+    "act_calibration": calibration_lib.MinMax(),
+}
+
+_WEIGHT_FIELDS = ("weight_granularity", "weight_symmetric", "weight_calibration")
+_ACT_FIELDS = ("act_granularity", "act_symmetric", "act_calibration", "act_dynamic")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """How ops whose module path matches `module_path` are quantized.
+
+    Args:
+      module_path: regex, full match against the op's module path
+        (``'encoder/layer_3/attention/query'``; ``''`` for top-level ops).
+      op: optional op-kind filter, one kind or a tuple (``'dot_general'``,
+        ``'conv'``, ``'einsum'``, ``'add'``, ``'relu'``, ...).
+      weight_qtype: qtype of the op's weights (None: weights stay float).
+      weight_granularity: `PerTensor()`, `PerChannel()` (default: the op's
+        output channels) or `PerBlock(n)` along the contraction axis.
+      weight_symmetric: symmetric weights (default True; int weights then use
+        the narrow range [-qmax, qmax]).
+      weight_calibration: how the weight range is chosen (default `AbsMax()`).
+      act_qtype: qtype of the op's output edge (None: output stays float).
+      act_granularity: `PerTensor()` (default) or `PerChannel(axis)`.
+      act_symmetric: default False for int8 (zero point), True for int16.
+      act_calibration: how the output range is chosen from calibration data
+        (default `MinMax()`). Not allowed with `act_dynamic=True`.
+      act_dynamic: quantize the output at run time from its own range instead
+        of a calibrated one.
+      skip: keep matched ops in float (no other field may be set).
+
+    Raises:
+      RuleError: on a bad regex, an unknown qtype, or contradictory fields.
+    """
+
+    module_path: str
+    op: str | tuple[str, ...] | None = None
+    _: dataclasses.KW_ONLY
+    weight_qtype: str | None = None
+    weight_granularity: Granularity | None = None
+    weight_symmetric: bool | None = None
+    weight_calibration: Any = None
+    act_qtype: str | None = None
+    act_granularity: Granularity | None = None
+    act_symmetric: bool | None = None
+    act_calibration: Any = None
+    act_dynamic: bool = False
+    skip: bool = False
+
+    def __post_init__(self):
+        _check_rule(self)
+        if isinstance(self.op, list):
+            object.__setattr__(self, "op", tuple(self.op))
+        for name in ("weight_calibration", "act_calibration"):
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    object.__setattr__(self, name, calibration_lib.parse_calibration_method(value))
+                except Exception as e:  # re-raised as a RuleError that names the field
+                    raise RuleError(f"Rule {self.module_path!r}: {name}={value!r}: {e}") from None
+
+    @property
+    def pattern(self) -> re.Pattern:
+        return re.compile(self.module_path)
+
+    def matches(self, module_path: str, op_kind: str) -> bool:
+        """True when this rule applies to an op at `module_path` of kind `op_kind`."""
+        if self.op is not None:
+            kinds = (self.op,) if isinstance(self.op, str) else self.op
+            if op_kind not in kinds:
+                return False
+        return self.pattern.fullmatch(module_path) is not None
+
+    def resolved(self, field: str) -> Any:
+        """The value of `field`, with None replaced by the default."""
+        value = getattr(self, field)
+        if value is not None:
+            return value
+        if field == "act_symmetric":
+            if self.act_qtype is None:
+                return None
+            qt = lookup_qtype(self.act_qtype)
+            table = DEFAULTS["act_symmetric"]
+            return table.get(qt.name, table.get(qt.kind, True))
+        return DEFAULTS.get(field)
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict holding only the fields that were set."""
+        out: dict[str, Any] = {"module_path": self.module_path}
+        for f in dataclasses.fields(self):
+            if f.name in ("module_path", "_"):
+                continue
+            value = getattr(self, f.name)
+            if value is None or (f.name in ("act_dynamic", "skip") and value is False):
+                continue
+            if hasattr(value, "to_dict"):
+                value = value.to_dict()
+            elif isinstance(value, tuple):
+                value = list(value)
+            out[f.name] = value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Rule":
+        """Inverse of `to_dict`; granularities and calibrations may be dicts or names."""
+        if not isinstance(data, dict):
+            raise RuleError(f"A rule must be a mapping of fields, got {data!r}.")
+        valid = [f.name for f in dataclasses.fields(cls) if f.name != "_"]
+        unknown = sorted(set(data) - set(valid))
+        if unknown:
+            raise RuleError(f"Unknown rule field(s) {unknown}; valid fields are {valid}.")
+        if "module_path" not in data:
+            raise RuleError("A rule needs a 'module_path' regex, e.g. module_path: '.*'.")
+        data = dict(data)
+        for name in ("weight_granularity", "act_granularity"):
+            if isinstance(data.get(name), (dict, str)):
+                data[name] = granularity_from_dict(data[name])
+        return cls(**data)
+
+
+def _check_rule(rule: Rule) -> None:
+    where = f"Rule({rule.module_path!r})"
+    if not isinstance(rule.module_path, str):
+        raise RuleError(f"Rule module_path must be a regex string, got {rule.module_path!r}.")
+    try:
+        re.compile(rule.module_path)
+    except re.error as e:
+        raise RuleError(
+            f"{where}: module_path is not a valid regex ({e}). Escape literal "
+            f"characters, e.g. re.escape('{rule.module_path}')."
+        ) from None
+    ops = (rule.op,) if isinstance(rule.op, str) else rule.op
+    if ops is not None and (not ops or not all(isinstance(o, str) and o for o in ops)):
+        raise RuleError(f"{where}: op must be an op kind or a tuple of them, got {rule.op!r}.")
+    for name in ("weight_qtype", "act_qtype"):
+        value = getattr(rule, name)
+        if value is not None:
+            try:
+                lookup_qtype(value)
+            except Exception as e:
+                raise RuleError(f"{where}: {name}: {e}") from None
+    set_fields = [f for f in _WEIGHT_FIELDS + _ACT_FIELDS + ("weight_qtype", "act_qtype")
+                  if getattr(rule, f) not in (None, False)]
+    if rule.skip:
+        if set_fields:
+            raise RuleError(
+                f"{where}: skip=True keeps matches in float, but the rule also sets "
+                f"{set_fields}. Remove those fields or drop skip."
+            )
+        return
+    for prefix, fields in (("weight", _WEIGHT_FIELDS), ("act", _ACT_FIELDS)):
+        if getattr(rule, f"{prefix}_qtype") is None:
+            stray = [f for f in fields if getattr(rule, f) not in (None, False)]
+            if stray:
+                raise RuleError(
+                    f"{where} sets {stray} but no {prefix}_qtype; set {prefix}_qtype or remove them."
+                )
+    if rule.weight_qtype is None and rule.act_qtype is None:
+        raise RuleError(
+            f"{where} quantizes nothing: set weight_qtype and/or act_qtype "
+            "(e.g. weight_qtype='int8', act_qtype='int8'), or skip=True to keep matches in float."
+        )
+    _check_qtype_fields(rule, where)
+
+
+def _check_qtype_fields(rule: Rule, where: str) -> None:
+    for prefix in ("weight", "act"):
+        name = getattr(rule, f"{prefix}_qtype")
+        if name is None:
+            continue
+        qt = lookup_qtype(name)
+        granularity = getattr(rule, f"{prefix}_granularity")
+        if granularity is not None and not isinstance(granularity, (PerTensor, PerChannel, PerBlock)):
+            raise RuleError(
+                f"{where}: {prefix}_granularity={granularity!r}; use PerTensor(), "
+                "PerChannel(axis) or PerBlock(size)."
+            )
+        if getattr(rule, f"{prefix}_symmetric") is False and qt.kind != "int":
+            raise RuleError(
+                f"{where}: {prefix}_qtype={qt.name!r} has no zero point, so "
+                f"{prefix}_symmetric=False is impossible; remove it or use an int qtype."
+            )
+    if isinstance(rule.act_granularity, PerBlock):
+        raise RuleError(
+            f"{where}: act_granularity=PerBlock is for weights; activations take "
+            "PerTensor() or PerChannel(axis)."
+        )
+    if rule.act_dynamic and rule.act_calibration is not None:
+        raise RuleError(
+            f"{where}: act_dynamic=True takes ranges from the data at run time, so "
+            f"act_calibration={rule.act_calibration!r} would be ignored; remove one of them."
+        )
+    if rule.act_qtype is not None and lookup_qtype(rule.act_qtype).kind == "lut":
+        raise RuleError(
+            f"{where}: act_qtype='nf4' is a weight-only format; use int8 or int16 for activations."
+        )
+
+
+def rules_to_dicts(rules: Sequence[Rule]) -> list[dict]:
+    return [r.to_dict() for r in rules]
+
+
+def rules_from_dicts(data: Sequence[dict], source: str = "rules") -> list[Rule]:
+    rules = []
+    for index, item in enumerate(data):
+        try:
+            rules.append(Rule.from_dict(item))
+        except RuleError as e:
+            raise RuleError(f"{source}: rule {index}: {e}") from None
+    return rules
+
+
+def load_rules(path: str | os.PathLike) -> list[Rule]:
+    """Reads rules from a YAML or JSON file.
+
+    The file holds a list of rules, or a mapping with a ``rules`` list. Each
+    rule is a mapping of `Rule` fields; granularities and calibration methods
+    are written as mappings (``{kind: per_block, size: 32}``,
+    ``{method: percentile, percentile: 99.9}``) or bare names (``per_channel``,
+    ``minmax``).
+
+    Example:
+      rules.yaml::
+
+        rules:
+          - {module_path: 'head', skip: true}
+          - {module_path: '.*', weight_qtype: int8, act_qtype: int8}
+
+      >>> rules = load_rules('rules.yaml')
+
+    Raises:
+      RuleError: naming the file and line of a syntax error, or the file and
+        rule index of an invalid rule.
+    """
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise RuleError(f"Cannot read rules file {path!r}: {e.strerror}.") from None
+    if path.endswith(".json"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise RuleError(f"{path}:{e.lineno}: JSON syntax error: {e.msg}.") from None
+    else:
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            line = f"{mark.line + 1}" if mark is not None else "?"
+            problem = getattr(e, "problem", None) or str(e)
+            raise RuleError(f"{path}:{line}: YAML syntax error: {problem}.") from None
+    if isinstance(data, dict) and "rules" in data:
+        data = data["rules"]
+    if not isinstance(data, list):
+        raise RuleError(
+            f"{path}: expected a list of rules (or a mapping with a 'rules' list), "
+            f"got {type(data).__name__}."
+        )
+    return rules_from_dicts(data, source=path)
+
+
+def warn_unmatched(rules: Sequence[Rule], matched: set[int]) -> list[int]:
+    """Warns once per rule that matched nothing; returns their indices."""
+    unmatched = [i for i in range(len(rules)) if i not in matched]
+    for i in unmatched:
+        warnings.warn(
+            f"rules[{i}] (module_path={rules[i].module_path!r}"
+            + (f", op={rules[i].op!r}" if rules[i].op is not None else "")
+            + ") matched no op; check the pattern against the module paths in the plan.",
+            UnmatchedRuleWarning,
+            stacklevel=3,
+        )
+    return unmatched

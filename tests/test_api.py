@@ -1,0 +1,22 @@
+import odmlq
+
+# API changes show up in review: update this list on purpose.
+EXPECTED = [
+    "AbsMax", "Calibration", "CalibrationError", "Edge", "EdgePlan", "Entropy", "FixedRange",
+    "GranularityError", "Graph", "MSE", "MinMax", "MovingAverageMinMax", "OdmlqError", "Op",
+    "OpPlan", "Operand", "PerBlock", "PerChannel", "PerTensor", "Percentile", "Plan",
+    "PlanError", "QArray", "QType", "QTypeError", "QuantSpec", "RMS", "Rule", "RuleError",
+    "Statistics", "TraceError", "UnmatchedRuleWarning", "WeightPlan", "compute_scale",
+    "fake_quant", "load_rules", "plan", "qtype", "quantize", "quantize_tensor", "trace",
+]
+
+
+def test_public_api_snapshot():
+    assert sorted(odmlq.__all__) == sorted(EXPECTED)
+    for name in odmlq.__all__:
+        assert hasattr(odmlq, name), name
+
+
+def test_errors_derive_from_the_builtin_they_resemble():
+    assert issubclass(odmlq.RuleError, ValueError) and issubclass(odmlq.RuleError, odmlq.OdmlqError)
+    assert issubclass(odmlq.TraceError, RuntimeError)

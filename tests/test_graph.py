@@ -1,0 +1,102 @@
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from odmlq import TraceError, trace
+from samples.models import SAMPLES
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLES))
+def test_graph_evaluates_exactly_like_the_model(name):
+    model, inputs, variables = SAMPLES[name]()
+    x = jax.random.normal(jax.random.key(1), (3, *inputs[0].shape[1:]))
+    graph = trace(model, x, variables=variables)
+    params = variables if variables is not None else model
+    expected = model.apply(variables, x) if variables is not None else model(x)
+    # Same primitives in the same order: bit-exact.
+    np.testing.assert_array_equal(graph.evaluate(params, x), expected)
+
+
+def test_hook_sees_every_edge_and_runs_under_jit():
+    model, (x,), variables = SAMPLES["cnn"]()
+    graph = trace(model, x, variables=variables)
+    seen = []
+
+    def on_edge(edge_id, value):
+        seen.append(edge_id)
+        return value * 2.0 if edge_id == "head/dot_general" else value
+
+    y = jax.jit(lambda v, x: graph.evaluate(v, x, on_edge=on_edge))(variables, x)
+    assert seen == list(graph.edges)  # inputs first, then op outputs in order
+    np.testing.assert_allclose(y, 2.0 * model.apply(variables, x), rtol=1e-6)
+
+
+def test_ops_are_layers_not_primitives():
+    model, (x,), variables = SAMPLES["cnn"]()
+    graph = trace(model, x, variables=variables)
+    kinds = {op.id: op.kind for op in graph.ops}
+    assert kinds["conv1/conv"] == "conv"
+    assert kinds["conv1/relu"] == "relu"  # a named call is one op, not max(x, 0)
+    conv = graph.op("conv1/conv")
+    # The bias add is fused: one output edge for conv + bias.
+    assert [o.role for o in conv.operands] == ["input", "weight", "bias"]
+    assert conv.weights[0].param == "conv1/kernel"
+    assert conv.weights[0].channel_axes == (3,)  # HWIO: O is axis 3
+    assert conv.weights[0].contraction_axes == (2,)
+    dense = graph.op("dense1/dot_general")
+    assert dense.weights[0].channel_axes == (1,) and dense.weights[0].contraction_axes == (0,)
+    assert graph.inputs == ("input_0",) and graph.outputs == ("head/dot_general",)
+    assert graph.edges["input_0"].consumers == ("conv1/conv",)
+
+
+class _Block(nn.Module):
+    @nn.compact
+    def __call__(self, carry, _):
+        return nn.gelu(nn.Dense(8, name="fc")(carry)), None
+
+
+class _Scanned(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        stack = nn.scan(_Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)
+        x, _ = stack(name="layers")(x, None)
+        return jnp.einsum("bd,dk->bk", x, self.param("proj", nn.initializers.normal(), (8, 4)))
+
+
+def test_scan_stacked_layers_and_einsum():
+    model, x = _Scanned(), jnp.ones((2, 8))
+    variables = model.init(jax.random.key(0), x)
+    graph = trace(model, x, variables=variables)
+    scan = next(op for op in graph.ops if op.kind == "scan")
+    assert scan.id == "layers/scan"
+    body = [op for op in graph.ops if op.region == scan.id]
+    fc = next(op for op in body if op.kind == "dot_general")
+    kernel = fc.weights[0]
+    assert kernel.param == "layers/fc/kernel" and kernel.shape == (8, 8)
+    assert kernel.stacked_axes == (0,)       # the stacked parameter is (3, 8, 8)
+    assert kernel.channel_axes == (2,)       # in the parameter's layout
+    assert kernel.contraction_axes == (1,)
+    einsum = graph.ops[-1]
+    assert einsum.kind == "einsum" and einsum.attributes["einsum"] == "bd,dk->bk"
+    assert einsum.weights[0].param == "proj" and einsum.weights[0].channel_axes == (1,)
+    np.testing.assert_allclose(graph.evaluate(variables, x), model.apply(variables, x), rtol=1e-6)
+
+
+def test_trace_failure_names_the_model_and_input_shapes():
+    model, _, variables = SAMPLES["cnn"]()
+    with pytest.raises(TraceError, match=r"Tracing LinenCNN failed with example inputs of shapes \[\(1, 5\) float32\]"):
+        trace(model, jnp.zeros((1, 5)), variables=variables)
+
+
+def test_plain_function_needs_params():
+    with pytest.raises(TraceError, match="pass its params as variables"):
+        trace(lambda p, x: x @ p["w"], jnp.ones((1, 2)))
+
+
+def test_plain_function():
+    params = {"w": jnp.ones((2, 3))}
+    graph = trace(lambda p, x: jax.nn.relu(x @ p["w"]), jnp.ones((1, 2)), variables=params)
+    assert [op.kind for op in graph.ops] == ["dot_general", "relu"]
+    assert graph.ops[0].weights[0].param == "w"

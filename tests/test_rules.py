@@ -1,0 +1,124 @@
+import json
+import re
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import odmlq
+from odmlq import PerBlock, PerChannel, PerTensor, Rule, RuleError, load_rules
+from odmlq.calibration import MinMax, Percentile
+
+
+def test_short_form_and_defaults():
+    r = Rule(".*", weight_qtype="int8", act_qtype="int8")
+    assert r.resolved("weight_granularity") == PerChannel()
+    assert r.resolved("weight_symmetric") is True
+    assert r.resolved("act_granularity") == PerTensor()
+    assert r.resolved("act_symmetric") is False  # int8 activations: zero point
+    assert r.resolved("act_calibration") == MinMax()
+    assert Rule(".*", act_qtype="int16").resolved("act_symmetric") is True  # 16x8 needs zp 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        pytest.param(dict(module_path="conv(", weight_qtype="int8"), r"not a valid regex.*re\.escape", id="bad-regex"),
+        pytest.param(dict(module_path=".*", weight_qtype="int9"), r"weight_qtype.*Unknown qtype 'int9'.*choose one of", id="unknown-qtype"),
+        pytest.param(dict(module_path=".*", act_qtype="bogus"), r"act_qtype.*Unknown qtype", id="unknown-act-qtype"),
+        pytest.param(dict(module_path=".*", skip=True, weight_qtype="int8"), r"skip=True.*also sets \['weight_qtype'\]", id="skip-and-qtype"),
+        pytest.param(dict(module_path=".*"), r"quantizes nothing", id="empty"),
+        pytest.param(dict(module_path=".*", act_qtype="int8", weight_granularity=PerTensor()), r"weight_granularity.*no weight_qtype", id="weight-field-without-qtype"),
+        pytest.param(dict(module_path=".*", act_qtype="int8", act_dynamic=True, act_calibration=MinMax()), r"act_dynamic=True.*act_calibration", id="dynamic-and-calibration"),
+        pytest.param(dict(module_path=".*", weight_qtype="fp8_e4m3", weight_symmetric=False), r"no zero point", id="asym-fp8"),
+        pytest.param(dict(module_path=".*", act_qtype="int8", act_granularity=PerBlock(32)), r"PerBlock is for weights", id="act-blocks"),
+        pytest.param(dict(module_path=".*", act_qtype="nf4"), r"weight-only format", id="nf4-activations"),
+        pytest.param(dict(module_path=".*", act_dynamic=True), r"act_dynamic.*no act_qtype", id="dynamic-without-qtype"),
+        pytest.param(dict(module_path=".*", weight_qtype="int8", weight_calibration="nope"), r"weight_calibration", id="bad-calibration"),
+    ],
+)
+def test_bad_rules(kwargs, match):
+    with pytest.raises(RuleError, match=match):
+        Rule(**kwargs)
+
+
+def test_rule_error_is_a_value_error():
+    with pytest.raises(ValueError):
+        Rule(".*")
+
+
+def test_block_size_must_be_positive():
+    with pytest.raises(odmlq.GranularityError, match=r"PerBlock\(size=0\)"):
+        PerBlock(0)
+
+
+def test_op_filter():
+    r = Rule("dense.*", op=("dot_general", "einsum"), weight_qtype="int8")
+    assert r.matches("dense1", "dot_general")
+    assert not r.matches("dense1", "relu")
+    assert not r.matches("xdense1", "dot_general")  # full match, not search
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.sampled_from(["a", "b", "a/b", "c/d/e", ""]), min_size=1, max_size=4),
+       st.sampled_from(["a", "b", "a/b", "c/d/e", "", "x"]))
+def test_first_match_wins(patterns, path):
+    """The plan's rule for an op is the first whose regex full-matches its path."""
+    from odmlq.plan import _check_rules
+
+    rules = _check_rules([Rule(re.escape(p), weight_qtype="int8") for p in patterns])
+    chosen = next((i for i, r in enumerate(rules) if r.matches(path, "dot_general")), None)
+    expected = patterns.index(path) if path in patterns else None
+    assert chosen == expected
+
+
+def test_to_dict_round_trip():
+    r = Rule("enc/.*", op="dot_general", weight_qtype="int4", weight_granularity=PerBlock(32),
+             act_qtype="int8", act_calibration=Percentile(99.9))
+    again = Rule.from_dict(json.loads(json.dumps(r.to_dict())))
+    assert again == r
+
+
+def test_load_yaml_and_json(tmp_path):
+    y = tmp_path / "rules.yaml"
+    y.write_text(
+        "rules:\n"
+        "  - {module_path: head, skip: true}\n"
+        "  - module_path: '.*'\n"
+        "    weight_qtype: int8\n"
+        "    weight_granularity: {kind: per_block, size: 16}\n"
+        "    act_qtype: int8\n"
+        "    act_calibration: {method: percentile, percentile: 99.9}\n"
+    )
+    rules = load_rules(y)
+    assert rules[0] == Rule("head", skip=True)
+    assert rules[1].weight_granularity == PerBlock(16)
+    assert rules[1].act_calibration == Percentile(99.9)
+    j = tmp_path / "rules.json"
+    j.write_text(json.dumps([r.to_dict() for r in rules]))
+    assert load_rules(j) == rules
+
+
+def test_yaml_syntax_error_names_file_and_line(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("rules:\n  - module_path: '.*'\n    weight_qtype: [int8\n")
+    with pytest.raises(RuleError, match=re.escape(str(f)) + r":\d+: YAML syntax error"):
+        load_rules(f)
+
+
+def test_json_syntax_error_names_file_and_line(tmp_path):
+    f = tmp_path / "bad.json"
+    f.write_text('[\n {"module_path": ".*",\n  "weight_qtype": }\n]')
+    with pytest.raises(RuleError, match=re.escape(str(f)) + r":3: JSON syntax error"):
+        load_rules(f)
+
+
+def test_rules_file_bad_rule_names_index_and_field(tmp_path):
+    f = tmp_path / "r.yaml"
+    f.write_text("- {module_path: '.*', weight_qtype: int8}\n- {module_path: '.*', wieght_qtype: int8}\n")
+    with pytest.raises(RuleError, match=r"rule 1: Unknown rule field\(s\) \['wieght_qtype'\]"):
+        load_rules(f)
+
+
+def test_missing_rules_file():
+    with pytest.raises(RuleError, match=r"Cannot read rules file 'nope\.yaml'"):
+        load_rules("nope.yaml")
