@@ -85,6 +85,10 @@ class _Builder:
             if prev is not None and self.is_bias_add(prev, step):
                 prev.steps.append(step)
                 continue
+            if prev is not None and self.is_pool_divide(prev, step):
+                prev.steps.append(step)
+                prev.kind = "avg_pool"
+                continue
             recs.append(_OpRec(kind="einsum" if step.einsum else step.kind, stack=step.stack,
                                steps=[step], einsum=step.einsum, region=region))
         return recs
@@ -113,6 +117,14 @@ class _Builder:
             return False
         self.bias_values.add(other)
         return True
+
+    def is_pool_divide(self, prev: _OpRec, step: _Step) -> bool:
+        """A window sum divided by a constant (the window size) is an average pool."""
+        if prev.kind != "reduce_window_sum" or step.kind != "div" or len(prev.steps) != 1:
+            return False
+        out = prev.steps[0].outs[0]
+        numerator, denominator = step.ins
+        return numerator == out and self.uses[out] == 1 and self.w.is_weight(denominator)
 
     # -- names, edges, operands -------------------------------------------
     def module_path(self, rec: _OpRec) -> str:

@@ -25,7 +25,7 @@ def render(plan) -> str:
     n_edges = sum(1 for e in plan.edges.values() if e.spec is not None)
     out = [
         f"Plan for {g.model_name} ({g.framework}): {len(g.ops)} ops, {len(g.edges)} edges, "
-        f"{len(plan.rules)} rules; {n_weights} quantized weights, {n_edges} quantized edges",
+        f"{len(plan.rules)} rule{'s' if len(plan.rules) != 1 else ''}; {n_weights} quantized weights, {n_edges} quantized edges",
         "",
         "Ops",
     ]

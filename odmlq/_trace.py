@@ -25,7 +25,7 @@ NAMED_FUNCTIONS = frozenset({
     "squareplus", "mish", "sparse_plus",
 })
 # Primitives whose kind gets a shorter name in plans and rules.
-KIND_NAMES = {"conv_general_dilated": "conv"}
+KIND_NAMES = {"conv_general_dilated": "conv", "reduce_window_max": "max_pool"}
 ANCHORS = ("dot_general", "conv_general_dilated")
 _SAME_AXES = frozenset({"convert_element_type", "copy", "copy_p", "reduce_precision"})
 _INLINE_CALLS = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "closed_call",

@@ -39,6 +39,7 @@ def test_ops_are_layers_not_primitives():
     kinds = {op.id: op.kind for op in graph.ops}
     assert kinds["conv1/conv"] == "conv"
     assert kinds["conv1/relu"] == "relu"  # a named call is one op, not max(x, 0)
+    assert kinds["conv1/avg_pool"] == "avg_pool"  # window sum / window size is one op
     conv = graph.op("conv1/conv")
     # The bias add is fused: one output edge for conv + bias.
     assert [o.role for o in conv.operands] == ["input", "weight", "bias"]
