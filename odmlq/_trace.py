@@ -28,7 +28,7 @@ NAMED_FUNCTIONS = frozenset({
 KIND_NAMES = {"conv_general_dilated": "conv", "reduce_window_max": "max_pool"}
 ANCHORS = ("dot_general", "conv_general_dilated")
 _SAME_AXES = frozenset({"convert_element_type", "copy", "copy_p", "reduce_precision"})
-_INLINE_CALLS = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "closed_call",
+_INLINE_CALLS = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "closed_call", "remat2",
                  "core_call", "remat", "checkpoint")
 
 

@@ -101,3 +101,21 @@ def test_plain_function():
     graph = trace(lambda p, x: jax.nn.relu(x @ p["w"]), jnp.ones((1, 2)), variables=params)
     assert [op.kind for op in graph.ops] == ["dot_general", "relu"]
     assert graph.ops[0].weights[0].param == "w"
+
+
+class _Activations(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(8, name="fc")(x)
+        exact_gelu = nn.gelu(x, approximate=False)  # custom_jvp around erf
+        return exact_gelu + jax.nn.silu(x) + jax.checkpoint(jnp.tanh)(x)
+
+
+def test_custom_jvp_jit_and_remat_are_inlined_exactly():
+    model, x = _Activations(), jax.random.normal(jax.random.key(0), (2, 4))
+    variables = model.init(jax.random.key(1), x)
+    graph = trace(model, x, variables=variables)
+    kinds = [op.kind for op in graph.ops]
+    assert "silu" in kinds and "erfc" in kinds and "tanh" in kinds
+    assert not {"custom_jvp_call", "jit", "remat2", "checkpoint"} & set(kinds)
+    np.testing.assert_array_equal(graph.evaluate(variables, x), model.apply(variables, x))
