@@ -185,6 +185,8 @@ class _Builder:
                 continue
             rec.module_path = self.module_path(rec)
             rec.id = self.new_id(rec.module_path, rec.kind)
+            for step in rec.steps:
+                program.op_of[id(step)] = rec.id
             outs = self.rec_outputs(rec, program)
             names = [rec.id] if len(outs) == 1 else [f"{rec.id}:{i}" for i in range(len(outs))]
             for v, name in zip(outs, names):
@@ -209,6 +211,7 @@ class _Builder:
         paths = [op.module_path for op in body_ops] or [self.module_path(rec)]
         rec.module_path = os.path.commonpath(["/" + p for p in paths]).strip("/")
         rec.id = self.new_id(rec.module_path, "scan")
+        program.op_of[id(region)] = rec.id
         self.ops[inner_start:] = [dataclasses.replace(op, region=rec.id) for op in body_ops]
         self.rename_body_inputs(body, rec.id)
         names = [f"{rec.id}:{i}" for i in range(len(region.outs))]

@@ -87,6 +87,7 @@ class _Program:
     outvars: list
     edge_of: dict[int, str] = dataclasses.field(default_factory=dict)
     alias: set = dataclasses.field(default_factory=set)
+    op_of: dict[int, str] = dataclasses.field(default_factory=dict)  # id(step) -> op id
 
     def run_flat(self, values: list, on_edge) -> list:
         env: dict[int, Any] = {}
@@ -94,12 +95,15 @@ class _Program:
             env[v] = self._hook(v, x, on_edge)
         for step in self.steps:
             ins = [r.value if isinstance(r, _Lit) else env[r] for r in step.ins]
-            if isinstance(step, _Region):
-                outs = _run_scan(step, ins, on_edge)
-            elif step.fn is not None:
-                outs = step.fn(*ins)
-            else:
-                outs = _eval_eqn(step.eqn, ins)
+            # Lowered ops carry their op id as their location, so the tensors of
+            # an exported model can be traced back to the plan.
+            with jax.named_scope(self.op_of.get(id(step), "weights")):
+                if isinstance(step, _Region):
+                    outs = _run_scan(step, ins, on_edge)
+                elif step.fn is not None:
+                    outs = step.fn(*ins)
+                else:
+                    outs = _eval_eqn(step.eqn, ins)
             for v, x in zip(step.outs, outs):
                 env[v] = self._hook(v, x, on_edge)
         return [r.value if isinstance(r, _Lit) else env[r] for r in self.outvars]
@@ -138,7 +142,15 @@ def _eval_eqn(eqn, ins: list) -> list:
                            tuple(f"y{i}" for i in range(len(eqn.outvars))))
     jaxpr = jcore.Jaxpr(constvars=[], invars=invars, outvars=list(eqn.outvars), eqns=[eqn],
                         effects=eqn.effects, debug_info=info)
-    return jax.core.eval_jaxpr(jaxpr, [], *args)
+    return jax.core.eval_jaxpr(jaxpr, [], *args, propagate_source_info=False)
+
+
+def _inline_call(closed):
+    # Evaluated inline (not as a nested call) so its ops take the current scope.
+    def call(*args):
+        return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args, propagate_source_info=False)
+
+    return call
 
 
 def _run_scan(region: _Region, ins: list, on_edge) -> list:
@@ -238,7 +250,7 @@ class _Walker:
         step = _Step(eqn=eqn, ins=ins, outs=outs, stack=stack, kind=KIND_NAMES.get(name, name))
         if name in ("jit", "pjit"):
             step.kind = eqn.params["name"]
-            step.fn = jcore.jaxpr_as_fun(eqn.params["jaxpr"])
+            step.fn = _inline_call(eqn.params["jaxpr"])
         step.einsum = _einsum_of(stack)
         if all(self.is_weight(r) for r in ins):
             for v in outs:

@@ -379,6 +379,7 @@ def _edge_plans(graph: Graph, rules, op_plans) -> dict[str, EdgePlan]:
         else:
             by_edge[edge.id] = EdgePlan(edge=edge.id, spec=_act_spec(edge, rule, index),
                                         rule=index, reason=how)
+    _fuse_activations(graph, by_edge)
     for edge in graph.edges.values():
         if edge.alias is not None:
             target = edge.alias
@@ -388,3 +389,23 @@ def _edge_plans(graph: Graph, rules, op_plans) -> dict[str, EdgePlan]:
             by_edge[edge.id] = EdgePlan(edge=edge.id, spec=base.spec, rule=base.rule,
                                         reason=f"alias of {target}")
     return {e: by_edge[e] for e in graph.edges}
+
+
+# Activations that matmul/conv kernels apply before requantizing their int32
+# accumulators (LiteRT's fused_activation_function, XLA fusion): the tensor
+# between the op and the activation is never materialized, so it is not
+# quantized; the activation's output carries the quantization.
+FUSED_ACTIVATIONS = frozenset({"relu", "relu6"})
+
+
+def _fuse_activations(graph: Graph, by_edge: dict[str, EdgePlan]) -> None:
+    for op in graph.ops:
+        if op.kind not in ("dot_general", "conv", "einsum") or len(op.outputs) != 1:
+            continue
+        edge = graph.edges[op.outputs[0]]
+        if edge.is_output or len(edge.consumers) != 1 or by_edge[edge.id].spec is None:
+            continue
+        consumer = graph.op(edge.consumers[0])
+        if consumer.kind in FUSED_ACTIVATIONS and by_edge[consumer.outputs[0]].spec is not None:
+            by_edge[edge.id] = EdgePlan(edge=edge.id, spec=None, rule=by_edge[edge.id].rule,
+                                        reason=f"fused into {consumer.id}")

@@ -33,7 +33,13 @@ def test_cnn_plan_lists_per_channel_weights_and_every_edge():
         assert weight.spec.narrow_range and weight.spec.symmetric
         assert f"{param}: int8 per-channel[{axis}] sym narrow absmax" in text
         assert p.ops[op_id].weights[1].spec is None  # bias: derived int32
+    fused = {"conv1/conv", "conv2/conv", "dense1/dot_general"}  # relu follows each
+    for edge_id in fused:
+        assert p.edges[edge_id].spec is None
+        assert p.edges[edge_id].reason == f"fused into {edge_id.split('/')[0]}/relu"
     for edge_id, edge in p.edges.items():
+        if edge_id in fused:
+            continue
         assert edge.spec is not None, edge_id
         assert edge.spec.qtype == "int8" and not edge.spec.symmetric
         assert edge_id in text

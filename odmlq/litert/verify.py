@@ -1,0 +1,234 @@
+"""Verification: every op of an exported .tflite checked against `simulate`.
+
+The model runs in the LiteRT interpreter with intermediate tensors kept.
+Each quantized tensor is traced back to its plan edge (tensor names carry the
+op ids; its scale and zero point must be the edge's). Then `simulate` runs
+with every edge *fed LiteRT's own values*, so each op is computed from
+exactly the inputs LiteRT's kernel saw, and its output is compared with
+LiteRT's. Integer kernels may round a value a half step the other way, so
+1 LSB of the edge's scale is allowed; a miscompile differs by many.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from odmlq._plan_table import table
+from odmlq.errors import OdmlqError
+
+__all__ = ["verify", "VerificationReport", "EdgeCheck", "VerificationError"]
+
+_JIT_PREFIX = re.compile(r"^jit\((?:[^()]|\([^()]*\))*\)/")
+# Rounding in an integer kernel may differ from round-half-even in float by one
+# step; float32 noise in the comparison adds a little on top.
+_SLACK_LSB = 1e-3
+
+
+class VerificationError(OdmlqError, AssertionError):
+    """The exported model disagrees with the simulation by more than allowed."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EdgeCheck:
+    edge: str
+    op: str | None
+    module_path: str
+    tensor: int
+    max_lsb: float
+    mean_lsb: float
+    params_match: bool
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VerificationReport:
+    """Per-edge differences (LiteRT vs simulate fed LiteRT's inputs) and end to end."""
+
+    checks: tuple[EdgeCheck, ...]
+    unmapped_edges: tuple[str, ...]
+    unmapped_tensors: tuple[str, ...]
+    output_max_lsb: float
+    output_sqnr_db: float
+    samples: int
+    tolerance_lsb: float
+
+    @property
+    def worst(self) -> EdgeCheck | None:
+        return max(self.checks, key=lambda c: c.max_lsb, default=None)
+
+    @property
+    def passed(self) -> bool:
+        return all(c.params_match and c.max_lsb <= self.tolerance_lsb + _SLACK_LSB for c in self.checks)
+
+    def __str__(self) -> str:
+        rows = [[c.edge, c.module_path or "''", str(c.tensor), f"{c.max_lsb:.3f}", f"{c.mean_lsb:.4f}",
+                 "yes" if c.params_match else "NO"] for c in self.checks]
+        lines = [f"Verification on {self.samples} samples: every op within "
+                 f"{self.tolerance_lsb:g} LSB of simulate: {'yes' if self.passed else 'NO'}",
+                 table(["edge", "module", "tensor", "max LSB", "mean LSB", "scale ok"], rows),
+                 f"end to end vs simulate: max {self.output_max_lsb:.3f} LSB, "
+                 f"SQNR {self.output_sqnr_db:.1f} dB"]
+        if self.unmapped_edges:
+            lines.append("edges with no tensor in the model: " + ", ".join(self.unmapped_edges))
+        if self.unmapped_tensors:
+            lines.append("tensors with no plan edge: " + ", ".join(self.unmapped_tensors))
+        return "\n".join(lines)
+
+
+def map_tensors(details: Sequence[dict], produced: set[int], plan, scales) -> dict[str, int]:
+    """Plan edge id -> index of the tensor that carries it.
+
+    A tensor's name lists the locations of the ops fused into it
+    (``jit(fn)/conv1/relu/max;jit(fn)/conv1/conv/...``); the edge is the
+    latest of the plan's edges named there. When several tensors name one
+    edge (a requantized copy), the one whose scale and zero point are the
+    edge's wins.
+    """
+    order = {e: i for i, e in enumerate(plan.graph.edges)}
+    candidates: dict[str, list[int]] = {}
+    for d in details:
+        if d["index"] not in produced or d["dtype"] not in (np.int8, np.int16):
+            continue
+        named = []
+        for location in d["name"].split(";"):
+            path = _JIT_PREFIX.sub("", location)
+            named += [e for e in order if path == e or path.startswith(e + "/")]
+        if named:
+            candidates.setdefault(max(named, key=order.get), []).append(d["index"])
+    by_index = {d["index"]: d for d in details}
+    out = {}
+    for edge, indices in candidates.items():
+        if edge not in scales.edges:
+            continue
+        matching = [i for i in indices if _params_match(by_index[i], scales.edges[edge])]
+        out[edge] = (matching or indices)[-1]
+    return out
+
+
+def _params_match(detail: dict, ts) -> bool:
+    q = detail["quantization_parameters"]
+    scale = np.asarray(ts.scale, np.float64).reshape(-1)
+    zp = np.zeros(scale.shape, np.int64) if ts.zero_point is None else np.asarray(ts.zero_point).reshape(-1)
+    return (q["scales"].shape == scale.shape and np.allclose(q["scales"], scale, rtol=1e-6, atol=0)
+            and np.array_equal(q["zero_points"], zp))
+
+
+def _dequantize(value: np.ndarray, detail: dict) -> np.ndarray:
+    q = detail["quantization_parameters"]
+    return (value.astype(np.float32) - q["zero_points"].astype(np.float32)) * q["scales"].astype(np.float32)
+
+
+def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, variables: Any = None,
+           tolerance_lsb: float = 1.0, raise_on_failure: bool = True) -> VerificationReport:
+    """Checks an exported model op by op against `simulate`.
+
+    Args:
+      tflite: the flatbuffer.
+      model, plan, scales, variables: what it was exported from.
+      samples: input batches (arrays, or tuples for several inputs), split
+        into the model's batch size.
+      tolerance_lsb: allowed difference per element, in LSBs of each edge.
+
+    Raises:
+      VerificationError: naming the op, its module path and the difference,
+        when an op differs by more than `tolerance_lsb` or a tensor's scale is
+        not its edge's.
+    """
+    from ai_edge_litert.interpreter import Interpreter
+
+    from odmlq.simulate import Simulator
+
+    interpreter = Interpreter(model_content=bytes(tflite), experimental_preserve_all_tensors=True)
+    interpreter.allocate_tensors()
+    details = interpreter.get_tensor_details()
+    produced = {int(t) for op in interpreter._get_ops_details() for t in op["outputs"]}
+    mapping = map_tensors(details, produced, plan, scales)
+    by_index = {d["index"]: d for d in details}
+    simulator = Simulator(model, plan, scales, variables=variables)
+    stats: dict[str, list] = {e: [0.0, 0.0, 0] for e in mapping}
+    out_err, out_sig, out_noise, n = 0.0, 0.0, 0.0, 0
+    for inputs in _rows(samples, interpreter):
+        for d, x in zip(interpreter.get_input_details(), inputs):
+            interpreter.set_tensor(d["index"], _to_input(x, d))
+        interpreter.invoke()
+        litert = {e: _dequantize(interpreter.get_tensor(i), by_index[i]) for e, i in mapping.items()}
+        _, fed = simulator(*inputs, capture=True, feed=litert)
+        for e in mapping:
+            lsb = np.abs(np.asarray(fed[e]) - litert[e]) / np.asarray(scales.edges[e].scale)
+            s = stats[e]
+            s[0], s[1], s[2] = max(s[0], float(lsb.max())), s[1] + float(lsb.sum()), s[2] + lsb.size
+        expected = np.asarray(simulator(*inputs)).reshape(-1)
+        got = np.concatenate([_from_output(interpreter.get_tensor(d["index"]), d).reshape(-1)
+                              for d in interpreter.get_output_details()])
+        out_scale = _output_scale(plan, scales)
+        out_err = max(out_err, float(np.max(np.abs(got - expected)) / out_scale))
+        out_sig += float(np.sum(expected.astype(np.float64) ** 2))
+        out_noise += float(np.sum((got - expected).astype(np.float64) ** 2))
+        n += 1
+    checks = tuple(
+        EdgeCheck(edge=e, op=plan.graph.edges[e].producer,
+                  module_path=_module_path(plan, e), tensor=i, max_lsb=stats[e][0],
+                  mean_lsb=stats[e][1] / max(stats[e][2], 1),
+                  params_match=_params_match(by_index[i], scales.edges[e]))
+        for e, i in mapping.items())
+    quantized = [e for e in scales.edges if plan.graph.edges[e].alias is None]
+    report = VerificationReport(
+        checks=checks,
+        unmapped_edges=tuple(e for e in quantized if e not in mapping),
+        unmapped_tensors=tuple(by_index[i]["name"] for i in sorted(produced)
+                               if i not in mapping.values()
+                               and by_index[i]["dtype"] in (np.int8, np.int16)),
+        output_max_lsb=out_err,
+        output_sqnr_db=float(10 * np.log10(out_sig / out_noise)) if out_noise > 0 else float("inf"),
+        samples=n, tolerance_lsb=tolerance_lsb)
+    if raise_on_failure and not report.passed:
+        bad = [c for c in checks if not c.params_match or c.max_lsb > tolerance_lsb + _SLACK_LSB]
+        worst = max(bad, key=lambda c: (not c.params_match, c.max_lsb))
+        what = ("its scale/zero point in the .tflite are not the plan's" if not worst.params_match
+                else f"differs from simulate by up to {worst.max_lsb:.2f} LSB (allowed {tolerance_lsb:g})")
+        raise VerificationError(
+            f"Exported op {worst.op!r} (module {worst.module_path!r}, edge {worst.edge!r}) {what}: "
+            f"the converter produced a kernel that does not compute what the plan says. "
+            f"{len(bad)} edge(s) fail.\n{report}"
+        )
+    return report
+
+
+def _module_path(plan, edge_id: str) -> str:
+    producer = plan.graph.edges[edge_id].producer
+    return plan.graph.op(producer).module_path if producer else ""
+
+
+def _output_scale(plan, scales) -> float:
+    outs = [e for e in plan.graph.outputs if e in scales.edges]
+    if not outs:
+        return 1.0
+    return float(np.min(np.asarray(scales.edges[outs[0]].scale)))
+
+
+def _rows(samples, interpreter):
+    batch = int(interpreter.get_input_details()[0]["shape"][0])
+    for sample in samples:
+        inputs = tuple(sample) if isinstance(sample, (tuple, list)) else (sample,)
+        inputs = tuple(np.asarray(x) for x in inputs)
+        for start in range(0, inputs[0].shape[0] - batch + 1, batch):
+            yield tuple(x[start:start + batch] for x in inputs)
+
+
+def _to_input(x: np.ndarray, detail: dict) -> np.ndarray:
+    if detail["dtype"] in (np.int8, np.int16):
+        scale, zp = detail["quantization"]
+        info = np.iinfo(detail["dtype"])
+        return np.clip(np.round(x / scale) + zp, info.min, info.max).astype(detail["dtype"])
+    return x.astype(detail["dtype"])
+
+
+def _from_output(y: np.ndarray, detail: dict) -> np.ndarray:
+    if detail["dtype"] in (np.int8, np.int16):
+        scale, zp = detail["quantization"]
+        return (y.astype(np.float32) - zp) * scale
+    return y.astype(np.float32)

@@ -1,0 +1,251 @@
+"""Scales: the plan's specs turned into numbers.
+
+`compute_scales(plan, calibration, params)` gives every quantized edge and
+weight its scale and zero point: weights from their own values (with the
+weight calibration method of their spec), edges from the calibration
+statistics, biases of quantized matmuls and convolutions from the product of
+their input and weight scales (int32, as integer kernels add them to the
+int32 accumulator). Backends and `simulate` all quantize with the same
+`Scales`, so their results line up value for value.
+
+An optional `constraints` table (e.g. LiteRT's, `odmlq.litert.spec.OP_SPEC`)
+ties output scales to inputs or fixes them, as a target's kernels require.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from odmlq import _trace
+from odmlq.calibration import Calibration, range_of
+from odmlq.errors import CalibrationError, PlanError
+from odmlq.qarray import QArray, compute_scale, fake_quant, quantize, scale_shape
+from odmlq.qtypes import qtype as lookup_qtype
+
+__all__ = ["TensorScale", "Scales", "compute_scales", "flat_params"]
+
+_INT32_MAX = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TensorScale:
+    """How one tensor is quantized, with numbers: see `odmlq.qarray` for the shapes."""
+
+    qtype: str
+    scale: np.ndarray
+    zero_point: np.ndarray | None = None
+    scale_axes: tuple[int, ...] = ()
+    block_axis: int | None = None
+    block_size: int | None = None
+    narrow_range: bool = False
+
+    def _kwargs(self) -> dict:
+        return dict(scale=self.scale, zero_point=self.zero_point, scale_axes=self.scale_axes,
+                    block_axis=self.block_axis, block_size=self.block_size,
+                    narrow_range=self.narrow_range)
+
+    def fake_quant(self, x: jax.Array) -> jax.Array:
+        return fake_quant(x, self.qtype, **self._kwargs())
+
+    def quantize(self, x: jax.Array) -> QArray:
+        return quantize(x, self.qtype, **self._kwargs())
+
+    def lsb(self) -> np.ndarray:
+        """One quantization step, in the tensor's float units."""
+        return np.asarray(self.scale, np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scales:
+    """Scales of edges (by edge id), weights and biases (by parameter path)."""
+
+    edges: dict[str, TensorScale]
+    weights: dict[str, TensorScale]
+    biases: dict[str, np.ndarray]  # bias scale per output channel (int32, zero point 0)
+
+
+def flat_params(params: Any) -> dict[str, Any]:
+    """Parameter path ('conv1/kernel') -> array, the paths plans use."""
+    params = _trace._params_of(params)
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    return {_trace._path_str(path): leaf for path, leaf in leaves}
+
+
+def replace_params(params: Any, new: Mapping[str, Any]) -> Any:
+    """`params` with the leaves named in `new` replaced."""
+    params = _trace._params_of(params)
+    leaves, tree = jax.tree_util.tree_flatten_with_path(params)
+    out = [new.get(_trace._path_str(path), leaf) for path, leaf in leaves]
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+def compute_scales(plan, calibration: Calibration | None, params: Any,
+                   constraints: Mapping[str, tuple] | None = None) -> Scales:
+    """Scale and zero point of every quantized edge, weight and bias of `plan`.
+
+    Raises:
+      CalibrationError: a static edge has no statistics in `calibration`.
+      PlanError: one parameter is given two different specs by two ops.
+    """
+    values = flat_params(params)
+    weights = _weight_scales(plan, values)
+    edges = _edge_scales(plan, calibration, constraints or {})
+    biases = _bias_scales(plan, edges, weights)
+    return Scales(edges=edges, weights=weights, biases=biases)
+
+
+def _weight_scales(plan, values: Mapping[str, Any]) -> dict[str, TensorScale]:
+    out: dict[str, TensorScale] = {}
+    specs: dict[str, Any] = {}
+    for op_plan in plan.ops.values():
+        for w in op_plan.weights:
+            if w.spec is None:
+                continue
+            if w.param in specs and specs[w.param] != w.spec:
+                raise PlanError(
+                    f"Parameter {w.param!r} is used by several ops with different specs "
+                    f"({specs[w.param].describe()} vs {w.spec.describe()} at op {op_plan.op!r}); "
+                    "give those ops one rule."
+                )
+            if w.param in out:
+                continue
+            if w.param not in values:
+                raise PlanError(f"The params have no {w.param!r}, which the plan quantizes.")
+            specs[w.param] = w.spec
+            out[w.param] = _weight_scale(np.asarray(values[w.param], np.float32), w.spec)
+    return out
+
+
+def _weight_scale(x: np.ndarray, spec) -> TensorScale:
+    shape = scale_shape(x.shape, spec.scale_axes, spec.block_axis, spec.block_size)
+    if spec.block_size is not None:
+        # Split the block axis into (blocks, block_size) and keep the block index.
+        a, b = spec.block_axis, spec.block_size
+        blocked = x.reshape(x.shape[:a] + (x.shape[a] // b, b) + x.shape[a + 1:])
+        keep = tuple(ax if ax < a else ax + 1 for ax in spec.scale_axes) + (a,)
+        lo, hi = range_of(spec.calibration, blocked, spec.qtype, symmetric=spec.symmetric,
+                          keep_axes=tuple(sorted(keep)))
+    else:
+        lo, hi = range_of(spec.calibration, x, spec.qtype, symmetric=spec.symmetric,
+                          keep_axes=spec.scale_axes)
+    lo, hi = np.reshape(lo, shape), np.reshape(hi, shape)
+    scale, zero_point = compute_scale(lo, hi, spec.qtype, symmetric=spec.symmetric,
+                                      narrow_range=spec.narrow_range)
+    return TensorScale(
+        qtype=spec.qtype, scale=np.asarray(scale, np.float32),
+        zero_point=None if zero_point is None else np.asarray(zero_point, np.int32),
+        scale_axes=spec.scale_axes, block_axis=spec.block_axis, block_size=spec.block_size,
+        narrow_range=spec.narrow_range)
+
+
+def _edge_scales(plan, calibration, constraints) -> dict[str, TensorScale]:
+    graph = plan.graph
+    out: dict[str, TensorScale] = {}
+    for edge_id, edge_plan in plan.edges.items():
+        spec = edge_plan.spec
+        edge = graph.edges[edge_id]
+        if spec is None or spec.dynamic or edge.alias is not None:
+            continue
+        constraint = _constraint_of(graph, edge, constraints)
+        fixed = getattr(constraint, "params", None)
+        if fixed is not None and spec.qtype in fixed and not spec.scale_axes:
+            scale, zp = fixed[spec.qtype]
+            out[edge_id] = TensorScale(qtype=spec.qtype, scale=np.full((1,) * len(edge.shape), scale, np.float32),
+                                       zero_point=np.full((1,) * len(edge.shape), zp, np.int32))
+            continue
+        if constraint == "same_as_input":
+            producer = graph.op(edge.producer)
+            source = next((e for e in producer.inputs if _resolve(graph, e) in out), None)
+            if source is not None:
+                base = out[_resolve(graph, source)]
+                if base.qtype == spec.qtype and not base.scale_axes:
+                    out[edge_id] = dataclasses.replace(
+                        base, scale=base.scale.reshape((1,) * len(edge.shape)),
+                        zero_point=None if base.zero_point is None
+                        else base.zero_point.reshape((1,) * len(edge.shape)))
+                    continue
+        out[edge_id] = _calibrated_scale(edge, spec, calibration)
+    for edge_id, edge in graph.edges.items():
+        target = _resolve(graph, edge_id)
+        if edge.alias is not None and target in out:
+            out[edge_id] = out[target]
+    return out
+
+
+def _resolve(graph, edge_id: str) -> str:
+    while graph.edges[edge_id].alias is not None:
+        edge_id = graph.edges[edge_id].alias
+    return edge_id
+
+
+def _constraint_of(graph, edge, constraints):
+    if edge.producer is None:
+        return None
+    entry = constraints.get(graph.op(edge.producer).kind)
+    return None if entry is None else entry[1]
+
+
+def _calibrated_scale(edge, spec, calibration) -> TensorScale:
+    if calibration is None or edge.id not in calibration:
+        raise CalibrationError(
+            f"Edge {edge.id!r} is quantized statically ({spec.describe()}) but the calibration "
+            "has no statistics for it; run odmlq.calibrate(model, plan, rep_dataset) with this "
+            "plan, or make its rule dynamic (act_dynamic=True)."
+        )
+    lo, hi = calibration.range(edge.id, spec.qtype, symmetric=spec.symmetric)
+    shape = scale_shape(edge.shape, spec.scale_axes)
+    lo, hi = np.reshape(lo, shape), np.reshape(hi, shape)
+    scale, zero_point = compute_scale(lo, hi, spec.qtype, symmetric=spec.symmetric,
+                                      narrow_range=spec.narrow_range)
+    return TensorScale(
+        qtype=spec.qtype, scale=np.asarray(scale, np.float32),
+        zero_point=None if zero_point is None else np.asarray(zero_point, np.int32),
+        scale_axes=spec.scale_axes, narrow_range=spec.narrow_range)
+
+
+def _bias_scales(plan, edges, weights) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for op in plan.graph.ops:
+        biases = [w for w in plan.ops[op.id].weights if w.role == "bias"]
+        kernels = [w for w in plan.ops[op.id].weights if w.role == "weight" and w.spec is not None]
+        if not biases or len(kernels) != 1 or not op.inputs:
+            continue
+        source = _resolve(plan.graph, op.inputs[0])
+        if source not in edges or edges[source].scale_axes or kernels[0].spec.block_size:
+            continue
+        if lookup_qtype(kernels[0].spec.qtype).kind != "int":
+            continue
+        kernel = weights[kernels[0].param]
+        if len(kernel.scale_axes) > 1:  # stacked layers: biases stay float for now
+            continue
+        w_scale = np.asarray(kernel.scale).reshape(-1)
+        in_scale = float(np.asarray(edges[source].scale).reshape(-1)[0])
+        for b in biases:
+            out[b.param] = (w_scale * in_scale).astype(np.float32)
+    return out
+
+
+def fake_quant_bias(x: jax.Array, scale: np.ndarray) -> jax.Array:
+    """What an int32 bias with this per-channel scale holds, in float."""
+    s = jnp.asarray(scale).reshape((1,) * (jnp.ndim(x) - 1) + (-1,)) if jnp.ndim(x) else scale
+    q = jnp.clip(jnp.round(x / s), -_INT32_MAX, _INT32_MAX)
+    return q * s
+
+
+def quantized_params(params: Any, scales: Scales,
+                     transform: Callable[[str, Any, TensorScale], Any] | None = None) -> Any:
+    """`params` with every quantized weight fake-quantized (or `transform`ed) and
+    every int32 bias rounded to its grid."""
+    values = flat_params(params)
+    new = {}
+    for path, ts in scales.weights.items():
+        new[path] = transform(path, values[path], ts) if transform else ts.fake_quant(values[path])
+    for path, s in scales.biases.items():
+        new[path] = fake_quant_bias(jnp.asarray(values[path]), s)
+    return replace_params(params, new)
