@@ -265,6 +265,9 @@ class _Builder:
                     shape=shape, dtype=dtype, channel_axes=channel,
                     contraction_axes=contraction, stacked_axes=w.stacked))
         attributes = {"einsum": rec.einsum} if rec.einsum else {}
+        if rec.kind == "avg_pool":
+            window = rec.steps[0].eqn.params["window_dimensions"]
+            attributes["window_size"] = int(np.prod(window))
         return Op(id=rec.id, kind=rec.kind, module_path=rec.module_path, operands=tuple(operands),
                   outputs=tuple(outputs), region=rec.region.id if rec.region else None,
                   attributes=attributes)
@@ -307,5 +310,3 @@ def _anchor_axes(step: _Step, pos: int) -> tuple[tuple[int, ...], tuple[int, ...
         return (dn.rhs_spec[0],), (dn.rhs_spec[1],)
     return (dn.lhs_spec[1],), ()
 
-
-del np

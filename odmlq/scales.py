@@ -44,6 +44,11 @@ class TensorScale:
     block_axis: int | None = None
     block_size: int | None = None
     narrow_range: bool = False
+    rounding: str = "half_even"
+    # For 'half_away': the output is an integer sum divided by this count; the
+    # float value is snapped back onto that grid before rounding, so float32
+    # noise cannot move a tie.
+    divisor: int = 1
 
     def _kwargs(self) -> dict:
         return dict(scale=self.scale, zero_point=self.zero_point, scale_axes=self.scale_axes,
@@ -51,6 +56,8 @@ class TensorScale:
                     narrow_range=self.narrow_range)
 
     def fake_quant(self, x: jax.Array) -> jax.Array:
+        if self.rounding == "half_away":
+            return _fake_quant_half_away(x, self)
         return fake_quant(x, self.qtype, **self._kwargs())
 
     def quantize(self, x: jax.Array) -> QArray:
@@ -86,7 +93,7 @@ def replace_params(params: Any, new: Mapping[str, Any]) -> Any:
 
 
 def compute_scales(plan, calibration: Calibration | None, params: Any,
-                   constraints: Mapping[str, tuple] | None = None) -> Scales:
+                   constraints: Mapping[str, Any] | None = None) -> Scales:
     """Scale and zero point of every quantized edge, weight and bias of `plan`.
 
     Raises:
@@ -152,7 +159,9 @@ def _edge_scales(plan, calibration, constraints) -> dict[str, TensorScale]:
         edge = graph.edges[edge_id]
         if spec is None or spec.dynamic or edge.alias is not None:
             continue
-        constraint = _constraint_of(graph, edge, constraints)
+        op_spec = _op_spec(graph, edge, constraints)
+        constraint = None if op_spec is None else op_spec.output
+        rounding = "half_even" if op_spec is None else op_spec.rounding
         fixed = getattr(constraint, "params", None)
         if fixed is not None and spec.qtype in fixed and not spec.scale_axes:
             scale, zp = fixed[spec.qtype]
@@ -165,8 +174,9 @@ def _edge_scales(plan, calibration, constraints) -> dict[str, TensorScale]:
             if source is not None:
                 base = out[_resolve(graph, source)]
                 if base.qtype == spec.qtype and not base.scale_axes:
+                    divisor = graph.op(edge.producer).attributes.get("window_size", 1)
                     out[edge_id] = dataclasses.replace(
-                        base, scale=base.scale.reshape((1,) * len(edge.shape)),
+                        base, rounding=rounding, divisor=divisor, scale=base.scale.reshape((1,) * len(edge.shape)),
                         zero_point=None if base.zero_point is None
                         else base.zero_point.reshape((1,) * len(edge.shape)))
                     continue
@@ -184,11 +194,21 @@ def _resolve(graph, edge_id: str) -> str:
     return edge_id
 
 
-def _constraint_of(graph, edge, constraints):
+def _op_spec(graph, edge, constraints):
     if edge.producer is None:
         return None
-    entry = constraints.get(graph.op(edge.producer).kind)
-    return None if entry is None else entry[1]
+    return constraints.get(graph.op(edge.producer).kind)
+
+
+def _fake_quant_half_away(x: jax.Array, ts: TensorScale) -> jax.Array:
+    """Rounds ``x / scale + zero_point`` half away from zero, as integer
+    kernels that divide raw integer sums do (LiteRT's AVERAGE_POOL_2D)."""
+    qt = lookup_qtype(ts.qtype)
+    s = jnp.asarray(ts.scale)
+    zp = 0.0 if ts.zero_point is None else jnp.asarray(ts.zero_point, jnp.float32)
+    v = jnp.round(x / s * ts.divisor) / ts.divisor + zp
+    q = jnp.clip(jnp.sign(v) * jnp.floor(jnp.abs(v) + 0.5), qt.qmin, qt.qmax)
+    return ((q - zp) * s).astype(x.dtype)
 
 
 def _calibrated_scale(edge, spec, calibration) -> TensorScale:

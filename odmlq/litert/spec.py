@@ -32,37 +32,55 @@ SAME_AS_INPUT = "same_as_input"
 _SIGMOID_LIKE = Fixed({"int8": (1.0 / 256.0, -128), "int16": (1.0 / 32768.0, 0)})
 _TANH_LIKE = Fixed({"int8": (1.0 / 128.0, 0), "int16": (1.0 / 32768.0, 0)})
 
-# op kind -> (schemas with an integer kernel, output constraint)
-OP_SPEC: dict[str, tuple[frozenset[str], object]] = {
-    "dot_general": (frozenset({"int8", "int16"}), None),
-    "einsum": (frozenset({"int8", "int16"}), None),
-    "conv": (frozenset({"int8", "int16"}), None),
-    "add": (frozenset({"int8", "int16"}), None),
-    "sub": (frozenset({"int8", "int16"}), None),
-    "mul": (frozenset({"int8", "int16"}), None),
-    "relu": (frozenset({"int8", "int16"}), None),
-    "relu6": (frozenset({"int8", "int16"}), None),
-    "max": (frozenset({"int8", "int16"}), None),
-    "min": (frozenset({"int8", "int16"}), None),
-    "avg_pool": (frozenset({"int8", "int16"}), SAME_AS_INPUT),
-    "reduce_sum": (frozenset({"int8", "int16"}), None),
-    "mean": (frozenset({"int8", "int16"}), None),
-    "tanh": (frozenset({"int8", "int16"}), _TANH_LIKE),
-    "logistic": (frozenset({"int8", "int16"}), _SIGMOID_LIKE),
-    "sigmoid": (frozenset({"int8", "int16"}), _SIGMOID_LIKE),
-    "softmax": (frozenset({"int8", "int16"}), _SIGMOID_LIKE),
-    "reshape": (frozenset({"int8", "int16"}), SAME_AS_INPUT),
-    "squeeze": (frozenset({"int8", "int16"}), SAME_AS_INPUT),
-    "transpose": (frozenset({"int8", "int16"}), SAME_AS_INPUT),
-    "broadcast_in_dim": (frozenset({"int8", "int16"}), SAME_AS_INPUT),
-    "max_pool": (frozenset({"int8", "int16"}), SAME_AS_INPUT),
-    "slice": (frozenset({"int8", "int16"}), SAME_AS_INPUT),
-    "pad": (frozenset({"int8", "int16"}), SAME_AS_INPUT),
-    "concatenate": (frozenset({"int8", "int16"}), None),
+@dataclasses.dataclass(frozen=True)
+class OpSpec:
+    """What LiteRT's integer kernels for one op kind support and require.
+
+    Attributes:
+      schemas: activation qtypes with an integer kernel ('int8', 'int16').
+      output: the output constraint: None, SAME_AS_INPUT or a `Fixed`.
+      rounding: how the kernel rounds its output: 'half_even' (requantizing
+        kernels, like `odmlq.qarray`) or 'half_away' (AVERAGE_POOL_2D divides
+        its raw integer sum rounding half away from zero).
+    """
+
+    schemas: frozenset
+    output: object = None
+    rounding: str = "half_even"
+
+
+_BOTH = frozenset({"int8", "int16"})
+
+OP_SPEC: dict[str, OpSpec] = {
+    "dot_general": OpSpec(_BOTH),
+    "einsum": OpSpec(_BOTH),
+    "conv": OpSpec(_BOTH),
+    "add": OpSpec(_BOTH),
+    "sub": OpSpec(_BOTH),
+    "mul": OpSpec(_BOTH),
+    "relu": OpSpec(_BOTH),
+    "relu6": OpSpec(_BOTH),
+    "max": OpSpec(_BOTH),
+    "min": OpSpec(_BOTH),
+    "reduce_sum": OpSpec(_BOTH),
+    "mean": OpSpec(_BOTH),
+    "concatenate": OpSpec(_BOTH),
+    "avg_pool": OpSpec(_BOTH, SAME_AS_INPUT, rounding="half_away"),
+    "tanh": OpSpec(_BOTH, _TANH_LIKE),
+    "logistic": OpSpec(_BOTH, _SIGMOID_LIKE),
+    "sigmoid": OpSpec(_BOTH, _SIGMOID_LIKE),
+    "softmax": OpSpec(_BOTH, _SIGMOID_LIKE),
+    "reshape": OpSpec(_BOTH, SAME_AS_INPUT),
+    "squeeze": OpSpec(_BOTH, SAME_AS_INPUT),
+    "transpose": OpSpec(_BOTH, SAME_AS_INPUT),
+    "broadcast_in_dim": OpSpec(_BOTH, SAME_AS_INPUT),
+    "max_pool": OpSpec(_BOTH, SAME_AS_INPUT),
+    "slice": OpSpec(_BOTH, SAME_AS_INPUT),
+    "pad": OpSpec(_BOTH, SAME_AS_INPUT),
 }
 
 
 def output_constraint(kind: str):
     """The scale constraint of `kind`'s output (None: free)."""
     entry = OP_SPEC.get(kind)
-    return None if entry is None else entry[1]
+    return None if entry is None else entry.output

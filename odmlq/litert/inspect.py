@@ -1,0 +1,391 @@
+"""Reads a .tflite flatbuffer, without running it, into a summary of its ops and tensors.
+
+The summary answers what an export must be checked for: which ops run in
+float between the input QUANTIZE and the output DEQUANTIZE (float islands),
+which weights are dequantized or transposed at every invocation, how the
+tensors are quantized, and how many bytes the weights take.
+
+Only the main subgraph (subgraph 0, the one the interpreter runs) is
+summarized; the decomposition subgraphs of STABLEHLO_COMPOSITE ops are not.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import re
+import struct
+
+from ai_edge_litert import schema_py_generated as schema
+
+from odmlq._plan_table import table
+from odmlq.errors import OdmlqError
+
+_FILE_IDENTIFIER = b"TFL3"
+_DTYPE_NAMES = {v: k.lower() for k, v in vars(schema.TensorType).items() if not k.startswith("_")}
+_OP_NAMES = {v: k for k, v in vars(schema.BuiltinOperator).items() if not k.startswith("_")}
+_FLOAT_DTYPES = frozenset({"float16", "float32", "float64", "bfloat16"})
+# `jit(name)/` with at most one level of parentheses inside, e.g. `jit(<lambda>)/`.
+_JIT_PREFIX = re.compile(r"jit\((?:[^()]|\([^()]*\))*\)/")
+
+
+class ModelFileError(OdmlqError, ValueError):
+    """A model file is missing, unreadable, or not a .tflite flatbuffer."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TensorInfo:
+    """One tensor of the main subgraph, as the flatbuffer stores it.
+
+    `quantized_dimension` is None for a tensor without quantization
+    parameters; for a per-tensor quantized tensor it is what the file stores
+    (0). `nbytes` counts the constant buffer as stored: int4 weights are
+    packed two to a byte.
+    """
+
+    index: int
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    scales: tuple[float, ...]
+    zero_points: tuple[int, ...]
+    quantized_dimension: int | None
+    nbytes: int
+    is_constant: bool
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OpInfo:
+    """One operator of the main subgraph.
+
+    `inputs` keeps the flatbuffer's -1 for an omitted optional input (a
+    FULLY_CONNECTED without bias), as the interpreter reports it.
+    `module_path` comes from the op's output tensor names (see
+    `module_path_from_tensor_name`), or from its weights' names when the
+    outputs were renamed as graph outputs; None when no name carries one.
+    """
+
+    index: int
+    name: str
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    module_path: str | None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSummary:
+    """What a .tflite file contains; `print(summary)` shows it as tables.
+
+    Attributes:
+      ops: Operators in execution order.
+      tensors: Tensors by index.
+      inputs: Tensor indices of the graph inputs.
+      outputs: Tensor indices of the graph outputs.
+      signatures: Signature key -> {'inputs': {name: tensor index}, 'outputs': {...}}.
+      op_histogram: Op name -> count, most frequent first.
+      float_islands: Ops that compute in float inside the graph; see `inspect`.
+      weight_bytes: Bytes of all constant buffers (a shared buffer counted once).
+      file_bytes: Size of the whole file, offset buffers included.
+    """
+
+    ops: tuple[OpInfo, ...]
+    tensors: tuple[TensorInfo, ...]
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    signatures: dict[str, dict]
+    op_histogram: dict[str, int]
+    float_islands: tuple[OpInfo, ...]
+    weight_bytes: int
+    file_bytes: int
+
+    @property
+    def weight_dequantize_or_transpose_at_run_time(self) -> tuple[OpInfo, ...]:
+        """DEQUANTIZE or TRANSPOSE ops whose data input is computed from constants only.
+
+        Such an op redoes the same work on a weight at every invocation; a
+        weight stored in the kernel's own layout and type needs neither.
+        """
+        derived = _constant_derived(self.ops, self.tensors)
+        return tuple(op for op in self.ops
+                     if op.name in ("DEQUANTIZE", "TRANSPOSE") and op.inputs[0] in derived)
+
+    def __str__(self) -> str:
+        return format_summary(self)
+
+
+def module_path_from_tensor_name(name: str) -> str | None:
+    """Recovers the module path of the op that produced a tensor from its name.
+
+    The converter names a tensor after the MLIR location of the op that made
+    it, and jax's location is `jit(fn)/<named scopes>/<primitive>`. A fused op
+    gets several locations joined by `;`. The first location that starts with
+    `jit(...)/` decides; the converter's own bare names (`max`) carry no scope
+    and are skipped. The path is what lies between `jit(...)/` and the last
+    `/`: the named scopes without the primitive.
+
+    Args:
+      name: A tensor name from the flatbuffer.
+
+    Returns:
+      The module path; '' for an op at the top level; None when no location
+      carries a `jit(...)/` prefix (graph inputs and outputs).
+
+    Example:
+      >>> module_path_from_tensor_name('jit(f)/dense1/dot_general/dot_general;max')
+      'dense1/dot_general'
+    """
+    for location in name.split(";"):
+        match = _JIT_PREFIX.match(location)
+        if match:
+            return location[match.end():].rpartition("/")[0]
+    return None
+
+
+def inspect(model: bytes | str | os.PathLike) -> ModelSummary:
+    """Summarizes a .tflite flatbuffer without running it.
+
+    A float island is an op that computes in float between the input
+    QUANTIZE and the output DEQUANTIZE of a full-integer model:
+      * any op but QUANTIZE and DEQUANTIZE with a float (float16, float32,
+        float64, bfloat16) input or output;
+      * a DEQUANTIZE of a constant, or of a tensor computed from constants
+        only (a weight dequantized at run time: float compute follows);
+      * a DEQUANTIZE whose output is not a graph output;
+      * a QUANTIZE of a float tensor that is not a graph input (a QUANTIZE
+        from an integer tensor is a requantization and stays integer).
+
+    Args:
+      model: The flatbuffer's bytes, or the path of a .tflite file.
+
+    Returns:
+      The summary of the main subgraph.
+
+    Raises:
+      ModelFileError: The file is missing, or is not a .tflite flatbuffer.
+
+    Example:
+      >>> summary = inspect('model.tflite')
+      >>> [op.name for op in summary.float_islands]
+      []
+    """
+    buf, label = _load(model)
+    if len(buf) < 8 or buf[4:8] != _FILE_IDENTIFIER:
+        raise ModelFileError(
+            f"{label} is not a .tflite flatbuffer: bytes 4..8 are {bytes(buf[4:8])!r}, expected the "
+            f"file identifier {_FILE_IDENTIFIER!r}; pass a file written by the LiteRT converter")
+    try:
+        return _read(buf, label)
+    except ModelFileError:
+        raise
+    # The generated reader fails with whatever struct or numpy raise on an offset out of range.
+    except (IndexError, struct.error, TypeError, ValueError, UnicodeDecodeError) as e:
+        raise ModelFileError(f"{label} has the .tflite identifier but is truncated or corrupt "
+                             f"({e}); re-export the model") from e
+
+
+def format_summary(summary: ModelSummary) -> str:
+    """Renders a summary as aligned text tables (what `print(summary)` shows).
+
+    Example:
+      >>> print(format_summary(inspect('model.tflite')))
+    """
+    t = summary.tensors
+    sigs = "; ".join(f"signature {k!r} ({', '.join(v['inputs'])} -> {', '.join(v['outputs'])})"
+                     for k, v in summary.signatures.items()) or "no signature"
+    out = [f"LiteRT model: {len(summary.ops)} ops, {len(t)} tensors, {summary.file_bytes} bytes; {sigs}",
+           "", "Ops"]
+    rows = [[str(op.index), op.name, ", ".join(_describe(t, i) for i in op.inputs),
+             ", ".join(_describe(t, i) for i in op.outputs), _module(op.module_path)]
+            for op in summary.ops]
+    out.append(table(["#", "op", "inputs", "outputs", "module"], rows))
+    out += ["", "Tensors"]
+    rows = [[str(x.index), _short_name(x.name), x.dtype, "x".join(map(str, x.shape)) or "scalar",
+             _quantization(x) or "-", str(x.nbytes) if x.is_constant else "-"] for x in t]
+    out.append(table(["#", "name", "dtype", "shape", "quantization", "bytes"], rows))
+    out += ["", "Op histogram",
+            table(["op", "count"], [[k, str(v)] for k, v in summary.op_histogram.items()])]
+    derived = _constant_derived(summary.ops, t)
+    out += _section("Float islands", ["#", "op", "module", "why"], [
+        [str(op.index), op.name, _module(op.module_path),
+         _float_island_reason(op, t, summary.inputs, summary.outputs, derived) or ""]
+        for op in summary.float_islands])
+    out += _section("Weights dequantized or transposed at run time", ["#", "op", "module", "weight"], [
+        [str(op.index), op.name, _module(op.module_path), _describe(t, op.inputs[0])]
+        for op in summary.weight_dequantize_or_transpose_at_run_time])
+    out += ["", f"Weights: {summary.weight_bytes} bytes in {sum(x.is_constant for x in t)} constant "
+                f"tensors; {len(summary.float_islands)} float islands; file: {summary.file_bytes} bytes"]
+    return "\n".join(line.rstrip() for line in out)
+
+
+def _section(title: str, headers: list[str], rows: list[list[str]]) -> list[str]:
+    return ["", f"{title} ({len(rows)}): " + ("" if rows else "none")] + (
+        [table(headers, rows)] if rows else [])
+
+
+def _load(model: bytes | str | os.PathLike) -> tuple[bytes, str]:
+    if isinstance(model, (bytes, bytearray, memoryview)):
+        return bytes(model), f"the given model bytes ({len(model)} bytes)"
+    label = f"model file {os.fspath(model)!r}"
+    try:
+        with open(model, "rb") as f:
+            return f.read(), label
+    except OSError as e:
+        raise ModelFileError(f"cannot read {label}: {e.strerror or e}; expected the path of an "
+                             f"existing .tflite file") from e
+
+
+def _read(buf: bytes, label: str) -> ModelSummary:
+    model = schema.Model.GetRootAs(buf, 0)
+    if model.SubgraphsLength() == 0:
+        raise ModelFileError(f"{label} has no subgraph; expected a model with at least one")
+    graph = model.Subgraphs(0)
+    tensors, buffer_bytes = [], {}
+    for i in range(graph.TensorsLength()):
+        tensor = graph.Tensors(i)
+        nbytes = _buffer_bytes(model, tensor.Buffer(), len(buf), label)
+        is_constant = nbytes > 0 and not tensor.IsVariable()
+        if is_constant:
+            buffer_bytes[tensor.Buffer()] = nbytes
+        tensors.append(_tensor_info(i, tensor, nbytes if is_constant else 0, is_constant))
+    ops = []
+    for i in range(graph.OperatorsLength()):
+        op = graph.Operators(i)
+        ops.append(OpInfo(index=i, name=_op_name(model.OperatorCodes(op.OpcodeIndex())),
+                          inputs=tuple(_indices(op.InputsAsNumpy())),
+                          outputs=tuple(_indices(op.OutputsAsNumpy())), module_path=None))
+    derived = _constant_derived(ops, tensors)
+    ops = [dataclasses.replace(op, module_path=_op_module_path(op, tensors, derived)) for op in ops]
+    inputs, outputs = tuple(_indices(graph.InputsAsNumpy())), tuple(_indices(graph.OutputsAsNumpy()))
+    histogram = collections.Counter(op.name for op in ops)
+    return ModelSummary(
+        ops=tuple(ops), tensors=tuple(tensors), inputs=inputs, outputs=outputs,
+        signatures=_signatures(model),
+        op_histogram=dict(sorted(histogram.items(), key=lambda kv: (-kv[1], kv[0]))),
+        float_islands=tuple(op for op in ops
+                            if _float_island_reason(op, tensors, inputs, outputs, derived)),
+        weight_bytes=sum(buffer_bytes.values()), file_bytes=len(buf))
+
+
+def _buffer_bytes(model, index: int, file_bytes: int, label: str) -> int:
+    """Bytes of a buffer, stored inline or, for large models, after the flatbuffer."""
+    if not 0 < index < model.BuffersLength():  # buffer 0 is the empty sentinel
+        return 0
+    buffer = model.Buffers(index)
+    if buffer.DataLength():
+        return buffer.DataLength()
+    # Offsets count from the start of the file; 0 and 1 mean "no offset buffer",
+    # as in the interpreter's own reader.
+    offset, size = buffer.Offset(), buffer.Size()
+    if offset > 1 and size > 0:
+        if offset + size > file_bytes:
+            raise ModelFileError(
+                f"{label} is truncated: buffer {index} lies at bytes {offset}..{offset + size} "
+                f"but the file has {file_bytes} bytes; copy the whole file")
+        return size
+    return 0
+
+
+def _tensor_info(index: int, tensor, nbytes: int, is_constant: bool) -> TensorInfo:
+    q = tensor.Quantization()
+    scales = () if q is None or q.ScaleIsNone() else tuple(float(s) for s in q.ScaleAsNumpy())
+    zero_points = () if q is None or q.ZeroPointIsNone() else tuple(int(z) for z in q.ZeroPointAsNumpy())
+    return TensorInfo(
+        index=index, name=(tensor.Name() or b"").decode(),
+        dtype=_DTYPE_NAMES.get(tensor.Type(), f"type{tensor.Type()}"),
+        shape=tuple(_indices(tensor.ShapeAsNumpy())), scales=scales, zero_points=zero_points,
+        quantized_dimension=q.QuantizedDimension() if scales else None,
+        nbytes=nbytes, is_constant=is_constant)
+
+
+def _op_module_path(op: OpInfo, tensors, derived: set[int]) -> str | None:
+    """The module path of an op's outputs' names, else of its weights' names.
+
+    The converter renames graph outputs (`serving_default_y_output`), which
+    loses the scope of the op that computes them; its weights, created in the
+    same scope, still carry it.
+    """
+    weights = [i for i in op.inputs if i in derived]
+    for i in (*op.outputs, *weights):
+        if i >= 0 and (path := module_path_from_tensor_name(tensors[i].name)) is not None:
+            return path
+    return None
+
+
+def _op_name(code) -> str:
+    # The int8 deprecated field saturates at 127; newer ops live in the int32 field.
+    builtin = max(code.BuiltinCode(), code.DeprecatedBuiltinCode())
+    if builtin == schema.BuiltinOperator.CUSTOM:
+        return (code.CustomCode() or b"CUSTOM").decode()
+    return _OP_NAMES.get(builtin, f"BUILTIN_{builtin}")
+
+
+def _signatures(model) -> dict[str, dict]:
+    out = {}
+    for i in range(model.SignatureDefsLength()):
+        sig = model.SignatureDefs(i)
+        out[(sig.SignatureKey() or b"").decode()] = {
+            "inputs": {sig.Inputs(j).Name().decode(): sig.Inputs(j).TensorIndex()
+                       for j in range(sig.InputsLength())},
+            "outputs": {sig.Outputs(j).Name().decode(): sig.Outputs(j).TensorIndex()
+                        for j in range(sig.OutputsLength())}}
+    return out
+
+
+def _indices(array) -> list[int]:
+    # The generated accessors return the int 0, not an empty array, for an absent vector.
+    return [] if isinstance(array, int) else [int(v) for v in array]
+
+
+def _constant_derived(ops, tensors) -> set[int]:
+    """Tensors that are constants or computed from constants only (ops are in execution order)."""
+    derived = {x.index for x in tensors if x.is_constant}
+    for op in ops:
+        ins = [i for i in op.inputs if i >= 0]
+        if ins and all(i in derived for i in ins):
+            derived.update(op.outputs)
+    return derived
+
+
+def _float_island_reason(op, tensors, inputs, outputs, derived) -> str | None:
+    """Why `op` computes in float inside the graph, or None; the definition is in `inspect`."""
+    if op.name == "DEQUANTIZE":
+        if op.inputs[0] in derived:
+            return "dequantizes a weight at run time"
+        if any(o not in outputs for o in op.outputs):
+            return "its float output feeds other ops"
+        return None
+    if op.name == "QUANTIZE":
+        source = op.inputs[0]
+        if tensors[source].dtype in _FLOAT_DTYPES and source not in inputs:
+            return "quantizes a float tensor computed inside the graph"
+        return None
+    floats = sorted({tensors[i].dtype for i in (*op.inputs, *op.outputs)
+                     if i >= 0 and tensors[i].dtype in _FLOAT_DTYPES})
+    return f"{'/'.join(floats)} tensors" if floats else None
+
+
+def _quantization(x: TensorInfo) -> str:
+    if not x.scales:
+        return ""
+    distinct = set(x.zero_points)  # an omitted zero point means 0 to the interpreter
+    zp = str(distinct.pop()) if len(distinct) == 1 else f"[{len(x.zero_points)}]" if distinct else "0"
+    if len(x.scales) == 1:
+        return f"s={x.scales[0]:.6g} zp={zp}"
+    return f"s=[{len(x.scales)}] axis={x.quantized_dimension} zp={zp}"
+
+
+def _describe(tensors, index: int) -> str:
+    if index < 0:
+        return "-"
+    x = tensors[index]
+    return " ".join(filter(None, [f"t{index}", x.dtype, _quantization(x)]))
+
+
+def _short_name(name: str) -> str:
+    first, *rest = name.split(";")
+    return f"{first} (+{len(rest)} fused)" if rest else first
+
+
+def _module(path: str | None) -> str:
+    return "-" if path is None else (path or "''")
