@@ -35,6 +35,11 @@ from odmlq.plan import EdgePlan, OpPlan, Plan, QuantSpec, WeightPlan, plan
 from odmlq.qarray import QArray, compute_scale, fake_quant, quantize, quantize_tensor
 from odmlq.qtypes import QType, qtype
 from odmlq.rules import Rule, UnmatchedRuleWarning, load_rules
+from odmlq._calibrate import calibrate
+from odmlq.scales import Scales, TensorScale, compute_scales
+from odmlq.simulate import Simulator, simulate
+from odmlq.litert.export import export_tflite
+from odmlq.litert.verify import VerificationError
 
 __version__ = "0.1.0"
 
@@ -45,4 +50,6 @@ __all__ = [
     "PlanError", "QArray", "QType", "QTypeError", "QuantSpec", "RMS", "Rule", "RuleError",
     "Statistics", "TraceError", "UnmatchedRuleWarning", "WeightPlan", "compute_scale",
     "fake_quant", "load_rules", "plan", "qtype", "quantize", "quantize_tensor", "trace",
+    "calibrate", "Scales", "TensorScale", "compute_scales", "Simulator", "simulate",
+    "export_tflite", "VerificationError",
 ]

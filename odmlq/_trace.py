@@ -138,6 +138,10 @@ def _eval_eqn(eqn, ins: list) -> list:
     # equation, whatever its parameters.
     invars = [a for a in eqn.invars if not isinstance(a, jcore.Literal)]
     args = [x for a, x in zip(eqn.invars, ins) if not isinstance(a, jcore.Literal)]
+    # Drop the model's own name stack: the op id scope around this call names
+    # the lowered op, and Linen's module names would only repeat it.
+    stack = eqn.source_info.name_stack
+    eqn = eqn.replace(source_info=eqn.source_info.replace(name_stack=type(stack)()))
     info = jcore.DebugInfo("odmlq", eqn.primitive.name, tuple(f"x{i}" for i in range(len(invars))),
                            tuple(f"y{i}" for i in range(len(eqn.outvars))))
     jaxpr = jcore.Jaxpr(constvars=[], invars=invars, outvars=list(eqn.outvars), eqns=[eqn],

@@ -1,6 +1,9 @@
 """The `odmlq` command line.
 
+  odmlq demo [--out DIR]                 train the digits CNN, export int8, compare
   odmlq plan SAMPLE|module:function [--rules rules.yaml] [--json]
+  odmlq export module:function --out model.tflite [--rules R] [--calibration C.npz] [--data D.npz]
+  odmlq inspect model.tflite
 
 A SAMPLE is one of the bundled sample models (``odmlq plan --list``). A
 ``module:function`` names a function that takes no arguments and returns
@@ -58,20 +61,68 @@ def _load_model(target: str):
 
 def _cmd_plan(args) -> int:
     from odmlq.plan import plan
-    from odmlq.rules import Rule, load_rules
 
     model, inputs, variables = _load_model(args.model)
-    if args.rules:
-        rules = load_rules(args.rules)
-    else:
-        rules = [Rule(".*", weight_qtype="int8", act_qtype="int8")]
-        print(f"# no --rules given: {DEFAULT_RULES}", file=sys.stderr)
+    rules = _rules_from(args)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         p = plan(model, rules, *inputs, variables=variables)
     for w in caught:
         print(f"warning: {w.message}", file=sys.stderr)
     print(p.to_json() if args.json else p)
+    return 0
+
+
+def _rules_from(args):
+    from odmlq.rules import Rule, load_rules
+
+    if args.rules:
+        return load_rules(args.rules)
+    print(f"# no --rules given: {DEFAULT_RULES}", file=sys.stderr)
+    return [Rule(".*", weight_qtype="int8", act_qtype="int8")]
+
+
+def _cmd_export(args) -> int:
+    import numpy as np
+
+    from odmlq.calibration import Calibration
+    from odmlq.litert.export import export_tflite
+
+    model, inputs, variables = _load_model(args.model)
+    calibration = Calibration.load(args.calibration) if args.calibration else None
+    data = None
+    if args.data:
+        try:
+            with np.load(args.data, allow_pickle=False) as f:
+                arrays = [f[k] for k in f.files]
+        except (OSError, ValueError) as e:
+            raise OdmlqError(f"Cannot read --data {args.data!r}: {e}.") from None
+        if not arrays:
+            raise OdmlqError(f"--data {args.data!r} holds no arrays.")
+        n = len(arrays[0])
+        data = [tuple(a[i:i + args.batch_size] for a in arrays) for i in range(0, n, args.batch_size)]
+    if data is None and calibration is None:
+        raise OdmlqError("odmlq export needs --calibration C.npz or --data D.npz (representative inputs).")
+    result = export_tflite(model, _rules_from(args), data or [tuple(inputs)], args.out,
+                           variables=variables, example_inputs=inputs, calibration=calibration,
+                           verify=not args.no_verify, allow_float_ops=args.allow_float_ops)
+    print(result)
+    return 0
+
+
+def _cmd_inspect(args) -> int:
+    from odmlq.litert.inspect import inspect
+
+    print(inspect(args.model))
+    return 0
+
+
+def _cmd_demo(args) -> int:
+    try:
+        from samples import digits_cnn
+    except ImportError:
+        raise OdmlqError("odmlq demo needs the repository's samples/ (install odmlq from a checkout).") from None
+    digits_cnn.main(args.out, args.seconds)
     return 0
 
 
@@ -83,6 +134,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rules", help="rules file (YAML or JSON)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--list", action="store_true", help="list the bundled samples")
+    d = sub.add_parser("demo", help="train the digits CNN, export int8 LiteRT, compare with float")
+    d.add_argument("--out", default="out", help="directory for the .tflite files (default: out)")
+    d.add_argument("--seconds", type=float, default=5.0, help="training time budget")
+    e = sub.add_parser("export", help="export a model to a verified .tflite")
+    e.add_argument("model", help="module:function returning (model, example_inputs, variables)")
+    e.add_argument("--out", required=True, help="the .tflite to write")
+    e.add_argument("--rules", help="rules file (YAML or JSON)")
+    e.add_argument("--calibration", help="calibration statistics (.npz from Calibration.save)")
+    e.add_argument("--data", help=".npz of representative inputs (one array per model input)")
+    e.add_argument("--batch-size", type=int, default=32)
+    e.add_argument("--no-verify", action="store_true", help="skip the op-by-op check")
+    e.add_argument("--allow-float-ops", action="store_true")
+    i = sub.add_parser("inspect", help="ops, quantization and float islands of a .tflite")
+    i.add_argument("model", help="the .tflite file")
     args = parser.parse_args(argv)
     try:
         if args.command == "plan":
@@ -90,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                 print("samples: " + ", ".join(sorted(_samples())))
                 return 0 if args.list else 2
             return _cmd_plan(args)
+        return {"demo": _cmd_demo, "export": _cmd_export, "inspect": _cmd_inspect}[args.command](args)
     except OdmlqError as e:
         print(f"odmlq: error: {e}", file=sys.stderr)
         return 1

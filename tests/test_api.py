@@ -8,6 +8,8 @@ EXPECTED = [
     "PlanError", "QArray", "QType", "QTypeError", "QuantSpec", "RMS", "Rule", "RuleError",
     "Statistics", "TraceError", "UnmatchedRuleWarning", "WeightPlan", "compute_scale",
     "fake_quant", "load_rules", "plan", "qtype", "quantize", "quantize_tensor", "trace",
+    "calibrate", "Scales", "TensorScale", "compute_scales", "Simulator", "simulate",
+    "export_tflite", "VerificationError",
 ]
 
 

@@ -1,5 +1,12 @@
-"""The LiteRT backend: read .tflite flatbuffers."""
+"""The LiteRT backend: export full-integer .tflite flatbuffers, verify and inspect them."""
 
-from odmlq.litert.inspect import ModelSummary, OpInfo, TensorInfo, format_summary, inspect
+from odmlq.litert._convert import ConversionError
+from odmlq.litert.export import Export, FloatOpsError, check_plan, export_tflite
+from odmlq.litert.inspect import ModelFileError, ModelSummary, OpInfo, TensorInfo, format_summary, inspect
+from odmlq.litert.verify import EdgeCheck, VerificationError, VerificationReport, verify
 
-__all__ = ["ModelSummary", "OpInfo", "TensorInfo", "format_summary", "inspect"]
+__all__ = [
+    "ConversionError", "EdgeCheck", "Export", "FloatOpsError", "ModelFileError", "ModelSummary",
+    "OpInfo", "TensorInfo", "VerificationError", "VerificationReport", "check_plan",
+    "export_tflite", "format_summary", "inspect", "verify",
+]

@@ -1,0 +1,257 @@
+"""export_tflite: a Flax model to a verified full-integer LiteRT flatbuffer."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect as pyinspect
+import os
+import tempfile
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from odmlq._calibrate import calibrate
+from odmlq._model_run import params_for
+from odmlq.calibration import Calibration
+from odmlq.errors import OdmlqError, PlanError
+from odmlq.litert import _annotate, _convert
+from odmlq.litert.inspect import ModelSummary, inspect
+from odmlq.litert.spec import OP_SPEC
+from odmlq.litert.verify import VerificationReport, verify as verify_model
+from odmlq.plan import Plan, plan as make_plan
+from odmlq.scales import Scales, compute_scales
+
+__all__ = ["export_tflite", "Export", "FloatOpsError", "check_plan"]
+
+_LITERT_WEIGHT_QTYPES = ("int8", "int4")
+_LITERT_ACT_QTYPES = ("int8", "int16")
+
+
+class FloatOpsError(OdmlqError, ValueError):
+    """A full-integer export would run some ops in float."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Export:
+    """What `export_tflite` made, and the evidence that it is right."""
+
+    tflite: bytes
+    path: str | None
+    plan: Plan
+    calibration: Calibration | None
+    scales: Scales
+    summary: ModelSummary
+    verification: VerificationReport | None
+
+    def __str__(self) -> str:
+        lines = [f"{self.path or '<bytes>'}: {len(self.tflite)} bytes, ops: "
+                 + ", ".join(f"{k} x{v}" for k, v in self.summary.op_histogram.items()),
+                 "float islands: " + (", ".join(f"{o.name} ({o.module_path})" for o in
+                                                self.summary.float_islands) or "none")]
+        if self.verification is not None:
+            lines.append(str(self.verification))
+        return "\n".join(lines)
+
+
+def check_plan(plan: Plan, *, allow_float_ops: bool = False) -> list[str]:
+    """LiteRT's check of a plan, before any work: what it cannot honour.
+
+    Returns the ops that will stay in float (allowed with `allow_float_ops`).
+
+    Raises:
+      PlanError: a decision LiteRT cannot honour (per-block or multi-axis
+        weight scales, per-channel activations, a qtype without a LiteRT
+        kernel), naming the op, the rule and what to change.
+    """
+    float_ops = []
+    for op in plan.graph.ops:
+        op_plan = plan.ops[op.id]
+        where = f"op {op.id!r} (module {op.module_path!r}, rules[{op_plan.rule}])"
+        for w in op_plan.weights:
+            spec = w.spec
+            if spec is None:
+                continue
+            if spec.qtype not in _LITERT_WEIGHT_QTYPES:
+                raise PlanError(f"{where}: weight {w.param!r} is {spec.qtype}; LiteRT stores weights "
+                                f"as {' or '.join(_LITERT_WEIGHT_QTYPES)}. Change weight_qtype.")
+            if spec.block_size is not None or len(spec.scale_axes) > 1:
+                raise PlanError(f"{where}: weight {w.param!r} has {spec.describe()}; LiteRT takes one "
+                                "scale per tensor or per output channel. Use PerChannel() or PerTensor().")
+        for edge_id in op.outputs:
+            spec = plan.edges[edge_id].spec
+            if spec is None:
+                continue
+            if spec.qtype not in _LITERT_ACT_QTYPES:
+                raise PlanError(f"{where}: output {edge_id!r} is {spec.qtype}; LiteRT activations are "
+                                f"{' or '.join(_LITERT_ACT_QTYPES)}. Change act_qtype.")
+            if spec.scale_axes:
+                raise PlanError(f"{where}: output {edge_id!r} is per-channel; LiteRT activations "
+                                "are per-tensor. Use act_granularity=PerTensor().")
+            if spec.qtype == "int16" and not spec.symmetric:
+                raise PlanError(f"{where}: int16 output {edge_id!r} must be symmetric (LiteRT's "
+                                "16x8 kernels take zero point 0). Remove act_symmetric=False.")
+            if spec.qtype == "int16" and op.kind == "conv":
+                # DESIGN.md: litert-converter emits an int32 bias for 16x8
+                # CONV_2D, whose kernel reads int64: outputs off by the range.
+                raise PlanError(f"{where}: int16x8 convolution is miscompiled by litert-converter "
+                                "0.5.0 (int32 bias where the kernel takes int64). Quantize this "
+                                "op's output to int8, or keep it in float with a skip rule.")
+            kind_spec = OP_SPEC.get(op.kind)
+            if op.kind != "scan" and (kind_spec is None or spec.qtype not in kind_spec.schemas):
+                message = (f"{where}: LiteRT has no {spec.qtype} kernel for {op.kind!r}; keep it in "
+                           "float with Rule(..., skip=True) and allow_float_ops=True")
+                if not allow_float_ops:
+                    raise FloatOpsError(message + ".")
+                float_ops.append(op.id)
+    return float_ops
+
+
+def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Callable | None,
+                  path: str | os.PathLike | None = None, *, variables: Any = None,
+                  example_inputs: Sequence[Any] | None = None,
+                  calibration: Calibration | None = None, verify: bool = True,
+                  verify_samples: int = 32, allow_float_ops: bool = False,
+                  input_names: Sequence[str] | None = None,
+                  output_names: Sequence[str] | None = None,
+                  progress: bool | None = None) -> Export:
+    """Exports `model` as a LiteRT flatbuffer quantized by `rules`, and checks it.
+
+    Args:
+      model: a Linen module (pass `variables`) or an NNX module.
+      rules: rules (or a ready Plan).
+      rep_dataset: representative batches (iterable, or callable returning
+        one). The last batch is held back from calibration and used to verify
+        when there are two or more.
+      path: where to write the .tflite (atomically; an existing file is
+        replaced only by a complete new one). None: only return the bytes.
+      example_inputs: inputs fixing the exported shapes (default: the first
+        batch's first row, i.e. batch size 1).
+      calibration: statistics to use instead of calibrating.
+      verify: run the model in the LiteRT interpreter and check every op
+        against `simulate` (within 1 LSB) — on by default.
+      allow_float_ops: let ops without an integer kernel stay in float
+        (listed and warned about) instead of failing.
+
+    Returns:
+      An `Export` with the bytes, plan, scales, flatbuffer summary and
+      verification report.
+
+    Raises:
+      PlanError, FloatOpsError: what LiteRT cannot do, before any work.
+      CalibrationError: bad representative data.
+      ConversionError: the converter failed (its diagnostic is kept).
+      VerificationError: the converted model does not compute what the plan says.
+
+    Example:
+      >>> result = odmlq.export_tflite(model, [odmlq.Rule('.*', weight_qtype='int8',
+      ...     act_qtype='int8')], batches, 'model.tflite', variables=variables)
+      >>> print(result)
+    """
+    params = params_for(model, variables, "export_tflite")
+    batches = list(rep_dataset() if callable(rep_dataset) else rep_dataset or [])
+    if example_inputs is None:
+        if not batches:
+            raise PlanError("export_tflite needs example_inputs= or a non-empty rep_dataset.")
+        first = batches[0] if isinstance(batches[0], (tuple, list)) else (batches[0],)
+        example_inputs = tuple(np.asarray(x)[:1] for x in first)
+    example_inputs = tuple(example_inputs)
+    plan = rules if isinstance(rules, Plan) else make_plan(model, rules, *example_inputs, variables=variables)
+    float_ops = check_plan(plan, allow_float_ops=allow_float_ops)
+    held_back = batches[-1:] if len(batches) >= 2 else batches
+    if calibration is None and any(p.spec is not None and not p.spec.dynamic for p in plan.edges.values()):
+        calibration = calibrate(model, plan, batches[:-1] if len(batches) >= 2 else batches,
+                                variables=variables, progress=progress)
+    scales = compute_scales(plan, calibration, params, OP_SPEC)
+    graph = plan.graph if plan.graph.program is not None else None
+    if graph is None:
+        graph = make_plan(model, plan.rules, *example_inputs, variables=variables).graph
+    fn = _annotate.annotated_function(graph, plan, scales, params)
+    names_in = list(input_names or _input_names(model, len(graph.inputs)))
+    names_out = list(output_names or [f"output_{i}" for i in range(len(graph.outputs))])
+    tflite = _convert.convert(fn, example_inputs, input_names=names_in, output_names=names_out)
+    summary = inspect(tflite)
+    _check_summary(plan, summary, allow_float_ops, float_ops)
+    report = None
+    if verify:
+        samples = _limit(held_back, verify_samples)
+        report = verify_model(tflite, model, plan, scales, samples, variables=variables)
+    written = _write_atomically(path, tflite) if path is not None else None
+    return Export(tflite=tflite, path=written, plan=plan, calibration=calibration, scales=scales,
+                  summary=summary, verification=report)
+
+
+def _check_summary(plan: Plan, summary: ModelSummary, allow_float_ops: bool, float_ops) -> None:
+    static = any(p.spec is not None and not p.spec.dynamic for p in plan.edges.values())
+    slow = summary.weight_dequantize_or_transpose_at_run_time
+    if slow and static:
+        raise FloatOpsError(
+            "The converted model dequantizes or transposes weights at every invocation: "
+            + ", ".join(f"{o.name} ({o.module_path})" for o in slow) + ". This is a defect of the "
+            "annotation; please report it with the plan."
+        )
+    if static and summary.float_islands:
+        listing = ", ".join(f"{o.name} (module {o.module_path!r})" for o in summary.float_islands)
+        if not allow_float_ops:
+            raise FloatOpsError(
+                f"The full-integer export has float islands: {listing}. Quantize those ops "
+                "(a rule with act_qtype) or pass allow_float_ops=True to accept them."
+            )
+        warnings.warn(f"float ops in the exported model: {listing}", stacklevel=3)
+
+
+def _limit(batches: list, samples: int) -> list:
+    out, count = [], 0
+    for batch in batches:
+        inputs = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+        take = max(0, min(samples - count, int(np.shape(inputs[0])[0])))
+        if take:
+            out.append(tuple(np.asarray(x)[:take] for x in inputs))
+            count += take
+    return out
+
+
+def _input_names(model: Any, n: int) -> list[str]:
+    try:
+        fn = model.__call__
+        names = [p.name for p in pyinspect.signature(fn).parameters.values()
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        names = []
+    return names[:n] if len(names) >= n else [f"input_{i}" for i in range(n)]
+
+
+def _write_atomically(path: str | os.PathLike, data: bytes) -> str:
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise OdmlqError(f"Cannot write {path!r}: directory {directory!r} does not exist.")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".odmlq-", suffix=".tflite.tmp", dir=directory)
+    except OSError as e:
+        raise OdmlqError(f"Cannot write {path!r}: {e.strerror}; choose a writable directory.") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with _suppress():
+            os.unlink(tmp)
+        raise
+    return path
+
+
+class _suppress:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return exc[0] is not None and issubclass(exc[0], OSError)
+
+
+del jax
