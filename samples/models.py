@@ -20,7 +20,7 @@ NUM_CLASSES = 10
 
 
 class LinenMLP(nn.Module):
-    hidden: tuple[int, ...] = (64, 32)
+    hidden: tuple[int, ...] = (512, 256)
 
     @nn.compact
     def __call__(self, x):
@@ -31,7 +31,7 @@ class LinenMLP(nn.Module):
 
 
 class NnxMLP(nnx.Module):
-    def __init__(self, hidden: tuple[int, ...] = (64, 32), *, rngs: nnx.Rngs):
+    def __init__(self, hidden: tuple[int, ...] = (512, 256), *, rngs: nnx.Rngs):
         sizes = (DIGITS_SHAPE[0] * DIGITS_SHAPE[1], *hidden)
         for i in range(len(hidden)):
             setattr(self, f"dense{i + 1}", nnx.Linear(sizes[i], sizes[i + 1], rngs=rngs))
@@ -77,7 +77,7 @@ def _example(batch: int = 1) -> jax.Array:
 
 
 def mlp(seed: int = 0):
-    """Linen MLP 64-64-32-10 with initialized variables."""
+    """Linen MLP 64-512-256-10 with initialized variables."""
     model, x = LinenMLP(), _example()
     return model, (x,), model.init(jax.random.key(seed), x)
 

@@ -85,7 +85,7 @@ def test_skip_rule_keeps_head_in_float():
 
 def test_block_size_must_divide_the_contraction_axis():
     rules = [Rule(".*", weight_qtype="int4", weight_granularity=PerBlock(5))]
-    with pytest.raises(GranularityError, match=r"op 'dense1/dot_general' \(rules\[0\]\), weight 'dense1/kernel' of shape \(64, 64\): block size 5 does not divide axis 0 of size 64"):
+    with pytest.raises(GranularityError, match=r"op 'dense1/dot_general' \(rules\[0\]\), weight 'dense1/kernel' of shape \(64, 512\): block size 5 does not divide axis 0 of size 64"):
         _plan("mlp", rules)
 
 

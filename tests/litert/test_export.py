@@ -1,0 +1,201 @@
+"""export_tflite end to end: the real converter, the real interpreter, real digits."""
+
+import os
+import stat
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+import numpy as np
+import pytest
+
+import odmlq
+from odmlq.errors import CalibrationError
+from odmlq.litert import FloatOpsError, inspect
+from samples.digits import batches, load_digits_splits, train
+
+INT8 = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_digits_splits()
+
+
+@pytest.fixture(scope="module", params=["mlp", "cnn", "mlp_nnx", "cnn_nnx"])
+def exported(request, digits):
+    # 500 steps (about 1-3 s here) train every sample to 97-98% test accuracy;
+    # the step cap, not the clock, ends training, so the weights are reproducible.
+    model, variables = train(request.param, digits, seconds=20, max_steps=500)
+    result = odmlq.export_tflite(model, INT8, batches(digits.x_calibration, 32), variables=variables)
+    return request.param, model, variables, result
+
+
+def test_full_integer_no_float_islands(exported):
+    name, _, _, result = exported
+    summary = result.summary
+    assert summary.float_islands == ()
+    assert summary.weight_dequantize_or_transpose_at_run_time == ()
+    ops = [op.name for op in summary.ops]
+    assert ops[0] == "QUANTIZE" and ops[-1] == "DEQUANTIZE"
+    assert ops.count("QUANTIZE") == 1 and ops.count("DEQUANTIZE") == 1
+    assert "serving_default" in summary.signatures
+
+
+def test_weights_in_the_flatbuffer_are_per_channel_int8_and_equal_ours(exported):
+    """Weight and bias integers in the .tflite vs our own quantization: exact."""
+    from ai_edge_litert.interpreter import Interpreter
+
+    name, model, variables, result = exported
+    params = odmlq.scales.flat_params(variables if variables is not None else model)
+    interpreter = Interpreter(model_content=result.tflite)
+    interpreter.allocate_tensors()
+    tensors = {t.name: t for t in result.summary.tensors}
+    kernel_ops = [op for op in result.summary.ops if op.name in ("FULLY_CONNECTED", "CONV_2D", "DEPTHWISE_CONV_2D")]
+    assert len(kernel_ops) == len(result.scales.weights)
+    for path, ts in result.scales.weights.items():
+        t = tensors[f"jit(fn)/{path}/composite"] if f"jit(fn)/{path}/composite" in tensors else next(
+            t for t in result.summary.tensors if t.is_constant and t.dtype == "int8" and path in t.name)
+        assert t.dtype == "int8" and t.is_constant
+        ours = np.asarray(ts.quantize(np.asarray(params[path])).values())
+        axis = ts.scale_axes[0]
+        native = np.moveaxis(ours, axis, 0)  # LiteRT stores output channels first
+        stored = interpreter.get_tensor(t.index)
+        if stored.shape != native.shape:  # DEPTHWISE_CONV_2D keeps channels last: (1, H, W, C)
+            native = np.moveaxis(native, 0, -1).reshape(stored.shape)
+        np.testing.assert_array_equal(stored, native)
+        op = next(op for op in kernel_ops if t.index in op.inputs)
+        bias = interpreter.get_tensor(op.inputs[2])
+        bias_path = path.rsplit("/", 1)[0] + "/bias"
+        expected = np.round(np.asarray(params[bias_path]) / result.scales.biases[bias_path])
+        assert bias.dtype == np.int32
+        np.testing.assert_array_equal(bias, expected.astype(np.int32))
+
+
+def test_verified_within_one_lsb_and_end_to_end_within_two(exported):
+    _, _, _, result = exported
+    report = result.verification
+    assert report.passed and report.samples >= 16
+    assert not report.unmapped_edges  # every quantized edge was found and checked
+    for check in report.checks:
+        assert check.params_match, check.edge
+        assert check.max_lsb <= 1.0 + 1e-3, (check.edge, check.max_lsb)  # 1 LSB: kernel rounding
+    assert report.output_max_lsb <= 2.0 + 1e-3
+
+
+def test_int8_file_is_under_30_percent_of_float(exported, digits):
+    name, model, variables, result = exported
+    float_result = odmlq.export_tflite(model, [], batches(digits.x_calibration[:32], 32),
+                                       variables=variables, verify=False)
+    assert float_result.summary.float_islands  # the float model computes in float...
+    assert len(result.tflite) < 0.30 * len(float_result.tflite), (len(result.tflite), len(float_result.tflite))
+
+
+def test_int8_accuracy_within_one_point_of_float(exported, digits):
+    from samples.digits_cnn import tflite_accuracy
+
+    from samples.digits import accuracy
+
+    name, model, variables, result = exported
+    x, y = digits.x_test, digits.y_test  # all 540 test images: one image is 0.19 points
+    float_acc = accuracy(model, variables, x, y)
+    int8_acc = tflite_accuracy(result.tflite, x, y)
+    assert int8_acc >= float_acc - 0.01, (float_acc, int8_acc)
+
+
+@pytest.fixture(scope="module")
+def small_cnn(digits):
+    model, variables = train("cnn", digits, seconds=1, max_steps=20)
+    return model, variables
+
+
+def test_written_atomically_and_replaces_existing_file(small_cnn, digits, tmp_path):
+    model, variables = small_cnn
+    path = tmp_path / "model.tflite"
+    path.write_bytes(b"old contents")
+    result = odmlq.export_tflite(model, INT8, batches(digits.x_calibration[:64], 32), path,
+                                 variables=variables, verify=False)
+    assert path.read_bytes() == result.tflite
+    assert sorted(os.listdir(tmp_path)) == ["model.tflite"]  # no temp file left behind
+    assert inspect(path).ops[0].name == "QUANTIZE"
+
+
+def test_failed_export_leaves_existing_file_untouched(small_cnn, tmp_path):
+    model, variables = small_cnn
+    path = tmp_path / "model.tflite"
+    path.write_bytes(b"old contents")
+    bad = [np.full((4, 8, 8, 1), np.nan, np.float32), np.zeros((4, 8, 8, 1), np.float32)]
+    with pytest.raises(CalibrationError):
+        odmlq.export_tflite(model, INT8, bad, path, variables=variables)
+    assert path.read_bytes() == b"old contents"
+    assert sorted(os.listdir(tmp_path)) == ["model.tflite"]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
+def test_unwritable_directory(small_cnn, digits, tmp_path):  # pragma: no cover - CI runs as root
+    model, variables = small_cnn
+    tmp_path.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    with pytest.raises(odmlq.OdmlqError, match="Cannot write"):
+        odmlq.export_tflite(model, INT8, batches(digits.x_calibration[:64], 32), tmp_path / "m.tflite",
+                            variables=variables, verify=False)
+
+
+def test_missing_directory_is_a_clear_error(small_cnn, digits, tmp_path):
+    model, variables = small_cnn
+    with pytest.raises(odmlq.OdmlqError, match=r"Cannot write .*: directory .* does not exist"):
+        odmlq.export_tflite(model, INT8, batches(digits.x_calibration[:64], 32),
+                            tmp_path / "no" / "m.tflite", variables=variables, verify=False)
+
+
+def test_empty_rep_dataset(small_cnn, digits):
+    model, variables = small_cnn
+    with pytest.raises(CalibrationError, match="rep_dataset yielded no batches"):
+        odmlq.export_tflite(model, INT8, [], variables=variables, example_inputs=(digits.x_test[:1],))
+
+
+def test_nan_batch_names_batch_and_input(small_cnn):
+    model, variables = small_cnn
+    good = np.zeros((4, 8, 8, 1), np.float32)
+    bad = good.copy()
+    bad[1, 2, 3, 0] = np.inf
+    with pytest.raises(CalibrationError, match=r"rep_dataset batch 1, input 0: 1 NaN or Inf"):
+        odmlq.export_tflite(model, INT8, [good, bad, good], variables=variables)
+
+
+def test_batch_of_wrong_shape(small_cnn):
+    model, variables = small_cnn
+    with pytest.raises(CalibrationError, match=r"batch 1, input 0: shape \(4, 8, 8, 3\) float32 does not match"):
+        odmlq.export_tflite(model, INT8, [np.zeros((4, 8, 8, 1), np.float32),
+                                          np.zeros((4, 8, 8, 3), np.float32),
+                                          np.zeros((4, 8, 8, 1), np.float32)], variables=variables)
+
+
+class _Constant(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        dead = nn.relu(nn.Dense(8, name="fc")(x))  # all zero: its bias is set to -1000 below
+        return nn.Dense(4, name="head")(dead)
+
+
+def test_constant_activation_gets_a_valid_scale():
+    model, x = _Constant(), np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
+    variables = model.init(jax.random.key(0), x[:1])
+    variables = jax.tree_util.tree_map_with_path(
+        lambda p, v: v - 1000.0 if "fc" in str(p) and "bias" in str(p) else v, variables)
+    result = odmlq.export_tflite(model, INT8, [x[:8], x[8:]], variables=variables)
+    zero = [ts for e, ts in result.scales.edges.items() if e.endswith("relu")]
+    assert zero and all(np.all(np.isfinite(ts.scale)) and np.all(ts.scale > 0) for ts in zero)
+    assert result.verification.passed
+
+
+class _Sine(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return jnp.sin(nn.Dense(4, name="fc")(x))
+
+
+def test_op_without_integer_kernel_is_refused_before_work():
+    model, x = _Sine(), np.ones((2, 4), np.float32)
+    variables = model.init(jax.random.key(0), x[:1])
+    with pytest.raises(FloatOpsError, match=r"op 'fc/sin' .* LiteRT has no int8 kernel for 'sin'"):
+        odmlq.export_tflite(model, INT8, [x], variables=variables)
