@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -142,7 +143,10 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
 
     from odmlq.simulate import Simulator
 
-    interpreter = Interpreter(model_content=bytes(tflite), experimental_preserve_all_tensors=True)
+    with warnings.catch_warnings():
+        # It warns that keeping every tensor is for debugging: that is the point here.
+        warnings.simplefilter("ignore", UserWarning)
+        interpreter = Interpreter(model_content=bytes(tflite), experimental_preserve_all_tensors=True)
     interpreter.allocate_tensors()
     details = interpreter.get_tensor_details()
     produced = {int(t) for op in interpreter._get_ops_details() for t in op["outputs"]}
