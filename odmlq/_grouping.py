@@ -11,6 +11,7 @@ from collections import Counter
 
 import numpy as np
 
+from odmlq import _patterns
 from odmlq._trace import _Lit, _map_axes, _OpRec, _Program, _Region, _Step, _Walker
 from odmlq.graph import Edge, Op, Operand
 
@@ -70,8 +71,17 @@ class _Builder:
 
     def records(self, program: _Program, region: _OpRec | None) -> list[_OpRec]:
         recs: list[_OpRec] = []
-        for step in program.steps:
-            if not self.is_activation_step(step):
+        steps = [s for s in program.steps if self.is_activation_step(s)]
+        i = 0
+        while i < len(steps):
+            step = steps[i]
+            i += 1
+            pattern = _patterns.match(steps, i - 1, self.uses)
+            if pattern is not None:
+                n = len(pattern.steps)
+                recs.append(_OpRec(kind=pattern.kind, stack=step.stack, steps=steps[i - 1:i - 1 + n],
+                                   region=region))
+                i += n - 1
                 continue
             if isinstance(step, _Region):
                 rec = _OpRec(kind="scan", stack=step.stack, steps=[step], region=region)
@@ -245,10 +255,18 @@ class _Builder:
 
     def make_op(self, rec: _OpRec, program: _Program, outputs: list[str]) -> Op:
         ins = list(rec.steps[0].ins) if rec.kind == "scan" else self.external_ins(rec)
+        if len(rec.steps) == 1 and rec.kind != "scan":
+            # A one-primitive op's literals are its operands (x * 0.5); in a fused
+            # op (gelu, softmax) they are part of what the op computes.
+            ins = list(rec.steps[0].ins)
         axes = self.weight_axes(rec) if rec.kind in _ANCHOR_KINDS else {}
         operands = []
         for r in ins:
             if isinstance(r, _Lit):
+                value = np.asarray(r.value)
+                self.register_constant(rec, program, r, len([o for o in operands if o.role == "constant"]))
+                operands.append(Operand(role="constant", shape=value.shape, dtype=str(value.dtype),
+                                        value=value))
                 continue
             aval = self.w.avals[r]
             shape, dtype = tuple(int(d) for d in aval.shape), str(aval.dtype)
@@ -257,7 +275,10 @@ class _Builder:
                 edge = program.edge_of.get(r)
                 operands.append(Operand(role="input", edge=edge, shape=shape, dtype=dtype))
             elif not w.params:
-                operands.append(Operand(role="constant", shape=shape, dtype=dtype))
+                if rec.kind != "scan":
+                    self.register_constant(rec, program, r, len([o for o in operands if o.role == "constant"]))
+                operands.append(Operand(role="constant", shape=shape, dtype=dtype,
+                                        value=self.w.constants.get(r)))
             else:
                 channel, contraction = axes.get(r, ((), ()))
                 operands.append(Operand(
@@ -271,6 +292,13 @@ class _Builder:
         return Op(id=rec.id, kind=rec.kind, module_path=rec.module_path, operands=tuple(operands),
                   outputs=tuple(outputs), region=rec.region.id if rec.region else None,
                   attributes=attributes)
+
+    def register_constant(self, rec: _OpRec, program: _Program, r, index: int) -> None:
+        """Where the op's steps read constant `r`, so evaluate can replace it there."""
+        for step in rec.steps:
+            for pos, used in enumerate(step.ins):
+                if used is r or (not isinstance(r, _Lit) and used == r):
+                    program.constant_of[(id(step), pos)] = (rec.id, index)
 
     def weight_axes(self, rec: _OpRec) -> dict[int, tuple]:
         """Output-channel and contraction axes of each weight, in its parameter's layout."""

@@ -35,6 +35,8 @@ def render(plan) -> str:
         name = ("  " if op.region else "") + op.id
         weights = [f"{w.param}: {w.spec.describe() if w.spec else (w.note or 'float')}"
                    for w in op_plan.weights]
+        weights += [f"constant {i}: {c.describe()} (scale from its value)"
+                    for i, c in enumerate(op_plan.constants) if c is not None]
         rows.append([name, op.kind, op.module_path or "''", _rule(op_plan.rule),
                      weights[0] if weights else "-"])
         rows.extend(["", "", "", "", w] for w in weights[1:])

@@ -26,6 +26,8 @@ NAMED_FUNCTIONS = frozenset({
 })
 # Primitives whose kind gets a shorter name in plans and rules.
 KIND_NAMES = {"conv_general_dilated": "conv", "reduce_window_max": "max_pool"}
+# Named calls whose kind is the name users know (jax.nn.hard_swish is hard_silu).
+NAMED_KINDS = {"hard_silu": "hard_swish"}
 ANCHORS = ("dot_general", "conv_general_dilated")
 _SAME_AXES = frozenset({"convert_element_type", "copy", "copy_p", "reduce_precision"})
 _INLINE_CALLS = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "closed_call", "remat2",
@@ -88,25 +90,46 @@ class _Program:
     edge_of: dict[int, str] = dataclasses.field(default_factory=dict)
     alias: set = dataclasses.field(default_factory=set)
     op_of: dict[int, str] = dataclasses.field(default_factory=dict)  # id(step) -> op id
+    # (id(step), input position) -> (op id, index among the op's constant operands)
+    constant_of: dict[tuple[int, int], tuple[str, int]] = dataclasses.field(default_factory=dict)
 
-    def run_flat(self, values: list, on_edge) -> list:
+    def run_flat(self, values: list, on_edge, on_constant=None) -> list:
         env: dict[int, Any] = {}
         for v, x in zip(self.invars, values):
             env[v] = self._hook(v, x, on_edge)
         for step in self.steps:
             ins = [r.value if isinstance(r, _Lit) else env[r] for r in step.ins]
+            replaced = self._constants(step, ins, on_constant)
             # Lowered ops carry their op id as their location, so the tensors of
             # an exported model can be traced back to the plan.
             with jax.named_scope(self.op_of.get(id(step), "weights")):
                 if isinstance(step, _Region):
-                    outs = _run_scan(step, ins, on_edge)
+                    outs = _run_scan(step, ins, on_edge, on_constant)
                 elif step.fn is not None:
                     outs = step.fn(*ins)
+                elif replaced:
+                    # A literal lives in the equation itself: apply the primitive
+                    # to the replaced values instead.
+                    outs = step.eqn.primitive.bind(*ins, **step.eqn.params)
+                    outs = outs if step.eqn.primitive.multiple_results else [outs]
                 else:
                     outs = _eval_eqn(step.eqn, ins)
             for v, x in zip(step.outs, outs):
                 env[v] = self._hook(v, x, on_edge)
         return [r.value if isinstance(r, _Lit) else env[r] for r in self.outvars]
+
+    def _constants(self, step, ins: list, on_constant) -> bool:
+        """Lets `on_constant(op_id, index, value)` replace the step's constant operands."""
+        if on_constant is None or isinstance(step, _Region):
+            return False
+        replaced = False
+        for pos in range(len(ins)):
+            key = self.constant_of.get((id(step), pos))
+            if key is not None:
+                new = on_constant(key[0], key[1], ins[pos])
+                replaced = replaced or new is not ins[pos]
+                ins[pos] = new
+        return replaced
 
     def _hook(self, v: int, x: Any, on_edge):
         if on_edge is None or v not in self.edge_of or v in self.alias:
@@ -121,7 +144,7 @@ class _TopProgram:
     out_tree: Any
     num_params: int
 
-    def run(self, params, inputs, on_edge):
+    def run(self, params, inputs, on_edge, on_constant=None):
         params = _params_of(params)
         leaves, tree = jax.tree_util.tree_flatten((params, *inputs))
         if tree != self.in_tree:
@@ -129,7 +152,7 @@ class _TopProgram:
                 "The params and inputs passed to evaluate() do not have the structure the "
                 f"model was traced with.\n  traced: {self.in_tree}\n  given:  {tree}"
             )
-        outs = self.body.run_flat(leaves, on_edge)
+        outs = self.body.run_flat(leaves, on_edge, on_constant)
         return jax.tree_util.tree_unflatten(self.out_tree, outs)
 
 
@@ -157,13 +180,13 @@ def _inline_call(closed):
     return call
 
 
-def _run_scan(region: _Region, ins: list, on_edge) -> list:
+def _run_scan(region: _Region, ins: list, on_edge, on_constant=None) -> list:
     p = region.eqn.params
     nc, ncarry = p["num_consts"], p["num_carry"]
     consts, init, xs = ins[:nc], ins[nc:nc + ncarry], ins[nc + ncarry:]
 
     def body(carry, x):
-        outs = region.body.run_flat([*consts, *carry, *x], on_edge)
+        outs = region.body.run_flat([*consts, *carry, *x], on_edge, on_constant)
         return outs[:ncarry], outs[ncarry:]
 
     carry, ys = lax.scan(body, list(init), list(xs), length=p["length"],
@@ -213,6 +236,9 @@ class _Walker:
         self.next_id = 0
         self.avals: dict[int, Any] = {}
         self.weights: dict[int, _W] = {}
+        # Values computed from literals and closed-over arrays alone, folded at
+        # trace time (what a constant operand of an op holds).
+        self.constants: dict[int, np.ndarray] = {}
 
     def new(self, aval) -> int:
         self.next_id += 1
@@ -231,6 +257,7 @@ class _Walker:
         for var, c in zip(jaxpr.constvars, consts):
             v = self.new(var.aval)
             self.weights[v] = _W((), _identity(np.ndim(c)))
+            self.constants[v] = np.asarray(c)
             steps.append(_Step(eqn=None, ins=[], outs=[v], fn=(lambda c=c: [c]), kind="constant"))
             env[var] = v
         for eqn in jaxpr.eqns:
@@ -253,14 +280,30 @@ class _Walker:
             return
         step = _Step(eqn=eqn, ins=ins, outs=outs, stack=stack, kind=KIND_NAMES.get(name, name))
         if name in ("jit", "pjit"):
-            step.kind = eqn.params["name"]
+            step.kind = NAMED_KINDS.get(eqn.params["name"], eqn.params["name"])
             step.fn = _inline_call(eqn.params["jaxpr"])
         step.einsum = _einsum_of(stack)
         if all(self.is_weight(r) for r in ins):
             for v in outs:
                 self.weights[v] = _propagate(eqn, [self.weights.get(r) for r in ins if not isinstance(r, _Lit)],
                                              ins, self)
+            self.fold_constant(step)
         steps.append(step)
+
+    def fold_constant(self, step: _Step) -> None:
+        if step.fn is not None or any(isinstance(p, (jcore.ClosedJaxpr, jcore.Jaxpr))
+                                      for p in step.eqn.params.values()):
+            return
+        values = []
+        for r in step.ins:
+            if isinstance(r, _Lit):
+                values.append(r.value)
+            elif r in self.constants:
+                values.append(self.constants[r])
+            else:
+                return
+        for v, x in zip(step.outs, _eval_eqn(step.eqn, values)):
+            self.constants[v] = np.asarray(x)
 
     def inline(self, eqn, key, ins, env, stack, steps):
         inner, consts = _subjaxpr(eqn, key)

@@ -51,6 +51,8 @@ class Operand:
       contraction_axes: the parameter's contracted axes (matmul/conv inputs).
       stacked_axes: parameter axes that a loop slices (one slice per
         iteration): every slice gets its own scales.
+      value: for a constant, its value (folded at trace time; None when it
+        depends on a loop or could not be folded).
     """
 
     role: str
@@ -61,12 +63,14 @@ class Operand:
     channel_axes: tuple[int, ...] | None = ()
     contraction_axes: tuple[int, ...] | None = ()
     stacked_axes: tuple[int, ...] = ()
+    value: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         for k in ("shape", "channel_axes", "contraction_axes", "stacked_axes"):
             if d[k] is not None:
                 d[k] = list(d[k])
+        d["value"] = None if self.value is None else np.asarray(self.value).tolist()
         return d
 
     @classmethod
@@ -75,6 +79,8 @@ class Operand:
         for k in ("shape", "channel_axes", "contraction_axes", "stacked_axes"):
             if d.get(k) is not None:
                 d[k] = tuple(d[k])
+        if d.get("value") is not None:
+            d["value"] = np.asarray(d["value"], d.get("dtype", "float32")).reshape(d["shape"])
         return cls(**d)
 
 
@@ -97,6 +103,11 @@ class Op:
     @property
     def inputs(self) -> tuple[str, ...]:
         return tuple(o.edge for o in self.operands if o.role == "input")
+
+    @property
+    def constants(self) -> tuple[Operand, ...]:
+        """Constant operands (literals, closed-over arrays), in operand order."""
+        return tuple(o for o in self.operands if o.role == "constant")
 
     def to_dict(self) -> dict:
         return {
@@ -174,9 +185,12 @@ class Graph:
         raise KeyError(f"No op {op_id!r} in the graph; ops are {[o.id for o in self.ops]}.")
 
     def evaluate(self, params: Any, *inputs: Any,
-                 on_edge: Callable[[str, Any], Any] | None = None) -> Any:
+                 on_edge: Callable[[str, Any], Any] | None = None,
+                 on_constant: Callable[[str, int, Any], Any] | None = None) -> Any:
         """Runs the model op by op; `on_edge(edge_id, value)` may observe or
-        replace every activation edge (inputs included). Jittable.
+        replace every activation edge (inputs included), and
+        `on_constant(op_id, index, value)` the `index`-th of an op's
+        `constants` where the op uses it. Jittable.
 
         Example:
           >>> graph = trace(model, x, variables=variables)
@@ -187,7 +201,7 @@ class Graph:
                 "This graph was read from JSON and holds no program; trace the model "
                 "again (odmlq.plan(model, rules, *inputs)) to evaluate it."
             )
-        return self.program.run(params, inputs, on_edge)
+        return self.program.run(params, inputs, on_edge, on_constant)
 
     def to_dict(self) -> dict:
         return {

@@ -122,19 +122,23 @@ class WeightPlan:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OpPlan:
-    """The rule that decided an op (None: no rule matched, float) and its weights."""
+    """The rule that decided an op (None: no rule matched, float), its weights,
+    and its constant operands (one spec or None per `Op.constants`, in order)."""
 
     op: str
     rule: int | None
     weights: tuple[WeightPlan, ...] = ()
+    constants: tuple[QuantSpec | None, ...] = ()
 
     def to_dict(self) -> dict:
-        return {"op": self.op, "rule": self.rule, "weights": [w.to_dict() for w in self.weights]}
+        return {"op": self.op, "rule": self.rule, "weights": [w.to_dict() for w in self.weights],
+                "constants": [None if c is None else c.to_dict() for c in self.constants]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "OpPlan":
         return cls(op=d["op"], rule=d["rule"],
-                   weights=tuple(WeightPlan.from_dict(w) for w in d["weights"]))
+                   weights=tuple(WeightPlan.from_dict(w) for w in d["weights"]),
+                   constants=tuple(_spec_or_none(c) for c in d.get("constants", ())))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -260,7 +264,8 @@ def plan_graph(graph: Graph, rules: Sequence[Rule]) -> Plan:
         if index is not None:
             matched.add(index)
         rule = rules[index] if index is not None else None
-        op_plans[op.id] = OpPlan(op=op.id, rule=index, weights=_weight_plans(op, rule, index))
+        op_plans[op.id] = OpPlan(op=op.id, rule=index, weights=_weight_plans(op, rule, index),
+                                 constants=_constant_specs(op, rule))
     edge_plans = _edge_plans(graph, rules, op_plans)
     unmatched = warn_unmatched(rules, matched)
     return Plan(graph=graph, rules=rules, ops=op_plans, edges=edge_plans,
@@ -284,6 +289,26 @@ def _weight_plans(op: Op, rule: Rule | None, index: int | None) -> tuple[WeightP
             out.append(WeightPlan(param=operand.param, role=operand.role,
                                   spec=_weight_spec(op, operand, rule, index)))
     return tuple(out)
+
+
+# Elementwise ops whose constant operands (x * 0.5, x + c, max(x, c)) are
+# tensors an integer kernel reads like a second activation: they are quantized
+# with the op's activation qtype, per tensor and symmetric, the scale taken
+# from their value (see `odmlq.scales`).
+CONSTANT_OPERAND_KINDS = frozenset({"add", "sub", "mul", "div", "max", "min"})
+
+
+def _constant_specs(op: Op, rule: Rule | None) -> tuple[QuantSpec | None, ...]:
+    constants = op.constants
+    quantized = (rule is not None and not rule.skip and rule.act_qtype is not None
+                 and not rule.act_dynamic and op.kind in CONSTANT_OPERAND_KINDS)
+    if not quantized:
+        return (None,) * len(constants)
+    qt = lookup_qtype(rule.act_qtype)
+    return tuple(
+        QuantSpec(qtype=qt.name, symmetric=True)
+        if c.value is not None and c.dtype.startswith(("float", "bfloat")) and qt.is_integer else None
+        for c in constants)
 
 
 def _weight_spec(op: Op, operand: Operand, rule: Rule, index: int) -> QuantSpec:
@@ -380,6 +405,7 @@ def _edge_plans(graph: Graph, rules, op_plans) -> dict[str, EdgePlan]:
             by_edge[edge.id] = EdgePlan(edge=edge.id, spec=_act_spec(edge, rule, index),
                                         rule=index, reason=how)
     _fuse_activations(graph, by_edge)
+    _dynamic_only_into_kernels(graph, by_edge)
     for edge in graph.edges.values():
         if edge.alias is not None:
             target = edge.alias
@@ -396,11 +422,14 @@ def _edge_plans(graph: Graph, rules, op_plans) -> dict[str, EdgePlan]:
 # between the op and the activation is never materialized, so it is not
 # quantized; the activation's output carries the quantization.
 FUSED_ACTIVATIONS = frozenset({"relu", "relu6"})
+# Ops that apply a following activation before requantizing (LiteRT's
+# FULLY_CONNECTED, CONV_2D, ADD, SUB, MUL all take a fused activation).
+FUSING_OPS = frozenset({"dot_general", "conv", "einsum", "add", "sub", "mul"})
 
 
 def _fuse_activations(graph: Graph, by_edge: dict[str, EdgePlan]) -> None:
     for op in graph.ops:
-        if op.kind not in ("dot_general", "conv", "einsum") or len(op.outputs) != 1:
+        if op.kind not in FUSING_OPS or len(op.outputs) != 1:
             continue
         edge = graph.edges[op.outputs[0]]
         if edge.is_output or len(edge.consumers) != 1 or by_edge[edge.id].spec is None:
@@ -409,3 +438,18 @@ def _fuse_activations(graph: Graph, by_edge: dict[str, EdgePlan]) -> None:
         if consumer.kind in FUSED_ACTIVATIONS and by_edge[consumer.outputs[0]].spec is not None:
             by_edge[edge.id] = EdgePlan(edge=edge.id, spec=None, rule=by_edge[edge.id].rule,
                                         reason=f"fused into {consumer.id}")
+
+
+def _dynamic_only_into_kernels(graph: Graph, by_edge: dict[str, EdgePlan]) -> None:
+    """Run-time quantization happens inside matmul/conv kernels (dynamic-range
+    kernels quantize their input per call), so a dynamic edge that feeds
+    anything else stays float."""
+    for edge in graph.edges.values():
+        plan = by_edge.get(edge.id)
+        if plan is None or plan.spec is None or not plan.spec.dynamic:
+            continue
+        kinds = {graph.op(c).kind for c in edge.consumers}
+        if not kinds or not kinds <= {"dot_general", "conv", "einsum"}:
+            by_edge[edge.id] = EdgePlan(
+                edge=edge.id, spec=None, rule=plan.rule,
+                reason="dynamic: only inputs of matmul/conv are quantized at run time")

@@ -15,6 +15,7 @@ ties output scales to inputs or fixes them, as a target's kernels require.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -70,11 +71,13 @@ class TensorScale:
 
 @dataclasses.dataclass(frozen=True)
 class Scales:
-    """Scales of edges (by edge id), weights and biases (by parameter path)."""
+    """Scales of edges (by edge id), weights and biases (by parameter path), and
+    constant operands (by ``(op id, index in Op.constants)``)."""
 
     edges: dict[str, TensorScale]
     weights: dict[str, TensorScale]
     biases: dict[str, np.ndarray]  # bias scale per output channel (int32, zero point 0)
+    constants: dict[tuple[str, int], TensorScale] = dataclasses.field(default_factory=dict)
 
 
 def flat_params(params: Any) -> dict[str, Any]:
@@ -104,7 +107,8 @@ def compute_scales(plan, calibration: Calibration | None, params: Any,
     weights = _weight_scales(plan, values)
     edges = _edge_scales(plan, calibration, constraints or {})
     biases = _bias_scales(plan, edges, weights)
-    return Scales(edges=edges, weights=weights, biases=biases)
+    constants = _constant_scales(plan, edges, constraints or {})
+    return Scales(edges=edges, weights=weights, biases=biases, constants=constants)
 
 
 def _weight_scales(plan, values: Mapping[str, Any]) -> dict[str, TensorScale]:
@@ -181,10 +185,90 @@ def _edge_scales(plan, calibration, constraints) -> dict[str, TensorScale]:
                         else base.zero_point.reshape((1,) * len(edge.shape)))
                     continue
         out[edge_id] = _calibrated_scale(edge, spec, calibration)
+    _share_with_inputs(graph, out, constraints)
     for edge_id, edge in graph.edges.items():
         target = _resolve(graph, edge_id)
         if edge.alias is not None and target in out:
             out[edge_id] = out[target]
+    return out
+
+
+def _share_with_inputs(graph, out: dict[str, TensorScale], constraints) -> None:
+    """Ops whose kernel reads every input at its output's scale (constraint
+    'shared': LiteRT's CONCATENATION, MAXIMUM, MINIMUM) give that scale to
+    each input edge they alone consume, where the producer can requantize to
+    it (a free output or a model input) — as the converter does, folding the
+    requantization into the producer. Other inputs keep their scale and are
+    requantized by a separate op, which computes the same values. Ops are
+    visited last to first, so chains (max then min, a clip) share one scale.
+    """
+    aliased = {e.alias for e in graph.edges.values() if e.alias is not None}
+    for op in reversed(graph.ops):
+        op_spec = constraints.get(op.kind)
+        if getattr(op_spec, "output", None) != "shared" or len(op.outputs) != 1 or op.outputs[0] not in out:
+            continue
+        target = out[op.outputs[0]]
+        if target.scale_axes:
+            continue
+        for edge_id in dict.fromkeys(op.inputs):
+            edge = graph.edges[edge_id]
+            if (edge_id not in out or edge.alias is not None or edge_id in aliased or edge.is_output
+                    or edge.consumers != (op.id,) or out[edge_id].qtype != target.qtype):
+                continue
+            producer = None if edge.producer is None else constraints.get(graph.op(edge.producer).kind)
+            if getattr(producer, "output", None) not in (None, "shared"):
+                continue
+            out[edge_id] = _reshaped(target, len(edge.shape))
+
+
+def _reshaped(ts: TensorScale, ndim: int) -> TensorScale:
+    """A per-tensor scale laid out for a tensor of `ndim` dimensions."""
+    shape = (1,) * ndim
+    return TensorScale(qtype=ts.qtype, scale=np.asarray(ts.scale).reshape(shape),
+                       zero_point=None if ts.zero_point is None else np.asarray(ts.zero_point).reshape(shape),
+                       narrow_range=ts.narrow_range)
+
+
+def constant_scale(value: np.ndarray, qtype: str) -> TensorScale:
+    """Per-tensor symmetric scale of a constant operand, from its value.
+
+    A constant that a power-of-two scale holds exactly (0, 0.5, 3.0, values on
+    a grid of 0.25) gets that scale and no error; any other gets
+    ``max|value| / qmax`` (its largest magnitude exact, the rest rounded).
+
+    Raises:
+      PlanError: the constant is not finite.
+    """
+    qt = lookup_qtype(qtype)
+    v = np.asarray(value, np.float64)
+    shape = (1,) * v.ndim
+    if not np.all(np.isfinite(v)):
+        raise PlanError(f"A constant operand {v.tolist() if v.size <= 8 else v.shape} is not finite; "
+                        "it cannot be quantized. Keep its op in float with a skip rule.")
+    absmax = float(np.max(np.abs(v))) if v.size else 0.0
+    scale = 1.0
+    if absmax > 0:
+        scale = 2.0 ** math.ceil(math.log2(absmax / qt.qmax))
+        if not np.array_equal(v / scale, np.round(v / scale)):
+            scale = float(np.asarray(compute_scale(np.float32(-absmax), np.float32(absmax), qt.name,
+                                                   symmetric=True)[0]))
+    return TensorScale(qtype=qt.name, scale=np.full(shape, scale, np.float32))
+
+
+def _constant_scales(plan, edges: Mapping[str, TensorScale], constraints) -> dict:
+    out: dict[tuple[str, int], TensorScale] = {}
+    for op in plan.graph.ops:
+        specs = plan.ops[op.id].constants
+        shared = getattr(constraints.get(op.kind), "output", None) == "shared"
+        for index, (operand, spec) in enumerate(zip(op.constants, specs)):
+            if spec is None:
+                continue
+            output = edges.get(op.outputs[0]) if len(op.outputs) == 1 else None
+            if shared and output is not None and output.qtype == spec.qtype and not output.scale_axes:
+                # The kernel reads the constant at the output's scale, like its inputs.
+                out[(op.id, index)] = _reshaped(output, len(operand.shape))
+            else:
+                out[(op.id, index)] = constant_scale(operand.value, spec.qtype)
     return out
 
 

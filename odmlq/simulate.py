@@ -1,9 +1,10 @@
 """simulate: the quantized model evaluated in float — the reference semantics.
 
-Every quantized weight is fake-quantized (quantize then dequantize), every
-int32 bias rounded to its grid, and every quantized edge fake-quantized as it
-is produced. Backends must match this value for value (LiteRT within 1 LSB
-of each edge's scale: integer kernels may round a half step differently).
+Every quantized weight and constant operand is fake-quantized (quantize then
+dequantize), every int32 bias rounded to its grid, and every quantized edge
+fake-quantized as it is produced. Backends must match this value for value
+(LiteRT within 1 LSB of each edge's scale: integer kernels may round a half
+step differently).
 """
 
 from __future__ import annotations
@@ -63,7 +64,11 @@ class Simulator:
                     captured[edge_id] = x
                 return feed_values.get(edge_id, x)
 
-            return graph.evaluate(qparams, *xs, on_edge=on_edge), captured
+            def on_constant(op_id, index, value):
+                ts = scales.constants.get((op_id, index))
+                return value if ts is None else ts.fake_quant(jnp.asarray(value, jnp.float32))
+
+            return graph.evaluate(qparams, *xs, on_edge=on_edge, on_constant=on_constant), captured
 
         return run
 

@@ -66,26 +66,52 @@ def fake_quant_composite(x: jax.Array, ts: TensorScale, quantization_dimension: 
     return jax.lax.composite(lambda v, **kw: decomposition(v, **kw), name="quant.fake_quant")(x, **attrs)
 
 
-def _weight_channel_axes(plan) -> dict[str, int]:
-    out: dict[str, int] = {}
+def dynamic_range_composite(x: jax.Array) -> jax.Array:
+    """Marks `x` as quantized at run time: a `quant.fake_quant` with no scale.
+
+    In the converter's DYNAMIC mode this makes the consuming kernel a
+    dynamic-range one (int8 weights, the input quantized per call). Its
+    decomposition is the identity: the quantization happens in the kernel.
+    """
+    attrs = dict(dtype="i8", scale=np.zeros((0,), np.float32), zero_point=np.zeros((0,), np.int64),
+                 narrow_range=np.bool_(False))
+    return jax.lax.composite(lambda v, **kw: v, name="quant.fake_quant")(x, **attrs)
+
+
+def _native_layouts(plan) -> dict[str, tuple[tuple[int, ...], int]]:
+    """Parameter path -> (permutation to the kernel's layout, its channel axis).
+
+    FULLY_CONNECTED and CONV_2D store output channels first ((out, in), OHWI).
+    A convolution with one input feature per group becomes DEPTHWISE_CONV_2D,
+    which stores (1, H, W, out): output channels last.
+    """
+    out: dict[str, tuple[tuple[int, ...], int]] = {}
     for op in plan.graph.ops:
         for w in op.weights:
-            if w.role == "weight" and w.channel_axes and len(w.channel_axes) == 1:
-                out.setdefault(w.param, w.channel_axes[0])
+            if w.role != "weight" or not w.channel_axes or len(w.channel_axes) != 1:
+                continue
+            channel = w.channel_axes[0]
+            others = [a for a in range(len(w.shape)) if a != channel]
+            contraction = w.contraction_axes or ()
+            if op.kind == "conv" and len(contraction) == 1 and w.shape[contraction[0]] == 1:
+                rest = [a for a in others if a != contraction[0]]
+                out.setdefault(w.param, ((contraction[0], *rest, channel), len(w.shape) - 1))
+            else:
+                out.setdefault(w.param, ((channel, *others), 0))
     return out
 
 
-def _annotated_weight(w: np.ndarray, ts: TensorScale, channel_axis: int | None) -> jax.Array:
-    axis = ts.scale_axes[0] if ts.scale_axes else channel_axis
-    if axis is None or w.ndim < 2:
+def _annotated_weight(w: np.ndarray, ts: TensorScale, layout) -> jax.Array:
+    if layout is None or w.ndim < 2:
         return fake_quant_composite(jnp.asarray(w), ts)
-    perm = (axis, *[a for a in range(w.ndim) if a != axis])
+    perm, channel = layout
+    if ts.scale_axes and perm[channel] != ts.scale_axes[0]:
+        raise OdmlqError(f"Per-channel axis {ts.scale_axes[0]} is not the kernel's output-channel "
+                         f"axis {perm[channel]}; LiteRT quantizes weights along output channels.")
     inverse = tuple(int(i) for i in np.argsort(perm))
     native = np.transpose(w, perm)
-    ts_native = ts
-    if ts.scale_axes:
-        ts_native = _permuted(ts, perm)
-    quantized = fake_quant_composite(jnp.asarray(native), ts_native, 0 if ts.scale_axes else None)
+    ts_native = _permuted(ts, perm) if ts.scale_axes else ts
+    quantized = fake_quant_composite(jnp.asarray(native), ts_native, channel if ts.scale_axes else None)
     return jnp.transpose(quantized, inverse)
 
 
@@ -94,13 +120,18 @@ def _permuted(ts: TensorScale, perm) -> TensorScale:
 
     scale = np.transpose(ts.scale, perm)
     zp = None if ts.zero_point is None else np.transpose(ts.zero_point, perm)
-    return dataclasses.replace(ts, scale=scale, zero_point=zp, scale_axes=(0,))
+    return dataclasses.replace(ts, scale=scale, zero_point=zp,
+                               scale_axes=(perm.index(ts.scale_axes[0]),))
 
 
 def annotated_function(graph, plan, scales: Scales, params: Any) -> Callable:
     """A function of the model inputs only (weights are constants in it)."""
     values = {k: np.asarray(v) for k, v in flat_params(params).items()}
-    channel_axes = _weight_channel_axes(plan)
+    layouts = _native_layouts(plan)
+    # The converter re-derives the integers from the composite's input. Given
+    # values already on the grid (our integers times the scale) it cannot round
+    # a near-tie (w / s = -20.5000016) differently from us.
+    on_grid = {p: np.asarray(ts.fake_quant(jnp.asarray(values[p]))) for p, ts in scales.weights.items()}
     for path, ts in scales.weights.items():
         if len(ts.scale_axes) > 1 or ts.block_size is not None:
             raise OdmlqError(
@@ -108,24 +139,45 @@ def annotated_function(graph, plan, scales: Scales, params: Any) -> Callable:
                 "quantized dimension. This should have been refused by the plan check."
             )
 
+    dynamic = {e for e, p in plan.edges.items() if p.spec is not None and p.spec.dynamic}
+
     def fn(*inputs):
         from odmlq.scales import fake_quant_bias
 
         new = {}
         for p, ts in scales.weights.items():
             with jax.named_scope(p):
-                new[p] = _annotated_weight(values[p], ts, channel_axes.get(p))
+                new[p] = _annotated_weight(on_grid[p], ts, layouts.get(p))
         for p, s in scales.biases.items():
             new[p] = fake_quant_bias(jnp.asarray(values[p]), s)
         qparams = replace_params(params, new)
 
         def on_edge(edge_id, x):
             ts = scales.edges.get(edge_id)
+            if edge_id in dynamic:
+                with jax.named_scope(edge_id):
+                    return dynamic_range_composite(x)
             if ts is None or ts.scale_axes:
                 return x
             with jax.named_scope(edge_id):
                 return fake_quant_composite(x, ts)
 
-        return graph.evaluate(qparams, *inputs, on_edge=on_edge)
+        return graph.evaluate(qparams, *inputs, on_edge=on_edge, on_constant=_constant_hook(scales))
 
     return fn
+
+
+def _constant_hook(scales: Scales) -> Callable:
+    """`on_constant` for `Graph.evaluate`: each quantized constant operand (the
+    0.5 of ``x * 0.5``) as a `quant.fake_quant` composite, which the converter
+    stores as an integer constant tensor. Its input is already on the grid, as
+    weights' are, so the converter cannot round a near-tie differently."""
+
+    def on_constant(op_id: str, index: int, value):
+        ts = scales.constants.get((op_id, index))
+        if ts is None:
+            return value
+        with jax.named_scope(f"{op_id}/constant_{index}"):
+            return fake_quant_composite(ts.fake_quant(jnp.asarray(value, jnp.float32)), ts)
+
+    return on_constant

@@ -56,6 +56,38 @@ class Export:
         return "\n".join(lines)
 
 
+SCHEMAS = ("static", "dynamic", "weight_only", "float")
+
+
+def schema_of(plan: Plan) -> str:
+    """Which LiteRT schema a plan asks for.
+
+    - ``static``: activations quantized with calibrated ranges (full integer,
+      int8 or int16x8);
+    - ``dynamic``: int8 weights, activations quantized at run time by the
+      kernels (dynamic-range);
+    - ``weight_only``: quantized weights, float activations;
+    - ``float``: nothing quantized.
+
+    Raises:
+      PlanError: static and dynamic activations mixed in one model.
+    """
+    specs = [p.spec for p in plan.edges.values() if p.spec is not None]
+    static = [s for s in specs if not s.dynamic]
+    dynamic = [s for s in specs if s.dynamic]
+    if static and dynamic:
+        raise PlanError(
+            "The plan mixes static and dynamic activation quantization; a LiteRT model is "
+            "either full integer or dynamic-range. Make every act rule static or every one dynamic."
+        )
+    if static:
+        return "static"
+    if dynamic:
+        return "dynamic"
+    weights = any(w.spec is not None for p in plan.ops.values() for w in p.weights)
+    return "weight_only" if weights else "float"
+
+
 def check_plan(plan: Plan, *, allow_float_ops: bool = False) -> list[str]:
     """LiteRT's check of a plan, before any work: what it cannot honour.
 
@@ -74,12 +106,20 @@ def check_plan(plan: Plan, *, allow_float_ops: bool = False) -> list[str]:
             spec = w.spec
             if spec is None:
                 continue
-            if spec.qtype not in _LITERT_WEIGHT_QTYPES:
+            if spec.qtype not in _LITERT_WEIGHT_QTYPES or (spec.qtype == "int4" and not spec.symmetric):
                 raise PlanError(f"{where}: weight {w.param!r} is {spec.qtype}; LiteRT stores weights "
                                 f"as {' or '.join(_LITERT_WEIGHT_QTYPES)}. Change weight_qtype.")
             if spec.block_size is not None or len(spec.scale_axes) > 1:
                 raise PlanError(f"{where}: weight {w.param!r} has {spec.describe()}; LiteRT takes one "
                                 "scale per tensor or per output channel. Use PerChannel() or PerTensor().")
+        if _int16_conv(plan, op):
+            # DESIGN.md: litert-converter emits an int32 bias for 16x8 CONV_2D
+            # (and DEPTHWISE_CONV_2D), whose kernels read int64.
+            raise PlanError(f"{where}: int16x8 convolution is miscompiled by litert-converter "
+                            "0.5.0 (int32 bias where the kernel takes int64). Use int8 "
+                            "activations for this model, or keep the convolution in float "
+                            "with a skip rule (and allow_float_ops=True).")
+        _check_one_activation_type(plan, op, where)
         for edge_id in op.outputs:
             spec = plan.edges[edge_id].spec
             if spec is None:
@@ -90,15 +130,14 @@ def check_plan(plan: Plan, *, allow_float_ops: bool = False) -> list[str]:
             if spec.scale_axes:
                 raise PlanError(f"{where}: output {edge_id!r} is per-channel; LiteRT activations "
                                 "are per-tensor. Use act_granularity=PerTensor().")
+            if spec.dynamic:
+                if spec.qtype != "int8":
+                    raise PlanError(f"{where}: dynamic output {edge_id!r} is {spec.qtype}; LiteRT's "
+                                    "dynamic-range kernels quantize activations to int8.")
+                continue
             if spec.qtype == "int16" and not spec.symmetric:
                 raise PlanError(f"{where}: int16 output {edge_id!r} must be symmetric (LiteRT's "
                                 "16x8 kernels take zero point 0). Remove act_symmetric=False.")
-            if spec.qtype == "int16" and op.kind == "conv":
-                # DESIGN.md: litert-converter emits an int32 bias for 16x8
-                # CONV_2D, whose kernel reads int64: outputs off by the range.
-                raise PlanError(f"{where}: int16x8 convolution is miscompiled by litert-converter "
-                                "0.5.0 (int32 bias where the kernel takes int64). Quantize this "
-                                "op's output to int8, or keep it in float with a skip rule.")
             kind_spec = OP_SPEC.get(op.kind)
             if op.kind != "scan" and (kind_spec is None or spec.qtype not in kind_spec.schemas):
                 message = (f"{where}: LiteRT has no {spec.qtype} kernel for {op.kind!r}; keep it in "
@@ -116,6 +155,7 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
                   verify_samples: int = 32, allow_float_ops: bool = False,
                   input_names: Sequence[str] | None = None,
                   output_names: Sequence[str] | None = None,
+                  io_dtype: str = "float",
                   progress: bool | None = None) -> Export:
     """Exports `model` as a LiteRT flatbuffer quantized by `rules`, and checks it.
 
@@ -134,6 +174,16 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
         against `simulate` (within 1 LSB) — on by default.
       allow_float_ops: let ops without an integer kernel stay in float
         (listed and warned about) instead of failing.
+      io_dtype: 'float' (the model quantizes its inputs and dequantizes its
+        outputs) or 'int8' / 'int16' (the caller passes quantized tensors; the
+        input and output scales are in the signature's tensors). Full-integer
+        schemas only.
+
+    The schema follows from the rules (see `schema_of`): calibrated int8 or
+    int16 activations give a full-integer model; `act_dynamic=True` a
+    dynamic-range one (int8 weights, activations quantized by the kernels at
+    run time); weights alone a weight-only one (int8 or packed int4 weights
+    dequantized for float kernels).
 
     Returns:
       An `Export` with the bytes, plan, scales, flatbuffer summary and
@@ -160,6 +210,11 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
     example_inputs = tuple(example_inputs)
     plan = rules if isinstance(rules, Plan) else make_plan(model, rules, *example_inputs, variables=variables)
     float_ops = check_plan(plan, allow_float_ops=allow_float_ops)
+    schema = schema_of(plan)
+    if io_dtype not in ("float", "int8", "int16"):
+        raise PlanError(f"io_dtype={io_dtype!r}; choose 'float', 'int8' or 'int16'.")
+    if io_dtype != "float" and schema != "static":
+        raise PlanError(f"io_dtype={io_dtype!r} needs a full-integer model; this plan is {schema}.")
     held_back = batches[-1:] if len(batches) >= 2 else batches
     if calibration is None and any(p.spec is not None and not p.spec.dynamic for p in plan.edges.values()):
         calibration = calibrate(model, plan, batches[:-1] if len(batches) >= 2 else batches,
@@ -171,22 +226,86 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
     fn = _annotate.annotated_function(graph, plan, scales, params)
     names_in = list(input_names or _input_names(model, len(graph.inputs)))
     names_out = list(output_names or [f"output_{i}" for i in range(len(graph.outputs))])
-    tflite = _convert.convert(fn, example_inputs, input_names=names_in, output_names=names_out)
+    tflite = _convert.convert(fn, example_inputs, input_names=names_in, output_names=names_out,
+                              dynamic_range=schema == "dynamic")
+    if io_dtype != "float":
+        tflite = _integer_interface(tflite, io_dtype)
     summary = inspect(tflite)
-    _check_summary(plan, summary, allow_float_ops, float_ops)
+    _check_summary(schema, summary, allow_float_ops, float_ops)
     report = None
     if verify:
         samples = _limit(held_back, verify_samples)
-        report = verify_model(tflite, model, plan, scales, samples, variables=variables)
+        report = verify_model(tflite, model, plan, scales, samples, variables=variables,
+                              min_output_sqnr_db=_MIN_SQNR_DB.get(schema))
     written = _write_atomically(path, tflite) if path is not None else None
     return Export(tflite=tflite, path=written, plan=plan, calibration=calibration, scales=scales,
                   summary=summary, verification=report)
 
 
-def _check_summary(plan: Plan, summary: ModelSummary, allow_float_ops: bool, float_ops) -> None:
-    static = any(p.spec is not None and not p.spec.dynamic for p in plan.edges.values())
+# Models with float activations are checked end to end: LiteRT's float kernels
+# and XLA's sum in other orders (float32 noise, ~100+ dB), and dynamic-range
+# kernels quantize activations per batch row where simulate does per tensor.
+_MIN_SQNR_DB = {"weight_only": 60.0, "float": 60.0, "dynamic": 30.0}
+
+
+def _effective_output_spec(plan: Plan, op):
+    """The spec of what an op really outputs (a fused activation's, if fused)."""
+    edge = plan.graph.edges[op.outputs[0]]
+    spec = plan.edges[edge.id].spec
+    if spec is None and plan.edges[edge.id].reason.startswith("fused into "):
+        consumer = plan.graph.op(edge.consumers[0])
+        spec = plan.edges[consumer.outputs[0]].spec
+    return spec
+
+
+def _check_one_activation_type(plan: Plan, op, where: str) -> None:
+    """LiteRT kernels read and write one activation type: an int8 input into an
+    int16 output (or back) is computed wrongly, without an error (seen with
+    FULLY_CONNECTED: off by the whole range)."""
+    if op.kind == "scan" or not op.outputs:
+        return
+    out = _effective_output_spec(plan, op)
+    if out is None or out.dynamic:
+        return
+    for edge_id in op.inputs:
+        spec = plan.edges[edge_id].spec
+        if spec is not None and not spec.dynamic and spec.qtype != out.qtype:
+            raise PlanError(
+                f"{where} reads {spec.qtype} edge {edge_id!r} and writes {out.qtype}; LiteRT kernels "
+                "take one activation type (an int8 -> int16 FULLY_CONNECTED computes garbage). "
+                "Give the producer and this op the same act_qtype."
+            )
+
+
+def _int16_conv(plan: Plan, op) -> bool:
+    """A convolution whose output (or fused activation's output) is int16."""
+    rule = plan.ops[op.id].rule
+    return op.kind == "conv" and rule is not None and plan.rules[rule].act_qtype == "int16"
+
+
+def _integer_interface(tflite: bytes, io_dtype: str) -> bytes:
+    """The model with int8/int16 inputs and outputs (no QUANTIZE/DEQUANTIZE at its ends)."""
+    from ai_edge_litert import _pywrap_modify_model_interface as modify
+    from ai_edge_litert import schema_py_generated as schema
+
+    code = {"int8": schema.TensorType.INT8, "int16": schema.TensorType.INT16}[io_dtype]
+    with tempfile.TemporaryDirectory(prefix="odmlq-") as tmp:
+        src, dst = os.path.join(tmp, "in.tflite"), os.path.join(tmp, "out.tflite")
+        with open(src, "wb") as f:
+            f.write(tflite)
+        if modify.modify_model_interface(src, dst, code, code) != 0:
+            raise OdmlqError(f"Could not give the model {io_dtype} inputs and outputs "
+                             "(LiteRT's modify_model_interface failed).")
+        with open(dst, "rb") as f:
+            return f.read()
+
+
+def _check_summary(schema: str, summary: ModelSummary, allow_float_ops: bool, float_ops) -> None:
+    static = schema == "static"
     slow = summary.weight_dequantize_or_transpose_at_run_time
-    if slow and static:
+    if schema == "weight_only":  # dequantizing the weights is what weight-only means
+        slow = tuple(o for o in slow if o.name == "TRANSPOSE")
+    if slow:
         raise FloatOpsError(
             "The converted model dequantizes or transposes weights at every invocation: "
             + ", ".join(f"{o.name} ({o.module_path})" for o in slow) + ". This is a defect of the "

@@ -6,6 +6,10 @@ scale and zero point:
 
 - ``SAME_AS_INPUT``: the output shares the input's scale and zero point
   (LiteRT's reshape, transpose, max pool, ... move values, never rescale).
+- ``SHARED``: every input and the output have one scale and zero point, the
+  output's (CONCATENATION, MAXIMUM, MINIMUM read their inputs at the output's
+  scale; the converter folds each input's requantization into its producer,
+  so the producer's output edge takes that scale — see `odmlq.scales`).
 - ``Fixed``: the output range is fixed by the kernel (logistic, tanh,
   softmax compute into [0, 1] or [-1, 1] with a fixed scale).
 - ``None``: free, taken from calibration.
@@ -28,6 +32,7 @@ class Fixed:
 
 
 SAME_AS_INPUT = "same_as_input"
+SHARED = "shared"
 
 _SIGMOID_LIKE = Fixed({"int8": (1.0 / 256.0, -128), "int16": (1.0 / 32768.0, 0)})
 _TANH_LIKE = Fixed({"int8": (1.0 / 128.0, 0), "int16": (1.0 / 32768.0, 0)})
@@ -50,6 +55,7 @@ class OpSpec:
 
 
 _BOTH = frozenset({"int8", "int16"})
+_INT8 = frozenset({"int8"})
 
 OP_SPEC: dict[str, OpSpec] = {
     "dot_general": OpSpec(_BOTH),
@@ -58,13 +64,16 @@ OP_SPEC: dict[str, OpSpec] = {
     "add": OpSpec(_BOTH),
     "sub": OpSpec(_BOTH),
     "mul": OpSpec(_BOTH),
+    "div": OpSpec(_INT8),
     "relu": OpSpec(_BOTH),
     "relu6": OpSpec(_BOTH),
-    "max": OpSpec(_BOTH),
-    "min": OpSpec(_BOTH),
+    "gelu": OpSpec(_INT8),  # GELU's int8 kernel is a 256-entry table of the float function
+    "hard_swish": OpSpec(_INT8),
+    "max": OpSpec(_BOTH, SHARED),
+    "min": OpSpec(_BOTH, SHARED),
     "reduce_sum": OpSpec(_BOTH),
     "mean": OpSpec(_BOTH),
-    "concatenate": OpSpec(_BOTH),
+    "concatenate": OpSpec(_BOTH, SHARED),
     "avg_pool": OpSpec(_BOTH, SAME_AS_INPUT, rounding="half_away"),
     "tanh": OpSpec(_BOTH, _TANH_LIKE),
     "logistic": OpSpec(_BOTH, _SIGMOID_LIKE),

@@ -50,6 +50,7 @@ class VerificationReport:
     """Per-edge differences (LiteRT vs simulate fed LiteRT's inputs) and end to end."""
 
     checks: tuple[EdgeCheck, ...]
+    min_output_sqnr_db: float | None = None
     unmapped_edges: tuple[str, ...]
     unmapped_tensors: tuple[str, ...]
     output_max_lsb: float
@@ -63,13 +64,16 @@ class VerificationReport:
 
     @property
     def passed(self) -> bool:
+        if self.min_output_sqnr_db is not None and self.output_sqnr_db < self.min_output_sqnr_db:
+            return False
         return all(c.params_match and c.max_lsb <= self.tolerance_lsb + _SLACK_LSB for c in self.checks)
 
     def __str__(self) -> str:
         rows = [[c.edge, c.module_path or "''", str(c.tensor), f"{c.max_lsb:.3f}", f"{c.mean_lsb:.4f}",
                  "yes" if c.params_match else "NO"] for c in self.checks]
         lines = [f"Verification on {self.samples} samples: every op within "
-                 f"{self.tolerance_lsb:g} LSB of simulate: {'yes' if self.passed else 'NO'}",
+                 f"{self.tolerance_lsb:g} LSB of simulate: {'yes' if self.passed else 'NO'}"
+                 + (f" (outputs >= {self.min_output_sqnr_db:g} dB)" if self.min_output_sqnr_db else ""),
                  table(["edge", "module", "tensor", "max LSB", "mean LSB", "scale ok"], rows),
                  f"end to end vs simulate: max {self.output_max_lsb:.3f} LSB, "
                  f"SQNR {self.output_sqnr_db:.1f} dB"]
@@ -124,7 +128,8 @@ def _dequantize(value: np.ndarray, detail: dict) -> np.ndarray:
 
 
 def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, variables: Any = None,
-           tolerance_lsb: float = 1.0, raise_on_failure: bool = True) -> VerificationReport:
+           tolerance_lsb: float = 1.0, min_output_sqnr_db: float | None = None,
+           raise_on_failure: bool = True) -> VerificationReport:
     """Checks an exported model op by op against `simulate`.
 
     Args:
@@ -133,6 +138,8 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
       samples: input batches (arrays, or tuples for several inputs), split
         into the model's batch size.
       tolerance_lsb: allowed difference per element, in LSBs of each edge.
+      min_output_sqnr_db: for models whose activations are float (weight-only,
+        dynamic-range), the least SQNR of LiteRT's outputs against simulate's.
 
     Raises:
       VerificationError: naming the op, its module path and the difference,
@@ -146,8 +153,15 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
     with warnings.catch_warnings():
         # It warns that keeping every tensor is for debugging: that is the point here.
         warnings.simplefilter("ignore", UserWarning)
-        interpreter = Interpreter(model_content=bytes(tflite), experimental_preserve_all_tensors=True)
-    interpreter.allocate_tensors()
+        try:
+            interpreter = Interpreter(model_content=bytes(tflite), experimental_preserve_all_tensors=True)
+            interpreter.allocate_tensors()
+        except (RuntimeError, ValueError) as e:
+            raise VerificationError(
+                f"The LiteRT interpreter cannot run the converted model: {e}. The converter "
+                "produced a kernel configuration LiteRT rejects; quantize the op it names "
+                "differently or keep it in float."
+            ) from e
     details = interpreter.get_tensor_details()
     produced = {int(t) for op in interpreter._get_ops_details() for t in op["outputs"]}
     mapping = map_tensors(details, produced, plan, scales)
@@ -188,7 +202,13 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
                                and by_index[i]["dtype"] in (np.int8, np.int16)),
         output_max_lsb=out_err,
         output_sqnr_db=float(10 * np.log10(out_sig / out_noise)) if out_noise > 0 else float("inf"),
-        samples=n, tolerance_lsb=tolerance_lsb)
+        samples=n, tolerance_lsb=tolerance_lsb, min_output_sqnr_db=min_output_sqnr_db)
+    if raise_on_failure and not report.passed and min_output_sqnr_db is not None and \
+            report.output_sqnr_db < min_output_sqnr_db:
+        raise VerificationError(
+            f"The exported model's outputs reach only {report.output_sqnr_db:.1f} dB SQNR against "
+            f"simulate (at least {min_output_sqnr_db:g} dB expected).\n{report}"
+        )
     if raise_on_failure and not report.passed:
         bad = [c for c in checks if not c.params_match or c.max_lsb > tolerance_lsb + _SLACK_LSB]
         worst = max(bad, key=lambda c: (not c.params_match, c.max_lsb))

@@ -1,0 +1,193 @@
+"""Every op kind a model is built from, exported full-integer int8 and verified.
+
+One small Linen model per op: calibrated on a few random batches, exported
+with one int8 rule, then checked for the LiteRT kernel it should become, no
+float islands, every edge within 1 LSB of `simulate` (LiteRT's integer
+kernels may round a half step the other way) and int8 weights in the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import odmlq
+
+INT8 = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
+
+
+class _Fn(nn.Module):
+    """`fn(x)` after a Dense (so the op sees a general, signed activation)."""
+
+    fn: Callable
+    features: int = 8
+    dense_first: bool = True
+
+    @nn.compact
+    def __call__(self, x):
+        if self.dense_first:
+            x = nn.Dense(self.features, name="fc")(x)
+        return self.fn(x)
+
+
+class _Einsum(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], 12))
+        return jnp.einsum("btd,df->btf", x, kernel)
+
+
+class _BatchMatmul(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        a = nn.Dense(8, name="a")(x)
+        b = nn.Dense(8, name="b")(x)
+        return jnp.einsum("bij,bjk->bik", a, b)
+
+
+class _Conv(nn.Module):
+    features: int = 8
+    kernel_size: tuple = (3, 3)
+    strides: tuple = (1, 1)
+    padding: str = "SAME"
+    kernel_dilation: tuple = (1, 1)
+    feature_group_count: int = 1
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Conv(self.features, self.kernel_size, strides=self.strides, padding=self.padding,
+                       kernel_dilation=self.kernel_dilation,
+                       feature_group_count=self.feature_group_count, name="conv")(x)
+
+
+class _BiasAdd(nn.Module):
+    """A bias parameter added to an activation that is not a matmul's output."""
+
+    @nn.compact
+    def __call__(self, x):
+        bias = self.param("bias", nn.initializers.normal(1.0), (x.shape[-1],))
+        return nn.Dense(8, name="fc")(nn.relu(x) + bias)
+
+
+class _Residual(nn.Module):
+    op: Callable = jnp.add
+
+    @nn.compact
+    def __call__(self, x):
+        return self.op(x, nn.Dense(x.shape[-1], name="fc")(x))
+
+
+class _BroadcastResidual(nn.Module):
+    """(b, 4, 8) + (b, 1, 8): a residual broadcast over one axis."""
+
+    op: Callable = jnp.add
+
+    @nn.compact
+    def __call__(self, x):
+        y = nn.Dense(8, name="fc")(x)
+        return self.op(y, jnp.mean(x, axis=1, keepdims=True))
+
+
+class _Concat(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        a = nn.Dense(6, name="a")(x)
+        b = nn.Dense(4, name="b")(x)
+        return jnp.concatenate([a, b], axis=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    model: nn.Module
+    shape: tuple[int, ...]  # one sample's input shape
+    expected_op: str
+    input_scale: float = 1.0  # of the standard normal calibration inputs
+
+
+_SCALE = np.array([0.5, -1.0, 2.0, 0.25, 1.5, -0.75, 3.0, 1.0], np.float32)
+
+CASES = {
+    "dense": Case(_Fn(lambda x: x, features=16), (12,), "FULLY_CONNECTED"),
+    "einsum_weight": Case(_Einsum(), (5, 8), "FULLY_CONNECTED"),
+    "einsum_batch_matmul": Case(_BatchMatmul(), (8, 6), "BATCH_MATMUL"),
+    "conv_stride2_same": Case(_Conv(strides=(2, 2)), (9, 9, 3), "CONV_2D"),
+    "conv_valid": Case(_Conv(padding="VALID"), (8, 8, 3), "CONV_2D"),
+    "conv_dilated": Case(_Conv(kernel_dilation=(2, 2)), (10, 10, 3), "CONV_2D"),
+    "conv_grouped": Case(_Conv(features=8, feature_group_count=2), (8, 8, 4), "CONV_2D"),
+    "conv_depthwise_multiplier2": Case(_Conv(features=8, feature_group_count=4), (8, 8, 4),
+                                       "DEPTHWISE_CONV_2D"),
+    "bias_add": Case(_BiasAdd(), (8,), "ADD"),
+    "relu": Case(_Fn(nn.relu, dense_first=False), (8,), "RELU"),
+    "relu6": Case(_Fn(nn.relu6, dense_first=False), (8,), "RELU6", input_scale=4.0),
+    "relu6_fused_into_mul": Case(_Fn(lambda x: nn.relu6(x * 4.0)), (8,), "MUL"),
+    "sigmoid": Case(_Fn(nn.sigmoid), (8,), "LOGISTIC"),
+    "tanh": Case(_Fn(jnp.tanh), (8,), "TANH"),
+    "hard_swish": Case(_Fn(jax.nn.hard_swish), (8,), "HARD_SWISH"),
+    "gelu": Case(_Fn(lambda x: jax.nn.gelu(x, approximate=True)), (8,), "GELU"),
+    "avg_pool": Case(_Fn(lambda x: nn.avg_pool(x, (2, 2), strides=(2, 2)), features=4), (6, 6, 3),
+                     "AVERAGE_POOL_2D"),
+    "max_pool": Case(_Fn(lambda x: nn.max_pool(x, (2, 2), strides=(2, 2)), features=4), (6, 6, 3),
+                     "MAX_POOL_2D"),
+    "add_residual": Case(_Residual(jnp.add), (8,), "ADD"),
+    "sub_residual": Case(_Residual(jnp.subtract), (8,), "SUB"),
+    "mul_activations": Case(_Residual(jnp.multiply), (8,), "MUL"),
+    "add_broadcast": Case(_BroadcastResidual(jnp.add), (4, 8), "ADD"),
+    "mul_broadcast": Case(_BroadcastResidual(jnp.multiply), (4, 8), "MUL"),
+    "mul_scalar": Case(_Fn(lambda x: x * 0.3), (8,), "MUL"),
+    "add_scalar": Case(_Fn(lambda x: x + 1.0), (8,), "ADD"),
+    "mul_broadcast_constant": Case(_Fn(lambda x: x * _SCALE), (8,), "MUL"),
+    "concatenate": Case(_Concat(), (8,), "CONCATENATION"),
+    "flatten": Case(_Fn(lambda x: x.reshape((x.shape[0], -1)), features=4), (3, 5), "RESHAPE"),
+    "transpose": Case(_Fn(lambda x: jnp.transpose(x, (0, 2, 1)), features=4), (3, 5), "TRANSPOSE"),
+    "mean": Case(_Fn(lambda x: jnp.mean(x, axis=1), features=4), (6, 5), "MEAN"),
+    "softmax": Case(_Fn(jax.nn.softmax), (8,), "SOFTMAX"),
+    "clip": Case(_Fn(lambda x: jnp.clip(x, -0.5, 0.75)), (8,), "MINIMUM"),
+    "pad": Case(_Fn(lambda x: jnp.pad(x, ((0, 0), (1, 2), (0, 0))), features=4), (3, 5), "PAD"),
+}
+
+
+def _batches(shape, scale=1.0, n=3, batch=8, seed=0):
+    rng = np.random.default_rng(seed)
+    return [(scale * rng.normal(size=(batch, *shape))).astype(np.float32) for _ in range(n)]
+
+
+@pytest.fixture(params=sorted(CASES), scope="module")
+def exported(request):
+    case = CASES[request.param]
+    batches = _batches(case.shape, case.input_scale)
+    variables = case.model.init(jax.random.key(0), batches[0][:1])
+    result = odmlq.export_tflite(case.model, INT8, batches, variables=variables)
+    return request.param, case, result
+
+
+def test_becomes_the_expected_integer_kernel(exported):
+    name, case, result = exported
+    assert case.expected_op in result.summary.op_histogram, result.summary.op_histogram
+    assert result.summary.float_islands == (), [o.name for o in result.summary.float_islands]
+
+
+def test_every_edge_verified_within_one_lsb(exported):
+    _, _, result = exported
+    report = result.verification
+    assert report.passed and not report.unmapped_edges, str(report)
+    for check in report.checks:
+        assert check.params_match, check.edge
+        # 1 LSB: an integer kernel may round a half step the other way.
+        assert check.max_lsb <= 1.0 + 1e-3, (check.edge, check.max_lsb)
+
+
+def test_weights_and_constants_are_int8_in_the_flatbuffer(exported):
+    _, _, result = exported
+    constants = [t for t in result.summary.tensors if t.is_constant]
+    for path in result.scales.weights:
+        stored = [t for t in constants if path in t.name and t.dtype != "int32"]
+        assert stored and all(t.dtype == "int8" for t in stored), (path, stored)
+    # Constant operands (x * 0.3, clip bounds) are int8 tensors too; int32 are
+    # biases, shapes, paddings and axes.
+    assert [(t.name, t.dtype) for t in constants if t.dtype not in ("int8", "int32")] == []
