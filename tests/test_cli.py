@@ -46,3 +46,50 @@ def test_console_script_runs():
     out = subprocess.run([sys.executable, "-m", "odmlq.cli", "plan", "--list"],
                          capture_output=True, text=True, check=True).stdout
     assert "cnn_nnx" in out
+
+
+def test_inspect_prints_ops_and_float_islands(tmp_path, capsys):
+    import numpy as np
+
+    import odmlq
+    from samples.models import cnn
+
+    model, (x,), variables = cnn()
+    data = np.random.default_rng(0).random((16, 8, 8, 1), np.float32)
+    path = tmp_path / "m.tflite"
+    odmlq.export_tflite(model, [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")],
+                        [data[:8], data[8:]], path, variables=variables, verify=False)
+    assert cli.main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "CONV_2D" in out and "conv2/relu" in out and "0 float islands" in out
+
+
+def test_inspect_bad_file(tmp_path, capsys):
+    bad = tmp_path / "x.tflite"
+    bad.write_bytes(b"not a model at all")
+    assert cli.main(["inspect", str(bad)]) == 1
+    assert str(bad) in capsys.readouterr().err
+
+
+def test_export_with_calibration_file(tmp_path, capsys):
+    import numpy as np
+
+    import odmlq
+    from samples.models import mlp
+
+    model, (x,), variables = mlp()
+    rules = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
+    p = odmlq.plan(model, rules, x, variables=variables)
+    data = np.random.default_rng(0).random((32, 8, 8, 1), np.float32)
+    odmlq.calibrate(model, p, [data], variables=variables).save(tmp_path / "cal.npz")
+    np.savez(tmp_path / "data.npz", x=data[:4])
+    out = tmp_path / "m.tflite"
+    assert cli.main(["export", "samples.models:mlp", "--out", str(out), "--calibration",
+                     str(tmp_path / "cal.npz"), "--data", str(tmp_path / "data.npz")]) == 0
+    printed = capsys.readouterr().out
+    assert out.exists() and "float islands: none" in printed and "every op within 1 LSB" in printed
+
+
+def test_export_needs_representative_data(tmp_path, capsys):
+    assert cli.main(["export", "samples.models:mlp", "--out", str(tmp_path / "m.tflite")]) == 1
+    assert "needs --calibration" in capsys.readouterr().err
