@@ -12,7 +12,7 @@ from collections import Counter
 import numpy as np
 
 from odmlq import _patterns
-from odmlq._trace import _Lit, _map_axes, _OpRec, _Program, _Region, _Step, _Walker
+from odmlq._trace import _Fused, _Lit, _map_axes, _OpRec, _Program, _Region, _Step, _Walker
 from odmlq.graph import Edge, Op, Operand
 
 _ANCHOR_KINDS = ("dot_general", "conv", "einsum")
@@ -57,6 +57,7 @@ class _Builder:
         self.ids: Counter = Counter()
         self.path_of_value: dict[int, str] = {}
         self.bias_values: set[int] = set()
+        self.step_index: dict[int, dict[int, int]] = {}  # id(program) -> id(step) -> position
 
     # -- structure --------------------------------------------------------
     def count_uses(self, program: _Program) -> None:
@@ -78,9 +79,11 @@ class _Builder:
             i += 1
             pattern = _patterns.match(steps, i - 1, self.uses)
             if pattern is not None:
-                n = len(pattern.steps)
-                recs.append(_OpRec(kind=pattern.kind, stack=step.stack, steps=steps[i - 1:i - 1 + n],
-                                   region=region))
+                window = steps[i - 1:i - 1 + len(pattern.steps)]
+                recs.append(_OpRec(kind=pattern.kind, stack=step.stack, steps=window, region=region,
+                                   attributes=pattern.attributes(window) if pattern.attributes else {},
+                                   fused=True))
+                n = len(window)
                 i += n - 1
                 continue
             if isinstance(step, _Region):
@@ -203,6 +206,8 @@ class _Builder:
                 self.add_edge(program, v, name, producer=rec.id)
                 self.path_of_value[v] = rec.module_path
             self.ops.append(self.make_op(rec, program, names))
+            if rec.fused:
+                self.register_fused(rec, program, outs)
 
     def lay_out_scan(self, program: _Program, rec: _OpRec) -> None:
         region: _Region = rec.steps[0]
@@ -286,12 +291,22 @@ class _Builder:
                     shape=shape, dtype=dtype, channel_axes=channel,
                     contraction_axes=contraction, stacked_axes=w.stacked))
         attributes = {"einsum": rec.einsum} if rec.einsum else {}
+        attributes.update(rec.attributes)
         if rec.kind == "avg_pool":
             window = rec.steps[0].eqn.params["window_dimensions"]
             attributes["window_size"] = int(np.prod(window))
         return Op(id=rec.id, kind=rec.kind, module_path=rec.module_path, operands=tuple(operands),
                   outputs=tuple(outputs), region=rec.region.id if rec.region else None,
                   attributes=attributes)
+
+    def register_fused(self, rec: _OpRec, program: _Program, outs: list[int]) -> None:
+        """Lets evaluate run a fused op as one function (where its steps are contiguous)."""
+        if id(program) not in self.step_index:
+            self.step_index[id(program)] = {id(s): i for i, s in enumerate(program.steps)}
+        start = self.step_index[id(program)][id(rec.steps[0])]
+        if all(start + k < len(program.steps) and program.steps[start + k] is s
+               for k, s in enumerate(rec.steps)):
+            program.fused[id(rec.steps[0])] = _Fused(rec.id, list(rec.steps), self.external_ins(rec), outs)
 
     def register_constant(self, rec: _OpRec, program: _Program, r, index: int) -> None:
         """Where the op's steps read constant `r`, so evaluate can replace it there."""

@@ -39,22 +39,26 @@ class Pattern:
         operand is `X`, the index of an earlier step (its output), a float (a
         scalar literal of that value, to float32 precision) or `ANY`.
       check: further conditions on the matched steps (parameters, axes).
+      attributes: the op's attributes, from the matched steps.
     """
 
     kind: str
     steps: tuple[tuple[str, tuple], ...]
     check: Callable[[Sequence[_Step]], bool] | None = None
+    attributes: Callable[[Sequence[_Step]], dict] | None = None
 
 
 def _is_cube(steps) -> bool:
     return steps[0].eqn.params.get("y") == 3
 
 
-def _reduces_last_axis(steps) -> bool:
-    # LiteRT's SOFTMAX normalizes the last axis; any other axis stays primitives.
-    ndim = len(steps[0].eqn.invars[0].aval.shape)
-    return tuple(steps[0].eqn.params["axes"]) == (ndim - 1,) and \
-        tuple(steps[6].eqn.params["axes"]) == (ndim - 1,)
+def _reduces_one_axis(steps) -> bool:
+    axes = tuple(steps[0].eqn.params["axes"])
+    return len(axes) == 1 and tuple(steps[6].eqn.params["axes"]) == axes
+
+
+def _softmax_axis(steps) -> dict:
+    return {"axis": int(steps[0].eqn.params["axes"][0])}
 
 
 def _divides_by_count(steps) -> bool:
@@ -65,17 +69,24 @@ def _divides_by_count(steps) -> bool:
 
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_SQRT_HALF = math.sqrt(0.5)
 
 PATTERNS: tuple[Pattern, ...] = (
     # jax.nn.gelu(x, approximate=True): x * 0.5 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3)))
     Pattern("gelu", (("integer_pow", (X,)), ("mul", (0.044715, 0)), ("add", (X, 1)),
                      ("mul", (_SQRT_2_OVER_PI, 2)), ("tanh", (3,)), ("add", (1.0, 4)),
-                     ("mul", (0.5, 5)), ("mul", (X, 6))), check=_is_cube),
-    # jax.nn.softmax(x): exp(x - stop_gradient(max(x))) / sum(...)
+                     ("mul", (0.5, 5)), ("mul", (X, 6))),
+            check=_is_cube, attributes=lambda steps: {"approximate": True}),
+    # jax.nn.gelu(x, approximate=False): 0.5 x erfc(-x / sqrt(2)) (the copy is JAX's)
+    Pattern("gelu", (("mul", (0.5, X)), ("neg", (X,)), ("mul", (1, _SQRT_HALF)), ("erfc", (2,)),
+                     ("mul", (0, 3)), ("copy", (4,))), attributes=lambda steps: {"approximate": False}),
+    Pattern("gelu", (("mul", (0.5, X)), ("neg", (X,)), ("mul", (1, _SQRT_HALF)), ("erfc", (2,)),
+                     ("mul", (0, 3))), attributes=lambda steps: {"approximate": False}),
+    # jax.nn.softmax(x, axis): exp(x - stop_gradient(max(x))) / sum(...)
     Pattern("softmax", (("reduce_max", (X,)), ("max", (-math.inf, 0)), ("broadcast_in_dim", (1,)),
                         ("stop_gradient", (2,)), ("sub", (X, 3)), ("exp", (4,)),
                         ("reduce_sum", (5,)), ("broadcast_in_dim", (6,)), ("div", (5, 7))),
-            check=_reduces_last_axis),
+            check=_reduces_one_axis, attributes=_softmax_axis),
     # jax.nn.hard_swish with its calls inlined, and x * relu6(x + 3) / 6 written out.
     Pattern("hard_swish", (("hard_sigmoid", (X,)), ("mul", (X, 0)))),
     Pattern("hard_swish", (("add", (X, 3.0)), ("relu6", (0,)), ("div", (1, 6.0)), ("mul", (X, 2)))),

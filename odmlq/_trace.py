@@ -80,6 +80,27 @@ class _OpRec:
     region: "_OpRec | None" = None
     id: str = ""
     module_path: str = ""
+    attributes: dict = dataclasses.field(default_factory=dict)
+    fused: bool = False  # a pattern of several primitives (see _patterns)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Hooks:
+    """What `Graph.evaluate` lets a caller observe or replace (see its docstring)."""
+
+    on_edge: Any = None
+    on_constant: Any = None
+    on_op: Any = None
+
+
+@dataclasses.dataclass
+class _Fused:
+    """A fused op's steps (contiguous in its program), its inputs and outputs (value ids)."""
+
+    op_id: str
+    steps: list
+    ins: list[int]
+    outs: list[int]
 
 
 @dataclasses.dataclass
@@ -92,31 +113,57 @@ class _Program:
     op_of: dict[int, str] = dataclasses.field(default_factory=dict)  # id(step) -> op id
     # (id(step), input position) -> (op id, index among the op's constant operands)
     constant_of: dict[tuple[int, int], tuple[str, int]] = dataclasses.field(default_factory=dict)
+    fused: dict[int, _Fused] = dataclasses.field(default_factory=dict)  # id(first step) -> op
 
-    def run_flat(self, values: list, on_edge, on_constant=None) -> list:
+    def run_flat(self, values: list, hooks: _Hooks) -> list:
         env: dict[int, Any] = {}
         for v, x in zip(self.invars, values):
-            env[v] = self._hook(v, x, on_edge)
-        for step in self.steps:
-            ins = [r.value if isinstance(r, _Lit) else env[r] for r in step.ins]
-            replaced = self._constants(step, ins, on_constant)
-            # Lowered ops carry their op id as their location, so the tensors of
-            # an exported model can be traced back to the plan.
-            with jax.named_scope(self.op_of.get(id(step), "weights")):
-                if isinstance(step, _Region):
-                    outs = _run_scan(step, ins, on_edge, on_constant)
-                elif step.fn is not None:
-                    outs = step.fn(*ins)
-                elif replaced:
-                    # A literal lives in the equation itself: apply the primitive
-                    # to the replaced values instead.
-                    outs = step.eqn.primitive.bind(*ins, **step.eqn.params)
-                    outs = outs if step.eqn.primitive.multiple_results else [outs]
-                else:
-                    outs = _eval_eqn(step.eqn, ins)
-            for v, x in zip(step.outs, outs):
-                env[v] = self._hook(v, x, on_edge)
+            env[v] = self._hook(v, x, hooks.on_edge)
+        i = 0
+        while i < len(self.steps):
+            fused = self.fused.get(id(self.steps[i])) if hooks.on_op is not None else None
+            if fused is None:
+                self._run_step(self.steps[i], env, hooks)
+                i += 1
+                continue
+            with jax.named_scope(fused.op_id):
+                outs = hooks.on_op(fused.op_id, self._compute(fused, hooks), *[env[r] for r in fused.ins])
+            for v, x in zip(fused.outs, outs):
+                env[v] = self._hook(v, x, hooks.on_edge)
+            i += len(fused.steps)
         return [r.value if isinstance(r, _Lit) else env[r] for r in self.outvars]
+
+    def _run_step(self, step, env: dict, hooks: _Hooks) -> None:
+        ins = [r.value if isinstance(r, _Lit) else env[r] for r in step.ins]
+        replaced = self._constants(step, ins, hooks.on_constant)
+        # Lowered ops carry their op id as their location, so the tensors of
+        # an exported model can be traced back to the plan.
+        with jax.named_scope(self.op_of.get(id(step), "weights")):
+            if isinstance(step, _Region):
+                outs = _run_scan(step, ins, hooks)
+            elif step.fn is not None:
+                outs = step.fn(*ins)
+            elif replaced:
+                # A literal lives in the equation itself: apply the primitive
+                # to the replaced values instead.
+                outs = step.eqn.primitive.bind(*ins, **step.eqn.params)
+                outs = outs if step.eqn.primitive.multiple_results else [outs]
+            else:
+                outs = _eval_eqn(step.eqn, ins)
+        for v, x in zip(step.outs, outs):
+            env[v] = self._hook(v, x, hooks.on_edge)
+
+    def _compute(self, fused: _Fused, hooks: _Hooks):
+        """The fused op as a function of its inputs (no edges inside it to hook)."""
+        inner = _Hooks(on_constant=hooks.on_constant)
+
+        def compute(*xs):
+            env = dict(zip(fused.ins, xs))
+            for step in fused.steps:
+                self._run_step(step, env, inner)
+            return [env[v] for v in fused.outs]
+
+        return compute
 
     def _constants(self, step, ins: list, on_constant) -> bool:
         """Lets `on_constant(op_id, index, value)` replace the step's constant operands."""
@@ -144,7 +191,7 @@ class _TopProgram:
     out_tree: Any
     num_params: int
 
-    def run(self, params, inputs, on_edge, on_constant=None):
+    def run(self, params, inputs, hooks: _Hooks):
         params = _params_of(params)
         leaves, tree = jax.tree_util.tree_flatten((params, *inputs))
         if tree != self.in_tree:
@@ -152,7 +199,7 @@ class _TopProgram:
                 "The params and inputs passed to evaluate() do not have the structure the "
                 f"model was traced with.\n  traced: {self.in_tree}\n  given:  {tree}"
             )
-        outs = self.body.run_flat(leaves, on_edge, on_constant)
+        outs = self.body.run_flat(leaves, hooks)
         return jax.tree_util.tree_unflatten(self.out_tree, outs)
 
 
@@ -180,13 +227,13 @@ def _inline_call(closed):
     return call
 
 
-def _run_scan(region: _Region, ins: list, on_edge, on_constant=None) -> list:
+def _run_scan(region: _Region, ins: list, hooks: _Hooks) -> list:
     p = region.eqn.params
     nc, ncarry = p["num_consts"], p["num_carry"]
     consts, init, xs = ins[:nc], ins[nc:nc + ncarry], ins[nc + ncarry:]
 
     def body(carry, x):
-        outs = region.body.run_flat([*consts, *carry, *x], on_edge, on_constant)
+        outs = region.body.run_flat([*consts, *carry, *x], hooks)
         return outs[:ncarry], outs[ncarry:]
 
     carry, ys = lax.scan(body, list(init), list(xs), length=p["length"],

@@ -186,11 +186,17 @@ class Graph:
 
     def evaluate(self, params: Any, *inputs: Any,
                  on_edge: Callable[[str, Any], Any] | None = None,
-                 on_constant: Callable[[str, int, Any], Any] | None = None) -> Any:
-        """Runs the model op by op; `on_edge(edge_id, value)` may observe or
-        replace every activation edge (inputs included), and
-        `on_constant(op_id, index, value)` the `index`-th of an op's
-        `constants` where the op uses it. Jittable.
+                 on_constant: Callable[[str, int, Any], Any] | None = None,
+                 on_op: Callable[..., list] | None = None) -> Any:
+        """Runs the model op by op. Jittable.
+
+        Hooks (each returns the value to use):
+          on_edge(edge_id, value): every activation edge, inputs included.
+          on_constant(op_id, index, value): the `index`-th of an op's
+            `constants`, where the op reads it.
+          on_op(op_id, compute, *inputs) -> outputs: each fused op (a chain of
+            primitives that is one op, such as gelu or softmax); `compute`
+            evaluates it, so a caller can wrap it (in a composite, say).
 
         Example:
           >>> graph = trace(model, x, variables=variables)
@@ -201,7 +207,9 @@ class Graph:
                 "This graph was read from JSON and holds no program; trace the model "
                 "again (odmlq.plan(model, rules, *inputs)) to evaluate it."
             )
-        return self.program.run(params, inputs, on_edge, on_constant)
+        from odmlq._trace import _Hooks
+
+        return self.program.run(params, inputs, _Hooks(on_edge, on_constant, on_op))
 
     def to_dict(self) -> dict:
         return {

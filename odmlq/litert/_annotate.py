@@ -162,9 +162,27 @@ def annotated_function(graph, plan, scales: Scales, params: Any) -> Callable:
             with jax.named_scope(edge_id):
                 return fake_quant_composite(x, ts)
 
-        return graph.evaluate(qparams, *inputs, on_edge=on_edge, on_constant=_constant_hook(scales))
+        return graph.evaluate(qparams, *inputs, on_edge=on_edge, on_constant=_constant_hook(scales),
+                              on_op=_composite_hook(graph))
 
     return fn
+
+
+def _composite_hook(graph) -> Callable:
+    """`on_op` for `Graph.evaluate`: fused ops the converter recognises only as a
+    composite. jax.nn.gelu(approximate=False) is one: its erfc is expanded into
+    a polynomial before the converter could match GELU, so it is handed over as
+    ``tfl.gelu`` (whose `approximate` is false when absent) around the same
+    computation. jax.nn.gelu's tanh form and softmax are matched as they are."""
+    ops = {op.id: op for op in graph.ops}
+
+    def on_op(op_id: str, compute: Callable, *inputs):
+        op = ops.get(op_id)
+        if op is None or op.kind != "gelu" or op.attributes.get("approximate", True) or len(inputs) != 1:
+            return compute(*inputs)
+        return [jax.lax.composite(lambda x: compute(x)[0], name="tfl.gelu")(inputs[0])]
+
+    return on_op
 
 
 def _constant_hook(scales: Scales) -> Callable:

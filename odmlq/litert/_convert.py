@@ -17,7 +17,12 @@ from odmlq.errors import OdmlqError
 
 
 class ConversionError(OdmlqError, RuntimeError):
-    """litert-converter failed; the message keeps its diagnostic."""
+    """litert-converter failed; the message keeps its diagnostics.
+
+    `locations` holds the scope paths (``op id/primitive``) the diagnostics name.
+    """
+
+    locations: tuple[str, ...] = ()
 
 
 def convert(fn: Callable, example_inputs: Sequence[Any], *, input_names: Sequence[str],
@@ -35,6 +40,13 @@ def convert(fn: Callable, example_inputs: Sequence[Any], *, input_names: Sequenc
     text = jax.jit(fn).lower(*example_inputs).as_text(debug_info=True)
     context = ir.Context()
     ext.prepare_mlir_context(context)
+    diagnostics: list[str] = []
+
+    def keep(diagnostic) -> bool:
+        diagnostics.append(f"{diagnostic.location}: {diagnostic.message}")
+        return True  # handled: do not print it to stderr as well
+
+    context.attach_diagnostic_handler(keep)
     try:
         with context:
             module = ir.Module.parse(text)
@@ -45,10 +57,31 @@ def convert(fn: Callable, example_inputs: Sequence[Any], *, input_names: Sequenc
             ext.run_convert_to_tfl_passes(module, PassManager(), config)
             ext.set_signature(module.operation, "serving_default", list(input_names),
                               list(output_names))
-            return ext.export_flatbuffer_to_bytes(module.operation)
-    except Exception as e:  # the converter raises plain RuntimeErrors / MLIRErrors
-        ops = sorted(set(re.findall(r"jit\([^)]*\)/([\w./-]+?)/[\w.]+\"", str(e))))
-        where = f" (at ops {', '.join(ops)})" if ops else ""
-        raise ConversionError(
-            f"litert-converter failed{where}: {type(e).__name__}: {e}"
-        ) from e
+            try:
+                return ext.export_flatbuffer_to_bytes(module.operation)
+            except Exception:
+                # The export's own message is often empty: name what was not lowered.
+                diagnostics.extend(_unlowered(module))
+                raise
+    except Exception as e:  # the converter raises plain RuntimeErrors / ValueErrors
+        detail = "\n".join(dict.fromkeys(diagnostics)) or str(e)
+        error = ConversionError(f"litert-converter failed: {type(e).__name__}: {e}\n{detail}")
+        error.locations = tuple(re.findall(r"jit\([^)]*\)/([^\"]+)\"", detail))
+        raise error from e
+
+
+def _unlowered(module) -> list[str]:
+    """Ops left in a dialect other than TFLite's after conversion, with locations."""
+    out = []
+
+    def walk(operation):
+        for region in operation.regions:
+            for block in region.blocks:
+                for op in block.operations:
+                    name = op.operation.name
+                    if not name.startswith(("tfl.", "func.", "arith.", "builtin.")):
+                        out.append(f"{op.location}: {name} was not converted to a LiteRT op")
+                    walk(op.operation)
+
+    walk(module.operation)
+    return out

@@ -226,8 +226,11 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
     fn = _annotate.annotated_function(graph, plan, scales, params)
     names_in = list(input_names or _input_names(model, len(graph.inputs)))
     names_out = list(output_names or [f"output_{i}" for i in range(len(graph.outputs))])
-    tflite = _convert.convert(fn, example_inputs, input_names=names_in, output_names=names_out,
-                              dynamic_range=schema == "dynamic")
+    try:
+        tflite = _convert.convert(fn, example_inputs, input_names=names_in, output_names=names_out,
+                                  dynamic_range=schema == "dynamic")
+    except _convert.ConversionError as error:
+        raise _with_module_paths(error, plan) from error
     if io_dtype != "float":
         tflite = _integer_interface(tflite, io_dtype)
     summary = inspect(tflite)
@@ -246,6 +249,18 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
 # and XLA's sum in other orders (float32 noise, ~100+ dB), and dynamic-range
 # kernels quantize activations per batch row where simulate does per tensor.
 _MIN_SQNR_DB = {"weight_only": 60.0, "float": 60.0, "dynamic": 30.0}
+
+
+def _with_module_paths(error, plan: Plan):
+    """The converter's error, with the plan ops (and module paths) it names."""
+    ops = []
+    for location in error.locations:
+        matches = [op for op in plan.graph.ops if location == op.id or location.startswith(op.id + "/")]
+        if matches:
+            op = max(matches, key=lambda o: len(o.id))
+            ops.append(f"op {op.id!r} (module {op.module_path!r}, kind {op.kind!r})")
+    where = "; ".join(dict.fromkeys(ops)) or "no op of the plan is named in the diagnostics"
+    return _convert.ConversionError(f"{error}\nFailing: {where}.")
 
 
 def _effective_output_spec(plan: Plan, op):
