@@ -5,11 +5,13 @@ weight its scale and zero point: weights from their own values (with the
 weight calibration method of their spec), edges from the calibration
 statistics, biases of quantized matmuls and convolutions from the product of
 their input and weight scales (int32, as integer kernels add them to the
-int32 accumulator). Backends and `simulate` all quantize with the same
+int32 accumulator), constant operands of elementwise ops from their values
+(`constant_scale`). Backends and `simulate` all quantize with the same
 `Scales`, so their results line up value for value.
 
 An optional `constraints` table (e.g. LiteRT's, `odmlq.litert.spec.OP_SPEC`)
-ties output scales to inputs or fixes them, as a target's kernels require.
+ties output scales to inputs, inputs to outputs ('shared'), or fixes them, as
+a target's kernels require.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from odmlq.errors import CalibrationError, PlanError
 from odmlq.qarray import QArray, compute_scale, fake_quant, quantize, scale_shape
 from odmlq.qtypes import qtype as lookup_qtype
 
-__all__ = ["TensorScale", "Scales", "compute_scales", "flat_params"]
+__all__ = ["TensorScale", "Scales", "compute_scales", "constant_scale", "flat_params"]
 
 _INT32_MAX = 2**31 - 1
 

@@ -116,6 +116,91 @@ def test_custom_jvp_jit_and_remat_are_inlined_exactly():
     variables = model.init(jax.random.key(1), x)
     graph = trace(model, x, variables=variables)
     kinds = [op.kind for op in graph.ops]
-    assert "silu" in kinds and "erfc" in kinds and "tanh" in kinds
+    assert "silu" in kinds and "gelu" in kinds and "tanh" in kinds  # the exact gelu's steps: one op
+    assert graph.op("fc/gelu").attributes == {"approximate": False}
     assert not {"custom_jvp_call", "jit", "remat2", "checkpoint"} & set(kinds)
     np.testing.assert_array_equal(graph.evaluate(variables, x), model.apply(variables, x))
+
+
+def _written_out_gelu(x):
+    # jax.nn.gelu's tanh form, step for step.
+    return x * (0.5 * (1.0 + jnp.tanh(np.sqrt(2 / np.pi).astype(np.float32) * (x + 0.044715 * x**3))))
+
+
+class _Fusable(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(8, name="fc")(x)
+        outs = [
+            jax.nn.gelu(h, approximate=True), jax.nn.gelu(h, approximate=False), jax.nn.softmax(h),
+            jax.nn.hard_swish(h), h * jax.nn.relu6(h + 3.0) / 6.0, _written_out_gelu(h),
+            jnp.broadcast_to(jnp.mean(h, axis=-1, keepdims=True), h.shape),
+            jax.nn.softmax(h.reshape(-1, 2, 4), axis=1).reshape(h.shape),
+        ]
+        return sum(outs[1:], outs[0])
+
+
+def test_jax_nn_functions_traced_as_several_primitives_are_one_op_each():
+    model, x = _Fusable(), jax.random.normal(jax.random.key(0), (3, 5))
+    variables = model.init(jax.random.key(1), x)
+    graph = trace(model, x, variables=variables)
+    fused = [(op.kind, op.attributes) for op in graph.ops if op.kind in ("gelu", "softmax", "hard_swish", "mean")]
+    assert fused == [("gelu", {"approximate": True}), ("gelu", {"approximate": False}),
+                     ("softmax", {"axis": 1}), ("hard_swish", {}), ("hard_swish", {}),
+                     ("gelu", {"approximate": True}), ("mean", {}), ("softmax", {"axis": 1})]
+    assert not {"integer_pow", "tanh", "exp", "reduce_max", "erfc", "reduce_sum", "div"} & {
+        op.kind for op in graph.ops}
+    gelu = graph.op("fc/gelu")
+    assert [o.role for o in gelu.operands] == ["input"]  # its literals are what it computes
+    assert graph.edges[gelu.outputs[0]].producer == gelu.id and len(gelu.outputs) == 1
+    # The same primitives in the same order: bit-exact.
+    np.testing.assert_array_equal(graph.evaluate(variables, x), model.apply(variables, x))
+
+
+def test_a_chain_whose_intermediate_is_used_elsewhere_is_not_fused():
+    def fn(params, x):
+        t = jnp.tanh(np.sqrt(2 / np.pi).astype(np.float32) * (x + 0.044715 * x**3))
+        return x * (0.5 * (1.0 + t)) + t  # t is needed outside the gelu
+
+    graph = trace(fn, jnp.ones((2, 4)), variables={})
+    assert "gelu" not in [op.kind for op in graph.ops] and "tanh" in [op.kind for op in graph.ops]
+
+
+def test_constant_operands_are_listed_with_their_values_and_can_be_replaced():
+    scale = np.array([0.5, -1.0, 2.0, 4.0], np.float32)
+
+    def fn(params, x):
+        return jnp.clip(x * 0.3 + scale, -0.5, 0.75)
+
+    x = jnp.linspace(-1, 1, 8).reshape(2, 4)
+    graph = trace(fn, x, variables={})
+    constants = {op.kind: [np.asarray(c.value).tolist() for c in op.constants] for op in graph.ops}
+    assert constants["mul"] == [pytest.approx(0.3)] and constants["add"] == [[[0.5, -1.0, 2.0, 4.0]]]
+    assert constants["max"] == [-0.5] and constants["min"] == [0.75]
+    seen = []
+
+    def on_constant(op_id, index, value):
+        seen.append((op_id, index))
+        return jnp.zeros_like(value) if op_id == "add" else value
+
+    y = graph.evaluate({}, x, on_constant=on_constant)
+    assert sorted(seen) == sorted((op.id, 0) for op in graph.ops)
+    np.testing.assert_array_equal(y, jnp.clip(x * 0.3, -0.5, 0.75))
+    np.testing.assert_array_equal(graph.evaluate({}, x), fn({}, x))  # no hook: exact
+
+
+def test_on_op_hook_wraps_fused_ops():
+    def fn(params, x):
+        return jax.nn.softmax(jax.nn.gelu(x)) * 2.0
+
+    x = jnp.linspace(-1, 1, 8).reshape(2, 4)
+    graph = trace(fn, x, variables={})
+    seen = []
+
+    def on_op(op_id, compute, *inputs):
+        seen.append(op_id)
+        return [2.0 * y for y in compute(*inputs)] if op_id == "gelu" else compute(*inputs)
+
+    y = jax.jit(lambda x: graph.evaluate({}, x, on_op=on_op))(x)
+    assert seen == ["gelu", "softmax"]
+    np.testing.assert_allclose(y, jax.nn.softmax(2.0 * jax.nn.gelu(x)) * 2.0, rtol=1e-6)

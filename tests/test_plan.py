@@ -146,3 +146,24 @@ def test_plan_json_is_refused_when_foreign():
     p["version"] = 99
     with pytest.raises(odmlq.PlanError, match="version 99 is not supported"):
         Plan.from_json(json.dumps(p))
+
+
+def _scaled(params, x):
+    return jnp.maximum(x @ params["w"] * 0.3 + jnp.array([0.5, -1.0, 2.0], jnp.float32), 0.25)
+
+
+def test_constant_operands_of_elementwise_ops_are_quantized_like_activations():
+    params = {"w": jnp.ones((4, 3))}
+    p = plan(_scaled, INT8, jnp.ones((2, 4)), variables=params)
+    specs = {op.kind: p.ops[op.id].constants for op in p.graph.ops}
+    assert specs["dot_general"] == ()
+    for kind in ("mul", "add", "max"):
+        (spec,) = specs[kind]
+        assert spec.qtype == "int8" and spec.symmetric and spec.scale_axes == ()
+    assert "constant 0: int8 per-tensor sym (scale from its value)" in str(p)
+    skipped = plan(_scaled, [Rule(".*", op="mul", skip=True), *INT8], jnp.ones((2, 4)), variables=params)
+    assert skipped.ops["mul"].constants == (None,)
+    again = Plan.from_json(p.to_json())  # constant values survive the round trip
+    assert again == p and str(again) == str(p)
+    add = again.graph.op("add")
+    assert add.constants[0].value.tolist() == [[0.5, -1.0, 2.0]]

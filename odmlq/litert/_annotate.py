@@ -172,15 +172,18 @@ def _composite_hook(graph) -> Callable:
     """`on_op` for `Graph.evaluate`: fused ops the converter recognises only as a
     composite. jax.nn.gelu(approximate=False) is one: its erfc is expanded into
     a polynomial before the converter could match GELU, so it is handed over as
-    ``tfl.gelu`` (whose `approximate` is false when absent) around the same
-    computation. jax.nn.gelu's tanh form and softmax are matched as they are."""
+    ``tfl.gelu`` around the same computation. `approximate` must be present (as
+    a numpy bool: jax drops a plain False): litert-converter 0.5.0 crashes on a
+    ``tfl.gelu`` without it. jax.nn.gelu's tanh form and softmax are matched
+    as they are."""
     ops = {op.id: op for op in graph.ops}
 
     def on_op(op_id: str, compute: Callable, *inputs):
         op = ops.get(op_id)
         if op is None or op.kind != "gelu" or op.attributes.get("approximate", True) or len(inputs) != 1:
             return compute(*inputs)
-        return [jax.lax.composite(lambda x: compute(x)[0], name="tfl.gelu")(inputs[0])]
+        gelu = jax.lax.composite(lambda x, **_: compute(x)[0], name="tfl.gelu")
+        return [gelu(inputs[0], approximate=np.bool_(False))]
 
     return on_op
 

@@ -3,17 +3,29 @@
 No TensorFlow: the function is lowered to StableHLO, parsed in the
 converter's MLIR context, converted with strict QDQ semantics and exported as
 a flatbuffer with a ``serving_default`` signature.
+
+The converter runs in a child process (`_convert_child.py`, 0.3 s of
+start-up): litert-converter 0.5.0 crashes the process outright on
+some inputs (a segmentation fault), and a crash must become an error that
+says what was being converted, not the end of the user's program.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import signal
+import subprocess
+import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
-
 from odmlq.errors import OdmlqError
+
+
+_CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_convert_child.py")
 
 
 class ConversionError(OdmlqError, RuntimeError):
@@ -30,58 +42,48 @@ def convert(fn: Callable, example_inputs: Sequence[Any], *, input_names: Sequenc
     """Lowers `fn` on `example_inputs` and converts it to a flatbuffer.
 
     Raises:
-      ConversionError: with the converter's diagnostic and the op ids named in it.
+      ConversionError: with the converter's diagnostics and the op ids named in them.
     """
-    from litert_converter import converter_api_ext as ext
-    from litert_converter.mlir import ir
-    from litert_converter.mlir.passmanager import PassManager
+    import jax
 
     # debug_info keeps named-scope locations: tensor names then carry op ids.
     text = jax.jit(fn).lower(*example_inputs).as_text(debug_info=True)
-    context = ir.Context()
-    ext.prepare_mlir_context(context)
-    diagnostics: list[str] = []
-
-    def keep(diagnostic) -> bool:
-        diagnostics.append(f"{diagnostic.location}: {diagnostic.message}")
-        return True  # handled: do not print it to stderr as well
-
-    context.attach_diagnostic_handler(keep)
-    try:
-        with context:
-            module = ir.Module.parse(text)
-            config = ext.ConvertToTFLConfig()
-            config.strict_qdq_mode = True
-            if dynamic_range:
-                config.qdq_conversion_mode = "DYNAMIC"
-            ext.run_convert_to_tfl_passes(module, PassManager(), config)
-            ext.set_signature(module.operation, "serving_default", list(input_names),
-                              list(output_names))
-            try:
-                return ext.export_flatbuffer_to_bytes(module.operation)
-            except Exception:
-                # The export's own message is often empty: name what was not lowered.
-                diagnostics.extend(_unlowered(module))
-                raise
-    except Exception as e:  # the converter raises plain RuntimeErrors / ValueErrors
-        detail = "\n".join(dict.fromkeys(diagnostics)) or str(e)
-        error = ConversionError(f"litert-converter failed: {type(e).__name__}: {e}\n{detail}")
-        error.locations = tuple(re.findall(r"jit\([^)]*\)/([^\"]+)\"", detail))
-        raise error from e
+    return convert_stablehlo(text, input_names=input_names, output_names=output_names,
+                             dynamic_range=dynamic_range)
 
 
-def _unlowered(module) -> list[str]:
-    """Ops left in a dialect other than TFLite's after conversion, with locations."""
-    out = []
-
-    def walk(operation):
-        for region in operation.regions:
-            for block in region.blocks:
-                for op in block.operations:
-                    name = op.operation.name
-                    if not name.startswith(("tfl.", "func.", "arith.", "builtin.")):
-                        out.append(f"{op.location}: {name} was not converted to a LiteRT op")
-                    walk(op.operation)
-
-    walk(module.operation)
-    return out
+def convert_stablehlo(text: str, *, input_names: Sequence[str], output_names: Sequence[str],
+                      dynamic_range: bool = False) -> bytes:
+    """Converts StableHLO text in a child process."""
+    with tempfile.TemporaryDirectory(prefix="odmlq-convert-") as tmp:
+        source, target, report = (os.path.join(tmp, n) for n in ("in.mlir", "out.tflite", "report.json"))
+        with open(source, "w", encoding="utf-8") as f:
+            f.write(text)
+        args = {"source": source, "target": target, "report": report, "inputs": list(input_names),
+                "outputs": list(output_names), "dynamic_range": dynamic_range}
+        # Run as a script, not `-m`: importing the odmlq package (jax, flax)
+        # would triple the child's start-up.
+        # -P: the script's own directory (odmlq/litert, with its inspect.py) must
+        # not shadow the standard library.
+        done = subprocess.run([sys.executable, "-P", _CHILD, json.dumps(args)], capture_output=True,
+                              text=True)
+        if done.returncode == 0 and os.path.exists(target):
+            with open(target, "rb") as f:
+                return f.read()
+        details = {}
+        if os.path.exists(report):
+            with open(report, encoding="utf-8") as f:
+                details = json.load(f)
+    if done.returncode < 0:
+        name = signal.Signals(-done.returncode).name
+        lines = "\n".join(done.stderr.strip().splitlines()[-15:])
+        error = ConversionError(
+            f"litert-converter crashed ({name}) while converting the model. This is a converter "
+            "bug; keep the op it crashed on in float (a skip rule) or quantize it differently.\n"
+            f"{lines}")
+        error.locations = tuple(re.findall(r"jit\([^)]*\)/([^\"]+)\"", done.stderr))
+        raise error
+    detail = "\n".join(details.get("diagnostics", [])) or done.stderr.strip()[-3000:]
+    error = ConversionError(f"litert-converter failed: {details.get('error', '')}\n{detail}")
+    error.locations = tuple(re.findall(r"jit\([^)]*\)/([^\"]+)\"", detail))
+    raise error

@@ -138,6 +138,12 @@ def check_plan(plan: Plan, *, allow_float_ops: bool = False) -> list[str]:
             if spec.qtype == "int16" and not spec.symmetric:
                 raise PlanError(f"{where}: int16 output {edge_id!r} must be symmetric (LiteRT's "
                                 "16x8 kernels take zero point 0). Remove act_symmetric=False.")
+            limitation = _kernel_limitation(op)
+            if limitation is not None:
+                if not allow_float_ops:
+                    raise FloatOpsError(f"{where}: {limitation}.")
+                float_ops.append(op.id)
+                continue
             kind_spec = OP_SPEC.get(op.kind)
             if op.kind != "scan" and (kind_spec is None or spec.qtype not in kind_spec.schemas):
                 message = (f"{where}: LiteRT has no {spec.qtype} kernel for {op.kind!r}; keep it in "
@@ -146,6 +152,13 @@ def check_plan(plan: Plan, *, allow_float_ops: bool = False) -> list[str]:
                     raise FloatOpsError(message + ".")
                 float_ops.append(op.id)
     return float_ops
+
+
+def _kernel_limitation(op) -> str | None:
+    """Why LiteRT's kernel for the op's kind cannot run this op (see
+    `spec.OpSpec.limitation`), or None."""
+    check = getattr(OP_SPEC.get(op.kind), "limitation", None)
+    return None if check is None else check(op)
 
 
 def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Callable | None,

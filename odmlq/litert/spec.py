@@ -22,6 +22,8 @@ kernels' zero-point-0 requirement.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,11 +49,25 @@ class OpSpec:
       rounding: how the kernel rounds its output: 'half_even' (requantizing
         kernels, like `odmlq.qarray`) or 'half_away' (AVERAGE_POOL_2D divides
         its raw integer sum rounding half away from zero).
+      limitation: for an op of this kind, why the kernel cannot run it (a
+        sentence naming what to do instead), or None when it can.
     """
 
     schemas: frozenset
     output: object = None
     rounding: str = "half_even"
+    limitation: Callable[[Any], str | None] | None = None
+
+
+def _softmax_axis(op) -> str | None:
+    axis = op.attributes.get("axis")
+    ndim = len(op.operands[0].shape)
+    if axis is None or axis == ndim - 1:
+        return None
+    return (f"LiteRT's SOFTMAX normalizes the last axis; this softmax is over axis {axis} of a "
+            f"{ndim}-d tensor, which litert-converter 0.5.0 leaves as float REDUCE_MAX, SUB, EXP, "
+            "SUM and DIV ops. Move that axis last around the softmax (jnp.moveaxis), or keep it "
+            "in float with Rule(..., skip=True) and allow_float_ops=True")
 
 
 _BOTH = frozenset({"int8", "int16"})
@@ -78,7 +94,7 @@ OP_SPEC: dict[str, OpSpec] = {
     "tanh": OpSpec(_BOTH, _TANH_LIKE),
     "logistic": OpSpec(_BOTH, _SIGMOID_LIKE),
     "sigmoid": OpSpec(_BOTH, _SIGMOID_LIKE),
-    "softmax": OpSpec(_BOTH, _SIGMOID_LIKE),
+    "softmax": OpSpec(_BOTH, _SIGMOID_LIKE, limitation=_softmax_axis),
     "reshape": OpSpec(_BOTH, SAME_AS_INPUT),
     "squeeze": OpSpec(_BOTH, SAME_AS_INPUT),
     "transpose": OpSpec(_BOTH, SAME_AS_INPUT),

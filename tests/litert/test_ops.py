@@ -3,7 +3,8 @@
 One small Linen model per op: calibrated on a few random batches, exported
 with one int8 rule, then checked for the LiteRT kernel it should become, no
 float islands, every edge within 1 LSB of `simulate` (LiteRT's integer
-kernels may round a half step the other way) and int8 weights in the file.
+kernels may round a half step the other way) and int8 weights and constants
+in the file.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 
 import odmlq
+from odmlq.litert import FloatOpsError
 
 INT8 = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
 
@@ -95,18 +97,28 @@ class _BroadcastResidual(nn.Module):
 
 
 class _Concat(nn.Module):
+    with_input: bool = False  # the input also feeds the Denses: it is requantized
+
     @nn.compact
     def __call__(self, x):
         a = nn.Dense(6, name="a")(x)
-        b = nn.Dense(4, name="b")(x)
-        return jnp.concatenate([a, b], axis=-1)
+        b = nn.sigmoid(nn.Dense(4, name="b")(x))  # a fixed output scale, requantized too
+        return jnp.concatenate([a, b, x] if self.with_input else [a, b], axis=-1)
+
+
+class _Attention(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        q, k, v = (nn.Dense(8, name=n)(x) for n in "qkv")
+        weights = jax.nn.softmax(jnp.einsum("bqd,bkd->bqk", q, k) * 0.35)
+        return jnp.einsum("bqk,bkd->bqd", weights, v)
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
     model: nn.Module
     shape: tuple[int, ...]  # one sample's input shape
-    expected_op: str
+    expected_op: str | tuple[str, ...]  # the LiteRT op(s) it must become
     input_scale: float = 1.0  # of the standard normal calibration inputs
 
 
@@ -129,6 +141,7 @@ CASES = {
     "sigmoid": Case(_Fn(nn.sigmoid), (8,), "LOGISTIC"),
     "tanh": Case(_Fn(jnp.tanh), (8,), "TANH"),
     "hard_swish": Case(_Fn(jax.nn.hard_swish), (8,), "HARD_SWISH"),
+    "hard_swish_written_out": Case(_Fn(lambda x: x * nn.relu6(x + 3.0) / 6.0), (8,), "HARD_SWISH"),
     "gelu_tanh": Case(_Fn(lambda x: jax.nn.gelu(x, approximate=True)), (8,), "GELU"),
     "gelu_exact": Case(_Fn(lambda x: jax.nn.gelu(x, approximate=False)), (8,), "GELU"),
     "avg_pool": Case(_Fn(lambda x: nn.avg_pool(x, (2, 2), strides=(2, 2)), features=4), (6, 6, 3),
@@ -144,11 +157,14 @@ CASES = {
     "add_scalar": Case(_Fn(lambda x: x + 1.0), (8,), "ADD"),
     "mul_broadcast_constant": Case(_Fn(lambda x: x * _SCALE), (8,), "MUL"),
     "concatenate": Case(_Concat(), (8,), "CONCATENATION"),
+    "concatenate_with_input": Case(_Concat(with_input=True), (8,), ("CONCATENATION", "LOGISTIC")),
     "flatten": Case(_Fn(lambda x: x.reshape((x.shape[0], -1)), features=4), (3, 5), "RESHAPE"),
     "transpose": Case(_Fn(lambda x: jnp.transpose(x, (0, 2, 1)), features=4), (3, 5), "TRANSPOSE"),
     "mean": Case(_Fn(lambda x: jnp.mean(x, axis=1), features=4), (6, 5), "MEAN"),
     "softmax": Case(_Fn(jax.nn.softmax), (8,), "SOFTMAX"),
-    "clip": Case(_Fn(lambda x: jnp.clip(x, -0.5, 0.75)), (8,), "MINIMUM"),
+    "attention": Case(_Attention(), (5, 8), ("BATCH_MATMUL", "MUL", "SOFTMAX")),
+    "div_by_constant": Case(_Fn(lambda x: x / 3.0), (8,), "DIV"),
+    "clip": Case(_Fn(lambda x: jnp.clip(x, -0.5, 0.75)), (8,), ("MAXIMUM", "MINIMUM")),
     "pad": Case(_Fn(lambda x: jnp.pad(x, ((0, 0), (1, 2), (0, 0))), features=4), (3, 5), "PAD"),
 }
 
@@ -158,18 +174,22 @@ def _batches(shape, scale=1.0, n=3, batch=8, seed=0):
     return [(scale * rng.normal(size=(batch, *shape))).astype(np.float32) for _ in range(n)]
 
 
-@pytest.fixture(params=sorted(CASES), scope="module")
-def exported(request):
-    case = CASES[request.param]
+def _export(name):
+    case = CASES[name]
     batches = _batches(case.shape, case.input_scale)
     variables = case.model.init(jax.random.key(0), batches[0][:1])
-    result = odmlq.export_tflite(case.model, INT8, batches, variables=variables)
-    return request.param, case, result
+    return name, case, odmlq.export_tflite(case.model, INT8, batches, variables=variables)
+
+
+@pytest.fixture(params=sorted(CASES), scope="module")
+def exported(request):
+    return _export(request.param)
 
 
 def test_becomes_the_expected_integer_kernel(exported):
     name, case, result = exported
-    assert case.expected_op in result.summary.op_histogram, result.summary.op_histogram
+    expected = (case.expected_op,) if isinstance(case.expected_op, str) else case.expected_op
+    assert set(expected) <= set(result.summary.op_histogram), result.summary.op_histogram
     assert result.summary.float_islands == (), [o.name for o in result.summary.float_islands]
 
 
@@ -192,3 +212,26 @@ def test_weights_and_constants_are_int8_in_the_flatbuffer(exported):
     # Constant operands (x * 0.3, clip bounds) are int8 tensors too; int32 are
     # biases, shapes, paddings and axes.
     assert [(t.name, t.dtype) for t in constants if t.dtype not in ("int8", "int32")] == []
+
+
+@pytest.mark.parametrize("approximate", [True, False], ids=["tanh", "exact"])
+def test_gelu_kernel_computes_the_traced_form(approximate):
+    """jax.nn.gelu's tanh form is matched by the converter; the exact form is
+    handed over as a `tfl.gelu` composite. Both are one GELU whose option says
+    which (its outputs differ by less than 1 LSB, so verification cannot)."""
+    from ai_edge_litert import schema_py_generated as schema
+
+    _, _, result = _export(f"gelu_{'tanh' if approximate else 'exact'}")
+    model = schema.ModelT.InitFromObj(schema.Model.GetRootAsModel(result.tflite, 0))
+    gelus = [op for op in model.subgraphs[0].operators
+             if model.operatorCodes[op.opcodeIndex].builtinCode == schema.BuiltinOperator.GELU]
+    assert [op.builtinOptions.approximate for op in gelus] == [approximate]
+
+
+def test_softmax_over_another_axis_is_refused_before_work():
+    model = _Fn(lambda x: jax.nn.softmax(x, axis=1), features=4)
+    batches = _batches((3, 5))
+    variables = model.init(jax.random.key(0), batches[0][:1])
+    with pytest.raises(FloatOpsError, match=r"op 'fc/softmax' .* LiteRT's SOFTMAX normalizes the last "
+                                            r"axis; this softmax is over axis 1 of a 3-d tensor.*jnp.moveaxis"):
+        odmlq.export_tflite(model, INT8, batches, variables=variables)

@@ -1,0 +1,72 @@
+"""Scales: constant operands from their values, and scales shared across an op."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import odmlq
+from odmlq.litert.spec import OP_SPEC
+from odmlq.scales import constant_scale
+
+INT8 = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
+
+
+@pytest.mark.parametrize("value", [0.0, 0.5, 3.0, -6.0, [0.5, -1.0, 2.0, 0.25, 3.0], [0.0, 0.0]],
+                         ids=["zero", "half", "three", "minus_six", "quarter_grid", "zeros"])
+def test_constant_on_a_power_of_two_grid_is_exact(value):
+    v = np.asarray(value, np.float32)
+    ts = constant_scale(v, "int8")
+    assert ts.zero_point is None and ts.scale.shape == (1,) * v.ndim
+    scale = float(ts.scale.reshape(-1)[0])
+    assert scale > 0 and np.log2(scale) == np.round(np.log2(scale))
+    np.testing.assert_array_equal(ts.fake_quant(jnp.asarray(v)), v)  # exact: integer times scale
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.floats(-100, 100, width=32).filter(lambda f: f == 0 or abs(f) > 1e-20),
+                min_size=1, max_size=6))
+def test_any_constant_is_within_half_a_step_and_its_largest_magnitude_is_kept(values):
+    v = np.asarray(values, np.float32)
+    ts = constant_scale(v, "int8")
+    q = np.asarray(ts.fake_quant(jnp.asarray(v)))
+    scale = float(ts.scale.reshape(-1)[0])
+    np.testing.assert_array_less(np.abs(q - v), scale / 2 + 1e-6 * np.abs(v) + 1e-30)  # dequant(quant(x)) vs x
+    i = int(np.argmax(np.abs(v)))
+    np.testing.assert_allclose(q[i], v[i], rtol=1e-6)  # float32 formula
+
+
+def test_non_finite_constant_is_refused():
+    with pytest.raises(odmlq.PlanError, match="not finite"):
+        constant_scale(np.array([1.0, np.inf], np.float32), "int8")
+
+
+class _Concat(nn.Module):
+    shared_input: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        a, b = nn.Dense(4, name="a")(x), 0.1 * nn.Dense(2, name="b")(x)
+        y = jnp.concatenate([a, b], axis=-1)
+        return (y, b + 1.0) if self.shared_input else y
+
+
+@pytest.mark.parametrize("shared_input", [False, True], ids=["sole_consumer", "other_consumer"])
+def test_inputs_of_a_concatenation_take_its_scale(shared_input):
+    """LiteRT's CONCATENATION reads its inputs at its output's scale; the
+    converter folds the requantization into each producer it alone feeds."""
+    model, x = _Concat(shared_input), np.random.default_rng(0).normal(size=(16, 3)).astype(np.float32)
+    variables = model.init(jax.random.key(0), x[:1])
+    p = odmlq.plan(model, INT8, x[:1], variables=variables)
+    calibration = odmlq.calibrate(model, p, [x], variables=variables)
+    free = odmlq.compute_scales(p, calibration, variables)
+    scales = odmlq.compute_scales(p, calibration, variables, OP_SPEC)
+    out = scales.edges["a/concatenate"]
+    assert scales.edges["a/dot_general"].scale == out.scale  # a feeds only the concatenation
+    if shared_input:  # b also feeds the add: it keeps its own range
+        assert scales.edges["b/mul"].scale == free.edges["b/mul"].scale != out.scale
+    else:
+        assert scales.edges["b/mul"].scale == out.scale
+        np.testing.assert_array_equal(scales.edges["b/mul"].zero_point, out.zero_point)
