@@ -147,6 +147,11 @@ def _weight_scale(x: np.ndarray, spec) -> TensorScale:
     else:
         lo, hi = range_of(spec.calibration, x, spec.qtype, symmetric=spec.symmetric,
                           keep_axes=spec.scale_axes)
+    return _tensor_scale(spec, lo, hi, shape)
+
+
+def _tensor_scale(spec, lo, hi, shape) -> TensorScale:
+    """The scale (and zero point) of `spec` for the float range [lo, hi]."""
     lo, hi = np.reshape(lo, shape), np.reshape(hi, shape)
     scale, zero_point = compute_scale(lo, hi, spec.qtype, symmetric=spec.symmetric,
                                       narrow_range=spec.narrow_range)
@@ -305,14 +310,7 @@ def _calibrated_scale(edge, spec, calibration) -> TensorScale:
             "plan, or make its rule dynamic (act_dynamic=True)."
         )
     lo, hi = calibration.range(edge.id, spec.qtype, symmetric=spec.symmetric)
-    shape = scale_shape(edge.shape, spec.scale_axes)
-    lo, hi = np.reshape(lo, shape), np.reshape(hi, shape)
-    scale, zero_point = compute_scale(lo, hi, spec.qtype, symmetric=spec.symmetric,
-                                      narrow_range=spec.narrow_range)
-    return TensorScale(
-        qtype=spec.qtype, scale=np.asarray(scale, np.float32),
-        zero_point=None if zero_point is None else np.asarray(zero_point, np.int32),
-        scale_axes=spec.scale_axes, narrow_range=spec.narrow_range)
+    return _tensor_scale(spec, lo, hi, scale_shape(edge.shape, spec.scale_axes))
 
 
 def _bias_scales(plan, edges, weights) -> dict[str, np.ndarray]:
