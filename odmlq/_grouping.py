@@ -12,8 +12,9 @@ from collections import Counter
 import numpy as np
 
 from odmlq import _patterns
-from odmlq._trace import _Fused, _Lit, _map_axes, _OpRec, _Program, _Region, _Step, _Walker
-from odmlq.graph import Edge, Op, Operand
+from odmlq._program import _Fused, _Lit, _OpRec, _Program, _Region, _Step
+from odmlq._trace import _map_axes, _Walker
+from odmlq.graph import MAX_CONSTANT_SIZE, Edge, Op, Operand
 
 _ANCHOR_KINDS = ("dot_general", "conv", "einsum")
 
@@ -283,7 +284,7 @@ class _Builder:
                 if rec.kind != "scan":
                     self.register_constant(rec, program, r, len([o for o in operands if o.role == "constant"]))
                 operands.append(Operand(role="constant", shape=shape, dtype=dtype,
-                                        value=self.w.constants.get(r)))
+                                        value=_small(self.w.constants.get(r))))
             else:
                 channel, contraction = axes.get(r, ((), ()))
                 operands.append(Operand(
@@ -333,6 +334,10 @@ class _Builder:
                     local[v] = _map_axes(step.eqn, local[step.ins[0]])
                     origin[v] = origin[step.ins[0]]
         return found
+
+
+def _small(value):
+    return value if value is not None and np.size(value) <= MAX_CONSTANT_SIZE else None
 
 
 def _through(axis_map, axes):

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from odmlq._trace import _Lit, _Step
+from odmlq._program import _Lit, _Step
 
 X = "x"  # the pattern's input
 ANY = object()  # any scalar literal (checked by the pattern's `check`)

@@ -38,6 +38,10 @@ import numpy as np
 
 __all__ = ["Graph", "Op", "Operand", "Edge", "trace"]
 
+# Constant operands up to this many elements keep their value in the graph
+# (and in a plan's JSON); a scalar or per-channel constant is far below it.
+MAX_CONSTANT_SIZE = 65536
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Operand:
@@ -56,7 +60,8 @@ class Operand:
       stacked_axes: parameter axes that a loop slices (one slice per
         iteration): every slice gets its own scales.
       value: for a constant, its value (folded at trace time; None when it
-        depends on a loop or could not be folded).
+        could not be folded or has more than `MAX_CONSTANT_SIZE` elements,
+        which plans do not carry: such a constant is not quantized).
     """
 
     role: str
@@ -211,7 +216,7 @@ class Graph:
                 "This graph was read from JSON and holds no program; trace the model "
                 "again (odmlq.plan(model, rules, *inputs)) to evaluate it."
             )
-        from odmlq._trace import _Hooks
+        from odmlq._program import _Hooks
 
         return self.program.run(params, inputs, _Hooks(on_edge, on_constant, on_op))
 

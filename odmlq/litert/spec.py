@@ -49,17 +49,30 @@ class OpSpec:
       rounding: how the kernel rounds its output: 'half_even' (requantizing
         kernels, like `odmlq.qarray`) or 'half_away' (AVERAGE_POOL_2D divides
         its raw integer sum rounding half away from zero).
-      limitation: for an op of this kind, why the kernel cannot run it (a
-        sentence naming what to do instead), or None when it can.
+      limitation: ``limitation(op, qtype)``: why the kernel cannot run this
+        op with `qtype` activations (a sentence naming what to do instead), or
+        None when it can.
     """
 
     schemas: frozenset
     output: object = None
     rounding: str = "half_even"
-    limitation: Callable[[Any], str | None] | None = None
+    limitation: Callable[[Any, str], str | None] | None = None
 
 
-def _softmax_axis(op) -> str | None:
+def _int16_add_operands(op, qtype: str) -> str | None:
+    if qtype != "int16":
+        return None
+    shapes = {o.shape for o in op.operands if o.role == "input"}
+    if len(shapes) == 1 and all(o.role == "input" for o in op.operands):
+        return None
+    return ("litert-converter 0.5.0 rejects an int16 ADD of a constant, a weight or operands of "
+            "different shapes ('tfl.add' op failed to verify that operands should have valid "
+            "shapes). Use int8 activations, or keep this op in float with Rule(..., skip=True) "
+            "and allow_float_ops=True")
+
+
+def _softmax_axis(op, qtype: str) -> str | None:
     axis = op.attributes.get("axis")
     ndim = len(op.operands[0].shape)
     if axis is None or axis == ndim - 1:
@@ -77,7 +90,7 @@ OP_SPEC: dict[str, OpSpec] = {
     "dot_general": OpSpec(_BOTH),
     "einsum": OpSpec(_BOTH),
     "conv": OpSpec(_BOTH),
-    "add": OpSpec(_BOTH),
+    "add": OpSpec(_BOTH, limitation=_int16_add_operands),
     "sub": OpSpec(_BOTH),
     "mul": OpSpec(_BOTH),
     "div": OpSpec(_INT8),
@@ -89,7 +102,8 @@ OP_SPEC: dict[str, OpSpec] = {
     "min": OpSpec(_BOTH, SHARED),
     "reduce_sum": OpSpec(_BOTH),
     "mean": OpSpec(_BOTH),
-    "concatenate": OpSpec(_BOTH, SHARED),
+    # litert-converter 0.5.0 rejects an i16 tfl.concatenation operand.
+    "concatenate": OpSpec(_INT8, SHARED),
     "avg_pool": OpSpec(_BOTH, SAME_AS_INPUT, rounding="half_away"),
     "tanh": OpSpec(_BOTH, _TANH_LIKE),
     "logistic": OpSpec(_BOTH, _SIGMOID_LIKE),

@@ -25,7 +25,8 @@ INT8 = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
 
 
 class _Fn(nn.Module):
-    """`fn(x)` after a Dense (so the op sees a general, signed activation)."""
+    """`fn(x)`, after a Dense unless `dense_first` is False (so the op sees a
+    general, signed activation)."""
 
     fn: Callable
     features: int = 8
@@ -235,3 +236,17 @@ def test_softmax_over_another_axis_is_refused_before_work():
     with pytest.raises(FloatOpsError, match=r"op 'fc/softmax' .* LiteRT's SOFTMAX normalizes the last "
                                             r"axis; this softmax is over axis 1 of a 3-d tensor.*jnp.moveaxis"):
         odmlq.export_tflite(model, INT8, batches, variables=variables)
+
+
+@pytest.mark.parametrize("name, message", [
+    ("add_scalar", r"op 'fc/add' .* litert-converter 0.5.0 rejects an int16 ADD of a constant"),
+    ("bias_add", r"op 'add' .* rejects an int16 ADD of a constant, a weight or operands of different shapes"),
+    ("concatenate", r"op 'a/concatenate' .* no int16 kernel for 'concatenate'"),
+], ids=["add_constant", "add_weight", "concatenate"])
+def test_int16_ops_the_converter_rejects_are_refused_before_work(name, message):
+    case = CASES[name]
+    batches = _batches(case.shape)
+    variables = case.model.init(jax.random.key(0), batches[0][:1])
+    rules = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int16")]
+    with pytest.raises(FloatOpsError, match=message):
+        odmlq.export_tflite(case.model, rules, batches, variables=variables)
