@@ -216,3 +216,18 @@ def test_converter_failure_keeps_its_diagnostic_and_names_the_module():
     with pytest.raises(odmlq.litert.ConversionError,
                        match=r"(?s)fft.* was not converted to a LiteRT op.*Failing: op 'fc/fft' \(module 'fc', kind 'fft'\)"):
         odmlq.export_tflite(model, rules, [x], variables=variables, allow_float_ops=True)
+
+
+def test_batch_of_wrong_dtype(small_cnn):
+    model, variables = small_cnn
+    good = np.zeros((4, 8, 8, 1), np.float32)
+    with pytest.raises(CalibrationError, match=r"batch 1, input 0: shape \(4, 8, 8, 1\) int32 does not match the example input \(1, 8, 8, 1\) float32"):
+        odmlq.export_tflite(model, INT8, [good, good.astype(np.int32), good], variables=variables)
+
+
+def test_rep_dataset_as_a_callable_of_jax_arrays(small_cnn, digits):
+    model, variables = small_cnn
+    data = jnp.asarray(digits.x_calibration[:64])
+    result = odmlq.export_tflite(model, INT8, lambda: (data[i:i + 32] for i in range(0, 64, 32)),
+                                 variables=variables)
+    assert result.verification.passed and result.calibration is not None
