@@ -102,6 +102,7 @@ class _Builder:
             if prev is not None and self.is_pool_divide(prev, step):
                 prev.steps.append(step)
                 prev.kind = "avg_pool"
+                prev.fused = True  # a backend may lower it as one op (see litert/_annotate)
                 continue
             recs.append(_OpRec(kind="einsum" if step.einsum else step.kind, stack=step.stack,
                                steps=[step], einsum=step.einsum, region=region))
@@ -296,6 +297,11 @@ class _Builder:
         if rec.kind == "avg_pool":
             window = rec.steps[0].eqn.params["window_dimensions"]
             attributes["window_size"] = int(np.prod(window))
+            params = rec.steps[0].eqn.params
+            attributes["window"] = [int(w) for w in window]
+            attributes["strides"] = [int(s) for s in params["window_strides"]]
+            attributes["padding"] = [[int(lo), int(hi)] for lo, hi in params["padding"]]
+            attributes["dilated"] = any(d != 1 for d in (*params["base_dilation"], *params["window_dilation"]))
         return Op(id=rec.id, kind=rec.kind, module_path=rec.module_path, operands=tuple(operands),
                   outputs=tuple(outputs), region=rec.region.id if rec.region else None,
                   attributes=attributes)

@@ -59,8 +59,8 @@ class TensorScale:
                     narrow_range=self.narrow_range)
 
     def fake_quant(self, x: jax.Array) -> jax.Array:
-        if self.rounding == "half_away":
-            return _fake_quant_half_away(x, self)
+        if self.rounding == "half_away" or self.divisor > 1:
+            return _fake_quant_of_sum(x, self)
         return fake_quant(x, self.qtype, **self._kwargs())
 
     def quantize(self, x: jax.Array) -> QArray:
@@ -172,7 +172,7 @@ def _edge_scales(plan, calibration, constraints) -> dict[str, TensorScale]:
             continue
         op_spec = _op_spec(graph, edge, constraints)
         constraint = None if op_spec is None else op_spec.output
-        rounding = "half_even" if op_spec is None else op_spec.rounding
+        rounding = "half_even" if op_spec is None else op_spec.rounding_of(graph.op(edge.producer), spec.qtype)
         fixed = getattr(constraint, "params", None)
         if fixed is not None and spec.qtype in fixed and not spec.scale_axes:
             scale, zp = fixed[spec.qtype]
@@ -291,14 +291,25 @@ def _op_spec(graph, edge, constraints):
     return constraints.get(graph.op(edge.producer).kind)
 
 
-def _fake_quant_half_away(x: jax.Array, ts: TensorScale) -> jax.Array:
-    """Rounds ``x / scale + zero_point`` half away from zero, as integer
-    kernels that divide raw integer sums do (LiteRT's AVERAGE_POOL_2D)."""
+def _fake_quant_of_sum(x: jax.Array, ts: TensorScale) -> jax.Array:
+    """Fake-quantizes an average of integers as the target kernel rounds it.
+
+    ``x / scale`` is snapped back onto the grid of 1/`divisor` (float32 noise
+    must not move a tie). 'half_away' rounds ``x / scale + zero_point`` half
+    away from zero, as LiteRT's AVERAGE_POOL_2D divides its raw integer sum;
+    'half_even' rounds ``x / scale`` half to even, then adds the zero point,
+    as requantizing kernels (a depthwise convolution) do.
+    """
     qt = lookup_qtype(ts.qtype)
     s = jnp.asarray(ts.scale)
     zp = 0.0 if ts.zero_point is None else jnp.asarray(ts.zero_point, jnp.float32)
-    v = jnp.round(x / s * ts.divisor) / ts.divisor + zp
-    q = jnp.clip(jnp.sign(v) * jnp.floor(jnp.abs(v) + 0.5), qt.qmin, qt.qmax)
+    v = jnp.round(x / s * ts.divisor) / ts.divisor
+    if ts.rounding == "half_away":
+        v = v + zp
+        q = jnp.sign(v) * jnp.floor(jnp.abs(v) + 0.5)
+    else:
+        q = jnp.round(v) + zp
+    q = jnp.clip(q, qt.qmin, qt.qmax)
     return ((q - zp) * s).astype(x.dtype)
 
 

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from odmlq.errors import OdmlqError
+from odmlq.litert.spec import pool_as_depthwise
 from odmlq.scales import Scales, TensorScale, flat_params, replace_params
 
 _DTYPES = {"int8": "i8", "int16": "i16", "int4": "i4"}
@@ -163,12 +164,12 @@ def annotated_function(graph, plan, scales: Scales, params: Any) -> Callable:
                 return fake_quant_composite(x, ts)
 
         return graph.evaluate(qparams, *inputs, on_edge=on_edge, on_constant=_constant_hook(scales),
-                              on_op=_composite_hook(graph))
+                              on_op=_composite_hook(graph, scales))
 
     return fn
 
 
-def _composite_hook(graph) -> Callable:
+def _composite_hook(graph, scales: Scales) -> Callable:
     """`on_op` for `Graph.evaluate`: fused ops the converter recognises only as a
     composite. jax.nn.gelu(approximate=False) is one: its erfc is expanded into
     a polynomial before the converter could match GELU, so it is handed over as
@@ -180,12 +181,35 @@ def _composite_hook(graph) -> Callable:
 
     def on_op(op_id: str, compute: Callable, *inputs):
         op = ops.get(op_id)
+        if op is not None and op.kind == "avg_pool" and len(inputs) == 1:
+            out = scales.edges.get(op.outputs[0])
+            if out is not None and pool_as_depthwise(op, out.qtype):
+                return [_pool_as_depthwise(op, inputs[0])]
         if op is None or op.kind != "gelu" or op.attributes.get("approximate", True) or len(inputs) != 1:
             return compute(*inputs)
         gelu = jax.lax.composite(lambda x, **_: compute(x)[0], name="tfl.gelu")
         return [gelu(inputs[0], approximate=np.bool_(False))]
 
     return on_op
+
+
+def _pool_as_depthwise(op, x: jax.Array) -> jax.Array:
+    """An NHWC average pool as a depthwise convolution with weights 1/n.
+
+    XNNPACK does not take int8 AVERAGE_POOL_2D, so a model with one runs in
+    several delegate partitions; the depthwise convolution it takes. The
+    weight 1/n is stored as 127 with scale 1/(127 n), exactly, per channel.
+    """
+    _, h, w, _ = op.attributes["window"]
+    channels = x.shape[-1]
+    n = h * w
+    scale = np.full((1, 1, 1, channels), 1.0 / (127.0 * n), np.float32)
+    weight = TensorScale(qtype="int8", scale=scale, zero_point=None, scale_axes=(3,), narrow_range=True)
+    kernel = np.full((1, h, w, channels), 127.0, np.float32) * scale  # native layout (1, H, W, C)
+    kernel = fake_quant_composite(jnp.asarray(kernel), weight, 3)
+    return jax.lax.conv_general_dilated(
+        x, jnp.transpose(kernel, (1, 2, 0, 3)), tuple(op.attributes["strides"][1:3]), "VALID",
+        dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=channels)
 
 
 def _constant_hook(scales: Scales) -> Callable:

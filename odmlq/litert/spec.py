@@ -56,7 +56,10 @@ class OpSpec:
 
     schemas: frozenset
     output: object = None
-    rounding: str = "half_even"
+    rounding: object = "half_even"  # or a function of (op, output qtype) giving one
+
+    def rounding_of(self, op, qtype: str) -> str:
+        return self.rounding(op, qtype) if callable(self.rounding) else self.rounding
     limitation: Callable[[Any, str], str | None] | None = None
 
 
@@ -84,6 +87,22 @@ def _softmax_axis(op, qtype: str) -> str | None:
 
 
 _BOTH = frozenset({"int8", "int16"})
+
+
+def pool_as_depthwise(op, qtype: str | None) -> bool:
+    """Whether an avg_pool is lowered as a DEPTHWISE_CONV_2D with constant 1/n
+    weights: XNNPACK runs that (its int8 AVERAGE_POOL_2D is not delegated, so
+    the model would run in several partitions). It applies to NHWC pools
+    without padding or dilation; the depthwise kernel requantizes its sum
+    rounding half to even, where AVERAGE_POOL_2D rounds half away from zero.
+    Only for int8 outputs: int16x8 convolutions are miscompiled (see export)."""
+    if qtype != "int8":
+        return False
+    window, strides = op.attributes.get("window"), op.attributes.get("strides")
+    if window is None or len(window) != 4 or op.attributes.get("dilated"):
+        return False
+    return (window[0] == window[3] == 1 and strides[0] == strides[3] == 1
+            and all(lo == hi == 0 for lo, hi in op.attributes["padding"]))
 _INT8 = frozenset({"int8"})
 
 OP_SPEC: dict[str, OpSpec] = {
@@ -104,7 +123,8 @@ OP_SPEC: dict[str, OpSpec] = {
     "mean": OpSpec(_BOTH),
     # litert-converter 0.5.0 rejects an i16 tfl.concatenation operand.
     "concatenate": OpSpec(_INT8, SHARED),
-    "avg_pool": OpSpec(_BOTH, SAME_AS_INPUT, rounding="half_away"),
+    "avg_pool": OpSpec(_BOTH, SAME_AS_INPUT,
+                       rounding=lambda op, qtype: "half_even" if pool_as_depthwise(op, qtype) else "half_away"),
     "tanh": OpSpec(_BOTH, _TANH_LIKE),
     "logistic": OpSpec(_BOTH, _SIGMOID_LIKE),
     "sigmoid": OpSpec(_BOTH, _SIGMOID_LIKE),

@@ -51,7 +51,8 @@ def test_weights_in_the_flatbuffer_are_per_channel_int8_and_equal_ours(exported)
     interpreter.allocate_tensors()
     tensors = {t.name: t for t in result.summary.tensors}
     kernel_ops = [op for op in result.summary.ops if op.name in ("FULLY_CONNECTED", "CONV_2D", "DEPTHWISE_CONV_2D")]
-    assert len(kernel_ops) == len(result.scales.weights)
+    # One kernel per quantized weight (an average pool may add a depthwise one of its own).
+    assert len(kernel_ops) >= len(result.scales.weights)
     for path, ts in result.scales.weights.items():
         t = tensors[f"jit(fn)/{path}/composite"] if f"jit(fn)/{path}/composite" in tensors else next(
             t for t in result.summary.tensors if t.is_constant and t.dtype == "int8" and path in t.name)

@@ -145,8 +145,13 @@ CASES = {
     "hard_swish_written_out": Case(_Fn(lambda x: x * nn.relu6(x + 3.0) / 6.0), (8,), "HARD_SWISH"),
     "gelu_tanh": Case(_Fn(lambda x: jax.nn.gelu(x, approximate=True)), (8,), "GELU"),
     "gelu_exact": Case(_Fn(lambda x: jax.nn.gelu(x, approximate=False)), (8,), "GELU"),
+    # Unpadded: a depthwise convolution with weights 1/4, which XNNPACK takes
+    # (it does not take int8 AVERAGE_POOL_2D).
     "avg_pool": Case(_Fn(lambda x: nn.avg_pool(x, (2, 2), strides=(2, 2)), features=4), (6, 6, 3),
-                     "AVERAGE_POOL_2D"),
+                     "DEPTHWISE_CONV_2D"),
+    "avg_pool_same_padding": Case(
+        _Fn(lambda x: nn.avg_pool(x, (3, 3), strides=(2, 2), padding="SAME", count_include_pad=False),
+            features=4), (6, 6, 3), "AVERAGE_POOL_2D"),
     "max_pool": Case(_Fn(lambda x: nn.max_pool(x, (2, 2), strides=(2, 2)), features=4), (6, 6, 3),
                      "MAX_POOL_2D"),
     "add_residual": Case(_Residual(jnp.add), (8,), "ADD"),
