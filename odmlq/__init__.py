@@ -40,6 +40,7 @@ from odmlq.scales import Scales, TensorScale, compute_scales
 from odmlq.simulate import Simulator, simulate
 from odmlq.litert.export import export_tflite
 from odmlq.litert.verify import VerificationError
+from odmlq.report import Report, compare
 
 __version__ = "0.1.0"
 
@@ -51,5 +52,5 @@ __all__ = [
     "Statistics", "TraceError", "UnmatchedRuleWarning", "WeightPlan", "compute_scale",
     "fake_quant", "load_rules", "plan", "qtype", "quantize", "quantize_tensor", "trace",
     "calibrate", "Scales", "TensorScale", "compute_scales", "Simulator", "simulate",
-    "export_tflite", "VerificationError",
+    "export_tflite", "VerificationError", "Report", "compare",
 ]

@@ -9,7 +9,7 @@ EXPECTED = [
     "Statistics", "TraceError", "UnmatchedRuleWarning", "WeightPlan", "compute_scale",
     "fake_quant", "load_rules", "plan", "qtype", "quantize", "quantize_tensor", "trace",
     "calibrate", "Scales", "TensorScale", "compute_scales", "Simulator", "simulate",
-    "export_tflite", "VerificationError",
+    "export_tflite", "VerificationError", "Report", "compare",
 ]
 
 
