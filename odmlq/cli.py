@@ -4,6 +4,7 @@
   odmlq plan SAMPLE|module:function [--rules rules.yaml] [--json]
   odmlq export module:function --out model.tflite [--rules R] [--calibration C.npz] [--data D.npz]
   odmlq inspect model.tflite
+  odmlq diff model.tflite --inputs in.npz --device-tensors dump.npz [--min-sqnr 30]
 
 A SAMPLE is one of the bundled sample models (``odmlq plan --list``). A
 ``module:function`` names a function that takes no arguments and returns
@@ -117,6 +118,32 @@ def _cmd_inspect(args) -> int:
     return 0
 
 
+def _cmd_diff(args) -> int:
+    import numpy as np
+
+    from odmlq.litert.device import diff_device
+
+    def load(path, what):
+        try:
+            with np.load(path, allow_pickle=False) as f:
+                return {k: f[k] for k in f.files}
+        except (OSError, ValueError) as e:
+            raise OdmlqError(f"Cannot read {what} {path!r}: {e}.") from None
+
+    try:
+        with open(args.model, "rb") as f:
+            tflite = f.read()
+    except OSError as e:
+        raise OdmlqError(f"Cannot read model {args.model!r}: {e.strerror}.") from None
+    result = diff_device(tflite, load(args.inputs, "--inputs"), load(args.device_tensors, "--device-tensors"))
+    print(result)
+    if args.min_sqnr is not None and result.output_sqnr_db < args.min_sqnr:
+        print(f"odmlq: outputs at {result.output_sqnr_db:.1f} dB, under --min-sqnr {args.min_sqnr:g}",
+              file=sys.stderr)
+        return 3
+    return 0
+
+
 def _cmd_demo(args) -> int:
     try:
         from samples import digits_cnn
@@ -148,6 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--allow-float-ops", action="store_true")
     i = sub.add_parser("inspect", help="ops, quantization and float islands of a .tflite")
     i.add_argument("model", help="the .tflite file")
+    f = sub.add_parser("diff", help="compare tensors dumped on a device with the host interpreter")
+    f.add_argument("model", help="the .tflite file")
+    f.add_argument("--inputs", required=True, help=".npz with one array per model input, in order")
+    f.add_argument("--device-tensors", required=True,
+                   help=".npz of tensors dumped on the device (samples/dump_tensors.py)")
+    f.add_argument("--min-sqnr", type=float, help="exit 3 when the outputs' SQNR is under this (dB)")
     args = parser.parse_args(argv)
     try:
         if args.command == "plan":
@@ -155,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
                 print("samples: " + ", ".join(sorted(_samples())))
                 return 0 if args.list else 2
             return _cmd_plan(args)
-        return {"demo": _cmd_demo, "export": _cmd_export, "inspect": _cmd_inspect}[args.command](args)
+        commands = {"demo": _cmd_demo, "export": _cmd_export, "inspect": _cmd_inspect, "diff": _cmd_diff}
+        return commands[args.command](args)
     except OdmlqError as e:
         print(f"odmlq: error: {e}", file=sys.stderr)
         return 1
