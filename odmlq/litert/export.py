@@ -261,7 +261,13 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
 # Models with float activations are checked end to end: LiteRT's float kernels
 # and XLA's sum in other orders (float32 noise, ~100+ dB), and dynamic-range
 # kernels quantize activations per batch row where simulate does per tensor.
-_MIN_SQNR_DB = {"weight_only": 60.0, "float": 60.0, "dynamic": 30.0}
+#
+# Full-integer models are checked op by op, and end to end as well: edges the
+# converter merged away are not checked one by one, and a rewrite among them
+# can change what the model computes while every checked op agrees (seen on a
+# BERT encoder: every op within 1 LSB, outputs at 5.7 dB). One-LSB rounding
+# differences between kernels and simulate stay far above 30 dB.
+_MIN_SQNR_DB = {"weight_only": 60.0, "float": 60.0, "dynamic": 30.0, "static": 30.0}
 
 
 def _with_module_paths(error, plan: Plan):
