@@ -40,6 +40,7 @@ from odmlq.scales import Scales, TensorScale, compute_scales
 from odmlq.simulate import Simulator, simulate
 from odmlq.litert.export import export_tflite
 from odmlq.litert.verify import VerificationError
+from odmlq.xla import QuantizedModel, load_params, ptq, quantize_params, save_params
 from odmlq.report import Report, compare
 
 __version__ = "0.1.0"
@@ -53,4 +54,5 @@ __all__ = [
     "fake_quant", "load_rules", "plan", "qtype", "quantize", "quantize_tensor", "trace",
     "calibrate", "Scales", "TensorScale", "compute_scales", "Simulator", "simulate",
     "export_tflite", "VerificationError", "Report", "compare",
+    "ptq", "QuantizedModel", "quantize_params", "save_params", "load_params",
 ]

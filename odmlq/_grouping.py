@@ -12,7 +12,7 @@ from collections import Counter
 import numpy as np
 
 from odmlq import _patterns
-from odmlq._program import _Fused, _Lit, _OpRec, _Program, _Region, _Step
+from odmlq._program import _Lit, _OpSteps, _OpRec, _Program, _Region, _Step
 from odmlq._trace import _map_axes, _Walker
 from odmlq.graph import MAX_CONSTANT_SIZE, Edge, Op, Operand
 
@@ -208,8 +208,7 @@ class _Builder:
                 self.add_edge(program, v, name, producer=rec.id)
                 self.path_of_value[v] = rec.module_path
             self.ops.append(self.make_op(rec, program, names))
-            if rec.fused:
-                self.register_fused(rec, program, outs)
+            self.register_op(rec, program, outs)
 
     def lay_out_scan(self, program: _Program, rec: _OpRec) -> None:
         region: _Region = rec.steps[0]
@@ -306,14 +305,21 @@ class _Builder:
                   outputs=tuple(outputs), region=rec.region.id if rec.region else None,
                   attributes=attributes)
 
-    def register_fused(self, rec: _OpRec, program: _Program, outs: list[int]) -> None:
-        """Lets evaluate run a fused op as one function (where its steps are contiguous)."""
+    def register_op(self, rec: _OpRec, program: _Program, outs: list[int]) -> None:
+        """Lets evaluate run the op as one function (`on_op`), with its operands in
+        `make_op`'s order. Its activation steps are consecutive by construction;
+        only steps on weights alone may lie between them."""
         if id(program) not in self.step_index:
             self.step_index[id(program)] = {id(s): i for i, s in enumerate(program.steps)}
-        start = self.step_index[id(program)][id(rec.steps[0])]
-        if all(start + k < len(program.steps) and program.steps[start + k] is s
-               for k, s in enumerate(rec.steps)):
-            program.fused[id(rec.steps[0])] = _Fused(rec.id, list(rec.steps), self.external_ins(rec), outs)
+        index = self.step_index[id(program)]
+        first, last = index[id(rec.steps[0])], index[id(rec.steps[-1])]
+        own = {id(s) for s in rec.steps}
+        if any(self.is_activation_step(s) and id(s) not in own for s in program.steps[first:last + 1]):
+            return  # cannot happen with `records`' grouping; run step by step if it ever does
+        ins = list(rec.steps[0].ins) if len(rec.steps) == 1 else self.external_ins(rec)
+        op = _OpSteps(rec.id, list(rec.steps), ins, outs)
+        for step in rec.steps:
+            program.op_steps[id(step)] = op
 
     def register_constant(self, rec: _OpRec, program: _Program, r, index: int) -> None:
         """Where the op's steps read constant `r`, so evaluate can replace it there."""

@@ -6,6 +6,7 @@ edges; `Graph.evaluate` runs it (see its docstring for the hooks).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -67,12 +68,13 @@ class _Hooks:
 
 
 @dataclasses.dataclass
-class _Fused:
-    """A fused op's steps (contiguous in its program), its inputs and outputs (value ids)."""
+class _OpSteps:
+    """One op's steps (in program order), its operands (value ids, or `_Lit`s: the
+    op's `Operand`s in order) and its outputs (value ids, the op's output edges)."""
 
     op_id: str
     steps: list
-    ins: list[int]
+    ins: list
     outs: list[int]
 
 
@@ -86,32 +88,39 @@ class _Program:
     op_of: dict[int, str] = dataclasses.field(default_factory=dict)  # id(step) -> op id
     # (id(step), input position) -> (op id, index among the op's constant operands)
     constant_of: dict[tuple[int, int], tuple[str, int]] = dataclasses.field(default_factory=dict)
-    fused: dict[int, _Fused] = dataclasses.field(default_factory=dict)  # id(first step) -> op
+    # id(step) -> the op it belongs to, for every step of every op but scans
+    # (whose body ops are hooked one by one).
+    op_steps: dict[int, _OpSteps] = dataclasses.field(default_factory=dict)
 
     def run_flat(self, values: list, hooks: _Hooks) -> list:
         env: dict[int, Any] = {}
         for v, x in zip(self.invars, values):
             env[v] = self._hook(v, x, hooks.on_edge)
-        i = 0
-        while i < len(self.steps):
-            fused = self.fused.get(id(self.steps[i])) if hooks.on_op is not None else None
-            if fused is None:
-                self._run_step(self.steps[i], env, hooks)
-                i += 1
+        for step in self.steps:
+            op = self.op_steps.get(id(step)) if hooks.on_op is not None else None
+            if op is None:
+                self._run_step(step, env, hooks)
                 continue
-            with jax.named_scope(fused.op_id):
-                outs = hooks.on_op(fused.op_id, self._compute(fused, hooks), *[env[r] for r in fused.ins])
-            for v, x in zip(fused.outs, outs):
+            # An op runs as one at its last step: its steps are contiguous among
+            # the activation steps, and the weight-only steps between them (a
+            # bias reshape) read no activation, so they have run by then.
+            if step is not op.steps[-1]:
+                continue
+            with jax.named_scope(op.op_id):
+                outs = hooks.on_op(op.op_id, self._compute(op, hooks),
+                                   *[r.value if isinstance(r, _Lit) else env[r] for r in op.ins])
+            for v, x in zip(op.outs, outs):
                 env[v] = self._hook(v, x, hooks.on_edge)
-            i += len(fused.steps)
         return [r.value if isinstance(r, _Lit) else env[r] for r in self.outvars]
 
-    def _run_step(self, step, env: dict, hooks: _Hooks) -> None:
+    def _run_step(self, step, env: dict, hooks: _Hooks, scoped: bool = True) -> None:
         ins = [r.value if isinstance(r, _Lit) else env[r] for r in step.ins]
         replaced = self._constants(step, ins, hooks.on_constant)
         # Lowered ops carry their op id as their location, so the tensors of
-        # an exported model can be traced back to the plan.
-        with jax.named_scope(self.op_of.get(id(step), "weights")):
+        # an exported model can be traced back to the plan (inside `on_op` the
+        # op's own scope is already open).
+        scope = self.op_of.get(id(step), "weights") if scoped else None
+        with jax.named_scope(scope) if scope else contextlib.nullcontext():
             if isinstance(step, _Region):
                 outs = _run_scan(step, ins, hooks)
             elif step.fn is not None:
@@ -126,15 +135,16 @@ class _Program:
         for v, x in zip(step.outs, outs):
             env[v] = self._hook(v, x, hooks.on_edge)
 
-    def _compute(self, fused: _Fused, hooks: _Hooks):
-        """The fused op as a function of its inputs (no edges inside it to hook)."""
+    def _compute(self, op: _OpSteps, hooks: _Hooks):
+        """The op as a function of its operands (no edges inside it to hook)."""
         inner = _Hooks(on_constant=hooks.on_constant)
 
         def compute(*xs):
-            env = dict(zip(fused.ins, xs))
-            for step in fused.steps:
-                self._run_step(step, env, inner)
-            return [env[v] for v in fused.outs]
+            # A literal operand is read from its step (replace it with on_constant).
+            env = {r: x for r, x in zip(op.ins, xs) if not isinstance(r, _Lit)}
+            for step in op.steps:
+                self._run_step(step, env, inner, scoped=False)
+            return [env[v] for v in op.outs]
 
         return compute
 

@@ -203,9 +203,15 @@ class Graph:
           on_edge(edge_id, value): every activation edge, inputs included.
           on_constant(op_id, index, value): the `index`-th of an op's
             `constants`, where the op reads it.
-          on_op(op_id, compute, *inputs) -> outputs: each fused op (a chain of
-            primitives that is one op, such as gelu or softmax); `compute`
-            evaluates it, so a caller can wrap it (in a composite, say).
+          on_op(op_id, compute, *operands) -> outputs: every op but a `scan`
+            (whose body's ops are hooked instead), run as one function:
+            `operands` are the values of the op's `Operand`s in order
+            (weights as the op reads them; a literal's value is passed but
+            read from the op, replace it with `on_constant`), `compute(*operands)`
+            evaluates the op as traced, and the hook returns the list of its
+            outputs (one per `Op.outputs`). A backend wraps an op (in a
+            composite, say) or replaces it (a quantized kernel);
+            ``jax.make_jaxpr(compute)(*operands)`` shows what it computes.
 
         Example:
           >>> graph = trace(model, x, variables=variables)

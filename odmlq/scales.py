@@ -98,15 +98,22 @@ def replace_params(params: Any, new: Mapping[str, Any]) -> Any:
 
 
 def compute_scales(plan, calibration: Calibration | None, params: Any,
-                   constraints: Mapping[str, Any] | None = None) -> Scales:
+                   constraints: Mapping[str, Any] | None = None, *,
+                   weight_scales: Mapping[str, TensorScale] | None = None) -> Scales:
     """Scale and zero point of every quantized edge, weight and bias of `plan`.
+
+    Args:
+      weight_scales: the weights' scales when they are already known (from
+        quantized params, see `odmlq.quantize_params`); `params` is then not read.
 
     Raises:
       CalibrationError: a static edge has no statistics in `calibration`.
       PlanError: one parameter is given two different specs by two ops.
     """
-    values = flat_params(params)
-    weights = _weight_scales(plan, values)
+    if weight_scales is None:
+        weights = _weight_scales(plan, flat_params(params))
+    else:
+        weights = dict(weight_scales)
     edges = _edge_scales(plan, calibration, constraints or {})
     biases = _bias_scales(plan, edges, weights)
     constants = _constant_scales(plan, edges, constraints or {})

@@ -10,6 +10,7 @@ EXPECTED = [
     "fake_quant", "load_rules", "plan", "qtype", "quantize", "quantize_tensor", "trace",
     "calibrate", "Scales", "TensorScale", "compute_scales", "Simulator", "simulate",
     "export_tflite", "VerificationError", "Report", "compare",
+    "ptq", "QuantizedModel", "quantize_params", "save_params", "load_params",
 ]
 
 

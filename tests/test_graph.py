@@ -189,7 +189,7 @@ def test_constant_operands_are_listed_with_their_values_and_can_be_replaced():
     np.testing.assert_array_equal(graph.evaluate({}, x), fn({}, x))  # no hook: exact
 
 
-def test_on_op_hook_wraps_fused_ops():
+def test_on_op_hook_sees_every_op_and_can_replace_it():
     def fn(params, x):
         return jax.nn.softmax(jax.nn.gelu(x)) * 2.0
 
@@ -202,5 +202,26 @@ def test_on_op_hook_wraps_fused_ops():
         return [2.0 * y for y in compute(*inputs)] if op_id == "gelu" else compute(*inputs)
 
     y = jax.jit(lambda x: graph.evaluate({}, x, on_op=on_op))(x)
-    assert seen == ["gelu", "softmax"]
+    assert seen == ["gelu", "softmax", "mul"]
     np.testing.assert_allclose(y, jax.nn.softmax(2.0 * jax.nn.gelu(x)) * 2.0, rtol=1e-6)
+
+
+def test_on_op_hook_gets_the_operands_of_a_dense_layer_with_its_bias():
+    """A Dense is one op (dot_general + bias add) although the bias reshape, a
+    step on the weight alone, lies between its two steps: the hook gets the
+    operands in `Op.operands` order and its replacement is used."""
+    model = nn.Dense(3, name="fc")
+    x = jnp.linspace(-1, 1, 8).reshape(2, 4)
+    variables = model.init(jax.random.key(0), x)
+    graph = trace(model, x, variables=variables)
+    (op,) = graph.ops
+    shapes = []
+
+    def on_op(op_id, compute, *operands):
+        shapes.append([tuple(np.shape(v)) for v in operands])
+        return [y + 1.0 for y in compute(*operands)]
+
+    y = graph.evaluate(variables, x, on_op=on_op)
+    assert [o.role for o in op.operands] == ["input", "weight", "bias"]
+    assert shapes == [[o.shape for o in op.operands]]
+    np.testing.assert_allclose(y, model.apply(variables, x) + 1.0, rtol=1e-6)

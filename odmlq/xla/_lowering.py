@@ -1,0 +1,275 @@
+"""Which kernel runs each quantized matmul / convolution, and running it.
+
+Internal. `Lowerer.on_op` is the `Graph.evaluate` hook of the XLA backend: an
+op of kind dot_general, conv or einsum whose weight the plan quantizes is
+traced (``jax.make_jaxpr`` of the op), and its one matmul or convolution that
+reads the weight is replaced by a kernel of `odmlq.xla._matmul` or `_conv`; the rest of the
+op (a bias add, an einsum's transposes) runs as traced. The kernel follows
+from the plan alone:
+
+| input edge spec | weight | kernel |
+|---|---|---|
+| none (float) | any | weight-only: blocked dequantize + float32 matmul |
+| static or dynamic int8 | int8 / int4, symmetric | int8 x int8 -> int32, one rescale |
+| static or dynamic fp8 | any | fp8 activation values x dequantized weight, float32 |
+
+Anything else (a qtype XLA does not run natively: nf4, int2..7, int16; a
+scale along a contracted axis; a weight reshaped before the op) is
+*emulated*: computed in float32 on the dequantized values, which equals
+`simulate`, and listed as emulated with the reason in `Lowering`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jcore
+
+from odmlq import _qarray_kernels as qkernels
+from odmlq.qarray import QArray, compute_scale
+from odmlq.qtypes import qtype as lookup_qtype
+from odmlq.xla import _conv, _decode, _matmul
+
+ANCHOR_KINDS = ("dot_general", "conv", "einsum")
+_PRIMITIVES = ("dot_general", "conv_general_dilated")
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowering:
+    """How one op runs on XLA.
+
+    Attributes:
+      op: the op id.
+      schema: 'weight_only', 'static' or 'dynamic'.
+      kernel: what computes it, e.g. ``'int8 x int8 -> int32 dot (16 blocks of 256 rows)'``.
+      emulated: why it is computed in float32 on dequantized values (None: native).
+    """
+
+    op: str
+    schema: str
+    kernel: str
+    emulated: str | None = None
+
+    def __str__(self) -> str:
+        return f"{self.kernel}" + (f" [emulated: {self.emulated}]" if self.emulated else "")
+
+
+def quantized_weight(plan, op) -> tuple[int, str] | None:
+    """(operand index, param path) of the op's quantized weight, if it has exactly one."""
+    specs = {w.param for w in plan.ops[op.id].weights if w.role == "weight" and w.spec is not None}
+    found = [(i, o.param) for i, o in enumerate(op.operands) if o.role == "weight" and o.param in specs]
+    return found[0] if op.kind in ANCHOR_KINDS and len(found) == 1 else None
+
+
+class Lowerer:
+    """The `on_op` hook for one evaluation (weights and scales bound)."""
+
+    def __init__(self, graph, plan, scales, weights: Mapping[str, QArray], records: dict):
+        self.ops = {op.id: op for op in graph.ops}
+        self.plan, self.scales, self.weights, self.records = plan, scales, weights, records
+
+    def on_op(self, op_id: str, compute: Callable, *operands):
+        op = self.ops[op_id]
+        found = quantized_weight(self.plan, op)
+        if found is None:
+            return compute(*operands)
+        w_index, path = found
+        closed = jax.make_jaxpr(compute)(*operands)
+        invars = closed.jaxpr.invars
+        anchors = [i for i, e in enumerate(closed.jaxpr.eqns)
+                   if e.primitive.name in _PRIMITIVES and invars[w_index] in e.invars[:2]]
+        if len(anchors) != 1:
+            return self._emulate(op, path, compute, operands, "the weight is read by other than one matmul")
+        eqn = closed.jaxpr.eqns[anchors[0]]
+        side = eqn.invars.index(invars[w_index])
+        x_var = eqn.invars[1 - side]
+        x_index = invars.index(x_var) if x_var in invars else None
+        edge = op.operands[x_index].edge if x_index is not None and op.operands[x_index].role == "input" else None
+        spec = None if edge is None else self.plan.edges[edge].spec
+        kernel = self._kernel(op, path, eqn, side, operands[w_index], spec, edge)
+        if isinstance(kernel, str):
+            return self._emulate(op, path, compute, operands, kernel, spec)
+        return _evaluate(closed, operands, {anchors[0]: kernel})
+
+    # -- choosing ---------------------------------------------------------
+    def _kernel(self, op, path, eqn, side, w_value, spec, edge):
+        """A replacement for the anchor equation, or why there is none (a str)."""
+        q = self.weights[path]
+        operand = op.operands[[o.param for o in op.operands].index(path)]
+        if operand.stacked_axes:
+            return "a stacked weight (nn.scan), sliced per iteration: not lowered yet"
+        if tuple(w_value.shape) != tuple(q.shape):
+            return f"the weight is reshaped to {tuple(w_value.shape)} before the op"
+        if spec is not None and edge is None:
+            return "the quantized input is transformed inside the op before the matmul"
+        schema = "weight_only" if spec is None else "dynamic" if spec.dynamic else "static"
+        if eqn.primitive.name == "dot_general":
+            return self._dot(op, q, operand, eqn, side, spec, edge, schema)
+        return self._conv(op, q, operand, eqn, side, spec, edge, schema)
+
+    def _record(self, op, schema, kernel, emulated=None):
+        self.records[op.id] = Lowering(op=op.id, schema=schema, kernel=kernel, emulated=emulated)
+
+    def _dot(self, op, q, operand, eqn, side, spec, edge, schema):
+        x_shape = eqn.invars[1 - side].aval.shape
+        layout = _matmul.DotLayout.of(eqn.params["dimension_numbers"], side, x_shape, q.shape)
+        if layout is None:
+            return "a matmul with batch dimensions"
+        contraction = tuple(layout.w_perm[:len(layout.w_perm) - len(layout.w_free)])
+        if operand.contraction_axes is not None and tuple(sorted(contraction)) != tuple(operand.contraction_axes):
+            return "the weight is transposed before the op"
+        w = _matmul.matrix_weight(q, layout)
+        if w is None:
+            return "the weight scale varies along several contracted axes"
+        blocks = f"{w.blocks} block{'s' if w.blocks > 1 else ''} of {w.rows} rows"
+        moved = ", unpacked/transposed per call" if w.moved else ""
+        native_w = lookup_qtype(q.qtype).runs_natively_on("xla")
+        out_dtype = eqn.outvars[0].aval.dtype
+        if spec is None:
+            self._record(op, schema, f"{q.qtype} weight-only dot: decode per block, f32 dot, scale ({blocks}{moved})",
+                         None if native_w else f"{q.qtype} is not native on XLA")
+            return lambda e, ins: [
+                layout.output(_matmul.dot_float(layout.x_matrix(ins[1 - side]), w)).astype(out_dtype)]
+        act = lookup_qtype(spec.qtype)
+        if act.kind == "int" and not (act.runs_natively_on("xla") and act.bits <= 8):
+            return f"{act.name} activations are not native on XLA"
+        if act.kind == "int" and not (q.qtype_info.kind == "int" and q.qtype_info.bits <= 8 and native_w):
+            return f"an integer matmul needs int8/int4 weights, not {q.qtype}"
+        if act.kind == "int" and not q.symmetric:
+            return "an integer matmul needs symmetric weights"
+        ts = self.scales.edges.get(edge)
+
+        def kernel(e, ins):
+            x = ins[1 - side]
+            codes, scale, zero_point = _quantize_activation(x, spec, ts)
+            s_rows = layout.x_rows(scale, x.ndim)
+            if act.kind == "int":
+                y = _matmul.dot_int(layout.x_matrix(codes), layout.x_rows(zero_point, x.ndim), w)
+            else:
+                y = _matmul.dot_float(layout.x_matrix(_decode.fp8_to_float32(codes)), w)
+            return [layout.output(y * s_rows).astype(out_dtype)]
+
+        if not _rows_only(spec, layout):
+            return "the activation scale varies along a contracted axis"
+        name = ("int8 x int8 -> int32 dot, one rescale" if act.kind == "int"
+                else f"{act.name} activation x dequantized weight, f32 dot")
+        self._record(op, schema, f"{name} ({q.qtype} weight, {blocks}{moved})",
+                     None if native_w else f"{q.qtype} is not native on XLA")
+        return kernel
+
+    def _conv(self, op, q, operand, eqn, side, spec, edge, schema):
+        params = eqn.params
+        dn = params["dimension_numbers"]
+        out_dtype = eqn.outvars[0].aval.dtype
+        if side != 1:
+            return "the weight is the convolution's input"
+        if operand.contraction_axes is not None and (dn.rhs_spec[1],) != tuple(operand.contraction_axes):
+            return "the weight is transposed before the op"
+        native_w = lookup_qtype(q.qtype).runs_natively_on("xla")
+        if spec is None:
+            self._record(op, schema, f"{q.qtype} weight-only conv: kernel dequantized in one fused pass",
+                         None if native_w else f"{q.qtype} is not native on XLA")
+            return lambda e, ins: [_conv.conv_float(ins[0], q, params).astype(out_dtype)]
+        act = lookup_qtype(spec.qtype)
+        if act.kind != "int" or not act.runs_natively_on("xla") or act.bits > 8:
+            return f"no native {act.name}-activation convolution on XLA"
+        if not (q.qtype_info.kind == "int" and q.qtype_info.bits <= 8 and native_w and q.symmetric):
+            return f"an integer convolution needs symmetric int8/int4 weights, not {q!r}"
+        if _conv.weight_scale_axis(q) not in (-1, dn.rhs_spec[0]):
+            return "the weight scale is not per output channel"
+        if any(d != 1 for d in params["lhs_dilation"]) or params["batch_group_count"] != 1:
+            return "a dilated-input or batch-grouped convolution"
+        if any(a != dn.lhs_spec[0] for a in spec.scale_axes):
+            return "the activation scale varies along other than the batch axis"
+        ts = self.scales.edges.get(edge)
+
+        def kernel(e, ins):
+            x = ins[0]
+            codes, scale, zero_point = _quantize_activation(x, spec, ts)
+            y = _conv.conv_int(codes, zero_point, q, params)
+            return [(y * _batch_param(scale, dn, y.ndim)).astype(out_dtype)]
+
+        self._record(op, schema, f"int8 x {q.qtype} -> int32 conv, one rescale")
+        return kernel
+
+    def _emulate(self, op, path, compute, operands, reason: str, spec=None):
+        """The op as traced, on the dequantized weight (the float view holds it)
+        and the fake-quantized input (static edges already are)."""
+        schema = "weight_only" if spec is None else "dynamic" if spec.dynamic else "static"
+        self._record(op, schema, f"float32 op on dequantized {self.weights[path].qtype} weight", reason)
+        if spec is not None and spec.dynamic:
+            operands = [dynamic_fake_quant(x, spec) if o.role == "input" and o.edge is not None
+                        and self.plan.edges[o.edge].spec == spec else x
+                        for o, x in zip(op.operands, operands)]
+        return compute(*operands)
+
+
+def _rows_only(spec, layout: _matmul.DotLayout) -> bool:
+    """Whether an activation's scale varies only along rows (free axes), so it
+    can multiply the integer sums."""
+    free = set(layout.x_perm[:len(layout.x_free)])
+    return all(a in free for a in spec.scale_axes)
+
+
+def _batch_param(p, dn, ndim: int):
+    """A per-tensor or per-batch keepdims scale in the conv output's layout."""
+    flat = jnp.reshape(p, (-1,))
+    shape = [1] * ndim
+    shape[dn.out_spec[0]] = flat.shape[0]
+    return flat.reshape(shape)
+
+
+def _activation_range(x, spec):
+    axes = tuple(a for a in range(x.ndim) if a not in spec.scale_axes)
+    lo = jnp.min(x, axis=axes, keepdims=True)
+    hi = jnp.max(x, axis=axes, keepdims=True)
+    return compute_scale(lo, hi, spec.qtype, symmetric=spec.symmetric)
+
+
+def _quantize_activation(x, spec, ts):
+    """``(codes, scale, zero_point)`` of an input edge: its calibrated `TensorScale`
+    (static) or its own range (dynamic), as `simulate` computes them."""
+    if spec.dynamic:
+        scale, zero_point = _activation_range(x.astype(jnp.float32), spec)
+    else:
+        scale = jnp.asarray(ts.scale)
+        zero_point = None if ts.zero_point is None else jnp.asarray(ts.zero_point)
+    qt = lookup_qtype(spec.qtype)
+    codes = qkernels.quantize_values(x, scale, zero_point, qkernels.qrange(qt, False),
+                                     qkernels.kernel_for(qt), None, None)
+    return codes, scale, zero_point
+
+
+def dynamic_fake_quant(x, spec):
+    """What `simulate` makes of a dynamically quantized edge."""
+    codes, scale, zero_point = _quantize_activation(x, spec, None)
+    qt = lookup_qtype(spec.qtype)
+    values = qkernels.dequantize_values(codes, scale, zero_point, qkernels.kernel_for(qt), None, None)
+    return values.astype(x.dtype)
+
+
+def _evaluate(closed, args, replace: Mapping[int, Callable]) -> list:
+    """Evaluates a traced op, with some equations replaced: ``replace[i](eqn, ins)``."""
+    jaxpr = closed.jaxpr
+    env = {}
+
+    def read(a):
+        return a.val if isinstance(a, jcore.Literal) else env[a]
+
+    for v, c in zip(jaxpr.constvars, closed.consts):
+        env[v] = c
+    for v, a in zip(jaxpr.invars, args):
+        env[v] = a
+    for i, eqn in enumerate(jaxpr.eqns):
+        ins = [read(a) for a in eqn.invars]
+        if i in replace:
+            outs = replace[i](eqn, ins)
+        else:
+            outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+            outs = outs if eqn.primitive.multiple_results else [outs]
+        for v, o in zip(eqn.outvars, outs):
+            env[v] = o
+    return [read(a) for a in jaxpr.outvars]

@@ -1,0 +1,169 @@
+"""quantize_params: a model's float weights turned into the QArrays its Plan asks for.
+
+Every weight that the plan quantizes becomes a `QArray` with exactly the
+integers `odmlq.simulate` uses (the same `odmlq.scales` weight scale and the
+same `odmlq.qarray.quantize`); every other leaf is kept as it is. No model is
+run, so weights can be quantized one subtree at a time as they are loaded, or
+described abstractly (`jax.ShapeDtypeStruct` leaves in, abstract QArrays out),
+and the float weights of a large model never sit in memory together.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from odmlq import _trace
+from odmlq.errors import PlanError
+from odmlq.qarray import QArray, scale_shape
+from odmlq.scales import TensorScale, _weight_scale
+from odmlq.qtypes import qtype as lookup_qtype
+from odmlq._packing import packed_size
+
+__all__ = ["quantize_params", "weight_specs", "flat_leaves", "check_paths", "weight_scale_of"]
+
+
+def is_leaf(x: Any) -> bool:
+    return isinstance(x, QArray)
+
+
+def flat_leaves(params: Any) -> tuple[list[tuple[str, Any]], Any]:
+    """``([(param path, leaf)], treedef)`` with QArrays as leaves."""
+    params = _trace._params_of(params)
+    leaves, tree = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_leaf)
+    return [(_trace._path_str(path), leaf) for path, leaf in leaves], tree
+
+
+def weight_specs(plan) -> dict[str, Any]:
+    """Parameter path -> the `QuantSpec` the plan gives it (quantized weights only).
+
+    Raises:
+      PlanError: two ops give one parameter two different specs.
+    """
+    specs: dict[str, Any] = {}
+    for op_plan in plan.ops.values():
+        for w in op_plan.weights:
+            if w.spec is None:
+                continue
+            if w.param in specs and specs[w.param] != w.spec:
+                raise PlanError(
+                    f"Parameter {w.param!r} is used by several ops with different specs "
+                    f"({specs[w.param].describe()} vs {w.spec.describe()} at op {op_plan.op!r}); "
+                    "give those ops one rule.")
+            specs[w.param] = w.spec
+    return specs
+
+
+def check_paths(given: Mapping[str, Any], plan, *, partial: bool, what: str = "params") -> None:
+    """Checks parameter paths and shapes against the plan's traced parameters.
+
+    Raises:
+      PlanError: listing the missing paths (unless `partial`), the extra
+        paths, and the leaves whose shape differs from the traced one.
+    """
+    expected = plan.graph.params
+    missing = [] if partial else sorted(set(expected) - set(given))
+    extra = sorted(set(given) - set(expected))
+    shape = {p: tuple(given[p].shape if is_leaf(given[p]) else np.shape(given[p])) for p in set(given) & set(expected)}
+    shapes = [f"{p}: {shape[p]} (plan: {expected[p][0]})" for p in sorted(shape)
+              if shape[p] != tuple(expected[p][0])]
+    if not (missing or extra or shapes):
+        return
+    parts = []
+    if missing:
+        parts.append(f"missing {_listing(missing)}")
+    if extra:
+        parts.append(f"not in the plan {_listing(extra)}")
+    if shapes:
+        parts.append(f"of another shape {_listing(shapes)}")
+    raise PlanError(
+        f"The {what} do not match the plan of {plan.graph.model_name}: " + "; ".join(parts) + ". "
+        "Pass the params the plan was traced with (or, for one part of them, "
+        "quantize_params(subtree, plan, prefix='its/path')).")
+
+
+def _listing(items: list[str], limit: int = 12) -> str:
+    shown = ", ".join(repr(i) for i in items[:limit])
+    return f"({len(items)}): {shown}" + (f", ... {len(items) - limit} more" if len(items) > limit else "")
+
+
+def quantize_params(params: Any, plan, *, prefix: str | None = None) -> Any:
+    """Quantizes the weights of `params` as `plan` says, without running the model.
+
+    Args:
+      params: the float params (Linen variables, an NNX module or state, a
+        dict), or any part of them with `prefix`. Leaves may be arrays (numpy
+        or jax) or `jax.ShapeDtypeStruct`s (then the QArrays are abstract too:
+        their leaves are `ShapeDtypeStruct`s, for planning memory or loading).
+      plan: the Plan.
+      prefix: where `params` sits in the model's params (``'layers/3'``;
+        ``''`` for a partial tree laid out like the whole one). With a
+        prefix, parameters the subtree lacks are fine; without one, `params`
+        must hold every parameter of the plan.
+
+    Returns:
+      `params` with each quantized weight replaced by its `QArray` (int8,
+      packed int4 / nf4 bytes, float8 ...), other leaves unchanged. QArray
+      leaves are already quantized and are kept.
+
+    Raises:
+      PlanError: paths missing from or not in the plan, or leaves of another
+        shape than traced (all listed in one message).
+
+    Example:
+      >>> plan = odmlq.plan(model, [odmlq.Rule('.*', weight_qtype='int8')], x)
+      >>> qparams = odmlq.quantize_params(variables, plan)
+      >>> layer = odmlq.quantize_params(load('layers/3'), plan, prefix='layers/3')
+    """
+    specs = weight_specs(plan)
+    leaves, tree = flat_leaves(params)
+    base = "" if not prefix else prefix.strip("/") + "/"
+    paths = [base + p if p else prefix.strip("/") for p, _ in leaves]
+    check_paths(dict(zip(paths, (x for _, x in leaves))), plan, partial=prefix is not None)
+    out = []
+    for path, (_, leaf) in zip(paths, leaves):
+        spec = specs.get(path)
+        if spec is None or is_leaf(leaf):
+            out.append(leaf)
+        elif isinstance(leaf, jax.ShapeDtypeStruct):
+            out.append(abstract_qarray(tuple(leaf.shape), spec))
+        else:
+            out.append(_weight_scale(np.asarray(leaf, np.float32), spec).quantize(leaf))
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+def abstract_qarray(shape: tuple[int, ...], spec) -> QArray:
+    """The QArray `spec` makes of a tensor of `shape`, with `ShapeDtypeStruct` leaves."""
+    qt = lookup_qtype(spec.qtype)
+    stored = (packed_size(math.prod(shape), qt),) if qt.values_per_byte > 1 else shape
+    s_shape = scale_shape(shape, spec.scale_axes, spec.block_axis, spec.block_size)
+    zero_point = None if spec.symmetric else jax.ShapeDtypeStruct(s_shape, np.int32)
+    return QArray(qvalue=jax.ShapeDtypeStruct(stored, qt.storage_dtype if qt.values_per_byte == 1 else np.uint8),
+                  scale=jax.ShapeDtypeStruct(s_shape, np.float32), zero_point=zero_point,
+                  qtype=qt.name, shape=tuple(shape), scale_axes=spec.scale_axes,
+                  block_axis=spec.block_axis, block_size=spec.block_size,
+                  narrow_range=spec.narrow_range)
+
+
+def weight_scale_of(q: QArray) -> TensorScale:
+    """The `TensorScale` a QArray was quantized with (to compute edge and bias scales)."""
+    return TensorScale(qtype=q.qtype, scale=np.asarray(q.scale, np.float32),
+                       zero_point=None if q.zero_point is None else np.asarray(q.zero_point, np.int32),
+                       scale_axes=q.scale_axes, block_axis=q.block_axis, block_size=q.block_size,
+                       narrow_range=q.narrow_range)
+
+
+def check_qarray(path: str, q: QArray, spec) -> None:
+    """Refuses a QArray quantized otherwise than the plan says (a stale file, another plan)."""
+    layout = (q.qtype, q.scale_axes, q.block_axis, q.block_size, q.narrow_range, q.symmetric)
+    wanted = (lookup_qtype(spec.qtype).name, spec.scale_axes, spec.block_axis, spec.block_size,
+              spec.narrow_range, spec.symmetric)
+    if layout != wanted:
+        raise PlanError(
+            f"Parameter {path!r} is a QArray quantized as {q!r}, but the plan asks for "
+            f"{spec.describe()}; quantize the float weights with this plan "
+            "(odmlq.quantize_params) or use the plan the QArray was made with.")

@@ -1,0 +1,185 @@
+"""Saving and loading quantized params: safetensors, no pickle, tied to their Plan.
+
+A file holds, per parameter path, either its float array (``path``) or its
+QArray's leaves (``path:qvalue``, ``path:scale``, ``path:zero_point``), stored
+as they are in memory (int8 codes, packed int4 / nf4 bytes, float8 values as
+their bytes). Its metadata records each QArray's layout, and the Plan's
+*weight fingerprint*: a hash of every parameter's path, shape and dtype and of
+every quantized weight's spec. `load_params` refuses a file whose fingerprint
+differs from the plan's, and says which parameters differ.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from odmlq.errors import OdmlqError, PlanError
+from odmlq.qarray import QArray
+from odmlq.xla import _params
+
+__all__ = ["save_params", "load_params", "fingerprint"]
+
+FORMAT = "odmlq.xla.params"
+VERSION = 1
+# dtypes safetensors' numpy API reads back; others are stored as raw bytes.
+_NATIVE = {"int8", "uint8", "int16", "int32", "int64", "float16", "float32", "float64", "bool"}
+
+
+def _weights(plan) -> dict[str, dict]:
+    specs = _params.weight_specs(plan)
+    return {p: {"shape": list(s), "dtype": d, "spec": specs[p].describe() if p in specs else None}
+            for p, (s, d) in sorted(plan.graph.params.items())}
+
+
+def fingerprint(plan) -> str:
+    """A hash of what decides the params' layout: every parameter's path, shape
+    and dtype, and every quantized weight's spec (the traced batch size is not in it)."""
+    return hashlib.sha256(json.dumps(_weights(plan), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def save_params(path: str | os.PathLike, params: Any, plan) -> str:
+    """Writes quantized params (as `quantize_params` or `QuantizedModel.params` hold them).
+
+    Written atomically: an existing file is replaced only by a complete new one.
+
+    Returns:
+      The path written.
+
+    Raises:
+      PlanError: the params do not match the plan (missing or extra paths).
+
+    Example:
+      >>> odmlq.save_params('model.safetensors', qmodel.params, qmodel.plan)
+    """
+    from safetensors.numpy import save_file
+
+    leaves, _ = _params.flat_leaves(params)
+    flat = dict(leaves)
+    _params.check_paths(flat, plan, partial=False)
+    tensors: dict[str, np.ndarray] = {}
+    layout: dict[str, dict] = {}
+    for name, leaf in flat.items():
+        if isinstance(leaf, QArray):
+            layout[name] = {"qtype": leaf.qtype, "shape": list(leaf.shape), "scale_axes": list(leaf.scale_axes),
+                            "block_axis": leaf.block_axis, "block_size": leaf.block_size,
+                            "narrow_range": leaf.narrow_range, "dtypes": {}}
+            parts = {"qvalue": leaf.qvalue, "scale": leaf.scale, "zero_point": leaf.zero_point}
+            for part, value in parts.items():
+                if value is not None:
+                    tensors[f"{name}:{part}"], layout[name]["dtypes"][part] = _stored(value)
+        else:
+            tensors[name], dtype = _stored(leaf)
+            layout[name] = {"dtype": dtype}
+    metadata = {"format": FORMAT, "version": str(VERSION), "fingerprint": fingerprint(plan),
+                "model": plan.graph.model_name, "weights": json.dumps(_weights(plan)),
+                "layout": json.dumps(layout)}
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".odmlq-", suffix=".safetensors.tmp", dir=directory)
+        os.close(fd)
+    except OSError as e:
+        raise OdmlqError(f"Cannot write {path!r}: {e.strerror}; choose a writable directory.") from None
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def _stored(value) -> tuple[np.ndarray, str]:
+    array = np.ascontiguousarray(np.asarray(value))
+    dtype = array.dtype.name
+    if dtype not in _NATIVE:  # float8, bfloat16: their bytes
+        array = array.view(np.dtype(f"uint{8 * array.dtype.itemsize}"))
+    return array, dtype
+
+
+def _restored(array: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype in _NATIVE:
+        return array
+    return array.view(np.dtype(getattr(ml_dtypes, dtype)))
+
+
+def load_params(path: str | os.PathLike, plan, *, like: Any = None) -> Any:
+    """Reads params written by `save_params` for this plan.
+
+    Args:
+      path: the .safetensors file.
+      plan: the Plan they must have been made for.
+      like: a params tree of the model (float, abstract or quantized; an NNX
+        module or state) to lay the result out like; None gives a flat dict
+        ``{param path: QArray or array}``.
+
+    Raises:
+      PlanError: the file was made for another plan (names what differs) or
+        is not an odmlq params file.
+
+    Example:
+      >>> qparams = odmlq.load_params('model.safetensors', plan, like=abstract_variables)
+      >>> qmodel = odmlq.ptq(model, plan, qparams, calibration)
+    """
+    from safetensors import safe_open
+
+    path = os.fspath(path)
+    try:
+        handle = safe_open(path, "np")
+    except Exception as e:  # safetensors raises its own error type on a bad header
+        raise PlanError(f"Cannot read {path} as a safetensors file: {e}.") from None
+    with handle as f:
+        metadata = f.metadata() or {}
+        if metadata.get("format") != FORMAT:
+            raise PlanError(f"{path} is not an odmlq quantized-params file (no format={FORMAT!r} "
+                            "in its metadata); write it with odmlq.save_params.")
+        _check_plan(path, metadata, plan)
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    flat = {}
+    for name, entry in json.loads(metadata["layout"]).items():
+        if "qtype" not in entry:
+            flat[name] = _restored(tensors[name], entry["dtype"])
+            continue
+        parts = {part: _restored(tensors[f"{name}:{part}"], dtype) for part, dtype in entry["dtypes"].items()}
+        flat[name] = QArray(qvalue=jax.numpy.asarray(parts["qvalue"]), scale=jax.numpy.asarray(parts["scale"]),
+                            zero_point=None if "zero_point" not in parts else jax.numpy.asarray(parts["zero_point"]),
+                            qtype=entry["qtype"], shape=tuple(entry["shape"]), scale_axes=tuple(entry["scale_axes"]),
+                            block_axis=entry["block_axis"], block_size=entry["block_size"],
+                            narrow_range=entry["narrow_range"])
+    if like is None:
+        return flat
+    leaves, tree = _params.flat_leaves(like)
+    _params.check_paths({p: flat[p] for p, _ in leaves if p in flat}, plan, partial=True)
+    missing = [p for p, _ in leaves if p not in flat]
+    if missing:
+        raise PlanError(f"{path} has no {missing[:8]}, which `like` holds; pass params laid out like the model's.")
+    return jax.tree_util.tree_unflatten(tree, [flat[p] for p, _ in leaves])
+
+
+def _check_plan(path: str, metadata: dict, plan) -> None:
+    if metadata.get("fingerprint") == fingerprint(plan):
+        return
+    saved = json.loads(metadata.get("weights", "{}"))
+    ours = _weights(plan)
+    differ = [f"{name}: file {_describe(saved.get(name))}, plan {_describe(ours.get(name))}"
+              for name in sorted(set(saved) | set(ours)) if saved.get(name) != ours.get(name)]
+    raise PlanError(
+        f"{path} holds params quantized for another plan (model {metadata.get('model')!r}); "
+        f"{len(differ)} parameter(s) differ: " + "; ".join(differ[:6]) + (" ..." if len(differ) > 6 else "")
+        + ". Load it with the plan it was saved with, or quantize the float weights for this plan "
+        "(odmlq.quantize_params).")
+
+
+def _describe(entry: dict | None) -> str:
+    if entry is None:
+        return "absent"
+    return f"{tuple(entry['shape'])} {entry['dtype']} {entry['spec'] or 'float'}"

@@ -1,0 +1,212 @@
+"""ptq: a model for XLA serving whose weights are QArrays and whose matmuls run quantized.
+
+`ptq(model, rules, params, calibration)` plans the model (or takes a Plan),
+quantizes its weights (`quantize_params`), takes activation scales from the
+calibration (static edges) and returns a `QuantizedModel`: `apply(params,
+*inputs)` is a pure, jittable function of the quantized params, and calling
+the model runs it jitted. The model is evaluated op by op from its traced
+graph (`Graph.evaluate`): every quantized matmul / convolution becomes a
+quantized kernel (`odmlq.xla._lowering`), every static edge is rounded to its
+grid as `simulate` does (so results agree with `simulate` and with the LiteRT
+export, clipping included), and only the inputs of integer kernels are
+materialized as integers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from odmlq._model_run import GraphCache
+from odmlq.calibration import Calibration
+from odmlq.errors import PlanError
+from odmlq.plan import Plan, plan as make_plan
+from odmlq.qarray import QArray
+from odmlq.scales import Scales, compute_scales, fake_quant_bias
+from odmlq.xla import _lowering, _params
+
+__all__ = ["ptq", "QuantizedModel"]
+
+
+class QuantizedModel:
+    """A planned model with quantized params, for XLA.
+
+    Attributes:
+      plan: the Plan it follows.
+      scales: activation, bias and constant scales (`odmlq.Scales`).
+      params: the model's params with each quantized weight a `QArray`
+        (biases of integer ops rounded to their int32 grid).
+      lowerings: op id -> `Lowering` (the kernel each quantized op runs, and
+        whether it is emulated), for the example inputs' shapes.
+
+    Example:
+      >>> qmodel = odmlq.ptq(model, rules, variables, calibration, example_inputs=(x,))
+      >>> y = qmodel(x)                                   # jitted
+      >>> y = jax.jit(qmodel.apply)(qmodel.params, x)     # or inside your own jit
+      >>> print(qmodel)                                    # the kernel of each op
+    """
+
+    def __init__(self, model: Any, plan: Plan, params: Any, scales: Scales):
+        self.plan, self.scales, self.params = plan, scales, params
+        self.lowerings: dict[str, _lowering.Lowering] = {}
+        traced, variables = _for_tracing(model, params)
+        self._graphs = GraphCache(traced, plan, variables)
+        self._dtypes = {p: np.dtype(d) for p, (_, d) in plan.graph.params.items()}
+        edges = plan.edges
+        self._dynamic = {e: p.spec for e, p in edges.items() if p.spec is not None and p.spec.dynamic}
+        # A dynamic edge read only by quantized kernels stays float: each kernel
+        # quantizes it (as simulate's fake-quant would) on the fly.
+        self._kernel_only = {e for e in self._dynamic if all(
+            _lowering.quantized_weight(plan, plan.graph.op(c)) is not None
+            for c in plan.graph.edges[e].consumers)}
+        self._jitted = jax.jit(self.apply, static_argnames=("capture",))
+        examples = [jax.ShapeDtypeStruct(plan.graph.edges[e].shape, plan.graph.edges[e].dtype)
+                    for e in plan.graph.inputs]
+        if plan.graph.program is not None:
+            jax.eval_shape(self.apply, params, *examples)  # records `lowerings`
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the params as stored (QArrays: codes, scales, zero points)."""
+        leaves, _ = _params.flat_leaves(self.params)
+        return sum(q.nbytes if isinstance(q, QArray) else int(np.asarray(q).nbytes) for _, q in leaves)
+
+    def apply(self, params: Any, *inputs: Any, capture: bool = False) -> Any:
+        """Runs the model on `params` (as `self.params`). Pure and jittable.
+
+        Returns:
+          The model's outputs, or ``(outputs, {edge_id: value})`` with
+          `capture` (every edge as the XLA path computes it).
+        """
+        graph = self._graphs.graph_for(inputs)
+        leaves, tree = _params.flat_leaves(params)
+        weights = {p: q for p, q in leaves if isinstance(q, QArray)}
+        # The float view feeds only what no kernel replaces (a weight read
+        # elsewhere too, an emulated op); under jit the rest is never computed.
+        view = jax.tree_util.tree_unflatten(tree, [
+            q.dequantize(self._dtypes.get(p, np.float32)) if isinstance(q, QArray) else q for p, q in leaves])
+        captured: dict[str, Any] = {}
+        lowerer = _lowering.Lowerer(graph, self.plan, self.scales, weights, self.lowerings)
+        outputs = graph.evaluate(view, *inputs, on_edge=self._on_edge(captured, capture),
+                                 on_constant=self._on_constant, on_op=lowerer.on_op)
+        return (outputs, captured) if capture else outputs
+
+    def __call__(self, *inputs: Any, capture: bool = False) -> Any:
+        return self._jitted(self.params, *inputs, capture=capture)
+
+    def _on_edge(self, captured: dict, capture: bool):
+        def on_edge(edge_id, x):
+            ts = self.scales.edges.get(edge_id)
+            if ts is not None:
+                x = ts.fake_quant(x)
+            elif edge_id in self._dynamic and edge_id not in self._kernel_only:
+                x = _lowering.dynamic_fake_quant(x, self._dynamic[edge_id])
+            if capture:
+                captured[edge_id] = x
+            return x
+
+        return on_edge
+
+    def _on_constant(self, op_id, index, value):
+        ts = self.scales.constants.get((op_id, index))
+        return value if ts is None else ts.fake_quant(jnp.asarray(value, jnp.float32))
+
+    def __str__(self) -> str:
+        rows = [("op", "schema", "kernel", "emulated")]
+        rows += [(k, v.schema, v.kernel, v.emulated or "") for k, v in self.lowerings.items()]
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines + [f"params: {self.nbytes} bytes; float ops: {len(self.plan.float_ops)}"])
+
+
+def ptq(model: Any, rules: Sequence | Plan, params: Any = None, calibration: Calibration | None = None, *,
+        example_inputs: Sequence[Any] | None = None, constraints: Mapping | None = None) -> QuantizedModel:
+    """Quantizes `model` for XLA: QArray weights, integer (or fp8) matmuls.
+
+    The schema follows from the rules, as for the LiteRT export: weights alone
+    give a weight-only model (int8, int4, fp8, nf4; per channel or per block;
+    matmuls dequantize block by block); calibrated int8 activations a static
+    one (int8 x int8 -> int32 matmuls and convolutions, one rescale);
+    ``act_dynamic=True`` a dynamic-range one (activations quantized per call,
+    per tensor or per row as the act granularity says).
+
+    Args:
+      model: a Linen module, an NNX module, or ``fn(params, *inputs)``.
+      rules: rules (or a Plan made for this model).
+      params: float params (Linen variables; for NNX default the module's
+        own state), already quantized ones (`quantize_params`,
+        `load_params`), or a mix.
+      calibration: statistics for every static edge (`odmlq.calibrate`).
+      example_inputs: inputs fixing the traced shapes (needed with rules).
+      constraints: scale constraints of a target (e.g.
+        ``odmlq.litert.spec.OP_SPEC``, to compute exactly what a LiteRT
+        export does).
+
+    Returns:
+      A `QuantizedModel`; `print` it to see the kernel of every quantized op.
+
+    Raises:
+      PlanError: params that do not match the plan (missing and extra paths
+        listed), or QArrays quantized otherwise than the plan says.
+      CalibrationError: a static edge without calibration statistics (names
+        the edge; calibrate, or make its rule dynamic).
+
+    Example:
+      >>> rules = [odmlq.Rule('.*', weight_qtype='int8', act_qtype='int8', act_dynamic=True)]
+      >>> qmodel = odmlq.ptq(model, rules, variables, example_inputs=(x,))
+      >>> logits = qmodel(x)
+    """
+    if params is None:
+        if not isinstance(model, nnx.Module):
+            raise PlanError(f"ptq needs the params of {type(model).__name__}: pass them as params=...")
+        params = nnx.split(model)[1]
+    if isinstance(rules, Plan):
+        plan = rules
+    else:
+        if example_inputs is None:
+            raise PlanError("ptq with rules needs example_inputs=(x, ...) to trace the model "
+                            "(or pass a Plan made with odmlq.plan).")
+        traced, variables = _for_tracing(model, params)
+        plan = make_plan(traced, rules, *example_inputs, variables=variables)
+    leaves, _ = _params.flat_leaves(params)
+    _params.check_paths(dict(leaves), plan, partial=False)
+    qparams = _params.quantize_params(params, plan)
+    specs = _params.weight_specs(plan)
+    leaves, tree = _params.flat_leaves(qparams)
+    for path, leaf in leaves:
+        if isinstance(leaf, QArray):
+            if path not in specs:
+                raise PlanError(f"Parameter {path!r} is a QArray but the plan keeps it in float; "
+                                "pass its float value or use the plan the params were made with.")
+            _params.check_qarray(path, leaf, specs[path])
+    weight_scales = {p: _params.weight_scale_of(q) for p, q in leaves if isinstance(q, QArray)}
+    scales = compute_scales(plan, calibration, None, constraints, weight_scales=weight_scales)
+    qparams = jax.tree_util.tree_unflatten(tree, [
+        fake_quant_bias(jnp.asarray(leaf), scales.biases[p]) if p in scales.biases else leaf
+        for p, leaf in leaves])
+    return QuantizedModel(model, plan, qparams, scales)
+
+
+def _abstract_params(model: Any, params: Any) -> Any:
+    """What tracing needs of the params: shapes and dtypes (QArrays as float32)."""
+    def abstract(x):
+        if isinstance(x, QArray):
+            return jax.ShapeDtypeStruct(x.shape, jnp.float32)
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+
+    return jax.tree_util.tree_map(abstract, params, is_leaf=_params.is_leaf)
+
+
+def _for_tracing(model: Any, params: Any) -> tuple[Any, Any]:
+    """``(model, variables)`` to trace the model for new input shapes, holding no
+    weights: an NNX module is rebuilt around abstract state."""
+    if isinstance(model, nnx.Module):
+        graphdef, state = nnx.split(model)
+        return nnx.merge(graphdef, _abstract_params(model, state)), None
+    return model, _abstract_params(model, params)
