@@ -181,6 +181,25 @@ class Plan:
     def edge_spec(self, edge_id: str) -> QuantSpec | None:
         return self.edges[edge_id].spec
 
+    def weight_specs(self) -> dict[str, QuantSpec]:
+        """Parameter path -> the spec the plan gives it (quantized weights only).
+
+        Raises:
+          PlanError: two ops give one parameter two different specs.
+        """
+        specs: dict[str, QuantSpec] = {}
+        for op_plan in self.ops.values():
+            for w in op_plan.weights:
+                if w.spec is None:
+                    continue
+                if w.param in specs and specs[w.param] != w.spec:
+                    raise PlanError(
+                        f"Parameter {w.param!r} is used by several ops with different specs "
+                        f"({specs[w.param].describe()} vs {w.spec.describe()} at op {op_plan.op!r}); "
+                        "give those ops one rule.")
+                specs[w.param] = w.spec
+        return specs
+
     def to_json(self, indent: int | None = 1) -> str:
         return json.dumps({
             "format": "odmlq.plan", "version": PLAN_FORMAT_VERSION,

@@ -122,23 +122,10 @@ def compute_scales(plan, calibration: Calibration | None, params: Any,
 
 def _weight_scales(plan, values: Mapping[str, Any]) -> dict[str, TensorScale]:
     out: dict[str, TensorScale] = {}
-    specs: dict[str, Any] = {}
-    for op_plan in plan.ops.values():
-        for w in op_plan.weights:
-            if w.spec is None:
-                continue
-            if w.param in specs and specs[w.param] != w.spec:
-                raise PlanError(
-                    f"Parameter {w.param!r} is used by several ops with different specs "
-                    f"({specs[w.param].describe()} vs {w.spec.describe()} at op {op_plan.op!r}); "
-                    "give those ops one rule."
-                )
-            if w.param in out:
-                continue
-            if w.param not in values:
-                raise PlanError(f"The params have no {w.param!r}, which the plan quantizes.")
-            specs[w.param] = w.spec
-            out[w.param] = _weight_scale(np.asarray(values[w.param], np.float32), w.spec)
+    for param, spec in plan.weight_specs().items():
+        if param not in values:
+            raise PlanError(f"The params have no {param!r}, which the plan quantizes.")
+        out[param] = _weight_scale(np.asarray(values[param], np.float32), spec)
     return out
 
 

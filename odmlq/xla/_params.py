@@ -39,23 +39,8 @@ def flat_leaves(params: Any) -> tuple[list[tuple[str, Any]], Any]:
 
 
 def weight_specs(plan) -> dict[str, Any]:
-    """Parameter path -> the `QuantSpec` the plan gives it (quantized weights only).
-
-    Raises:
-      PlanError: two ops give one parameter two different specs.
-    """
-    specs: dict[str, Any] = {}
-    for op_plan in plan.ops.values():
-        for w in op_plan.weights:
-            if w.spec is None:
-                continue
-            if w.param in specs and specs[w.param] != w.spec:
-                raise PlanError(
-                    f"Parameter {w.param!r} is used by several ops with different specs "
-                    f"({specs[w.param].describe()} vs {w.spec.describe()} at op {op_plan.op!r}); "
-                    "give those ops one rule.")
-            specs[w.param] = w.spec
-    return specs
+    """Parameter path -> the `QuantSpec` the plan gives it (see `Plan.weight_specs`)."""
+    return plan.weight_specs()
 
 
 def check_paths(given: Mapping[str, Any], plan, *, partial: bool, what: str = "params") -> None:
