@@ -20,85 +20,17 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from odmlq import calibration as calibration_lib
+from odmlq._edge_passes import dynamic_only_into_kernels, fuse_activations
 from odmlq.errors import GranularityError, PlanError, RuleError
 from odmlq.granularity import PerBlock, PerChannel, PerTensor
 from odmlq.graph import Edge, Graph, Op, Operand, trace
-from odmlq.qtypes import BACKENDS, qtype as lookup_qtype
+from odmlq.quant_spec import QuantSpec, spec_or_none as _spec_or_none
+from odmlq.qtypes import qtype as lookup_qtype
 from odmlq.rules import Rule, rules_from_dicts, rules_to_dicts, warn_unmatched
 
 __all__ = ["QuantSpec", "WeightPlan", "OpPlan", "EdgePlan", "Plan", "plan"]
 
 PLAN_FORMAT_VERSION = 1
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class QuantSpec:
-    """How one tensor is quantized, fully resolved against its shape.
-
-    Attributes:
-      qtype: canonical qtype name.
-      scale_axes: axes along which the scale varies (() is per-tensor).
-      block_axis, block_size: blockwise scales along `block_axis`.
-      symmetric: no zero point.
-      narrow_range: int codes in [-qmax, qmax] (symmetric int weights).
-      calibration: how the range is chosen (None for dynamic activations).
-      dynamic: the range is taken from the tensor itself at run time.
-    """
-
-    qtype: str
-    scale_axes: tuple[int, ...] = ()
-    block_axis: int | None = None
-    block_size: int | None = None
-    symmetric: bool = True
-    narrow_range: bool = False
-    calibration: Any = None
-    dynamic: bool = False
-
-    def describe(self) -> str:
-        if self.block_size is not None:
-            gran = f"block({self.block_size}, axis={self.block_axis})"
-            if self.scale_axes:
-                gran += f" channels{list(self.scale_axes)}"
-        elif self.scale_axes:
-            gran = f"per-channel{list(self.scale_axes)}"
-        else:
-            gran = "per-tensor"
-        parts = [self.qtype, gran, "sym" if self.symmetric else "asym"]
-        if self.narrow_range:
-            parts.append("narrow")
-        if self.dynamic:
-            parts.append("dynamic")
-        elif self.calibration is not None:
-            parts.append(_method_str(self.calibration))
-        emulated = [b for b in BACKENDS if not lookup_qtype(self.qtype).runs_natively_on(b)]
-        if emulated:
-            parts.append(f"(emulated on {'/'.join(emulated)})")
-        return " ".join(parts)
-
-    def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["scale_axes"] = list(self.scale_axes)
-        d["calibration"] = None if self.calibration is None else self.calibration.to_dict()
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "QuantSpec":
-        d = dict(d)
-        d["scale_axes"] = tuple(d["scale_axes"])
-        if d.get("calibration") is not None:
-            d["calibration"] = calibration_lib.parse_calibration_method(d["calibration"])
-        return cls(**d)
-
-
-def _method_str(method) -> str:
-    d = method.to_dict()
-    name = d.pop("method")
-    return name + (f"({', '.join(f'{k}={v}' for k, v in d.items())})" if d else "")
-
-
-def _spec_or_none(d):
-    return None if d is None else QuantSpec.from_dict(d)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -423,8 +355,8 @@ def _edge_plans(graph: Graph, rules, op_plans) -> dict[str, EdgePlan]:
         else:
             by_edge[edge.id] = EdgePlan(edge=edge.id, spec=_act_spec(edge, rule, index),
                                         rule=index, reason=how)
-    _fuse_activations(graph, by_edge)
-    _dynamic_only_into_kernels(graph, by_edge)
+    fuse_activations(graph, by_edge)
+    dynamic_only_into_kernels(graph, by_edge)
     for edge in graph.edges.values():
         if edge.alias is not None:
             target = edge.alias
@@ -434,41 +366,3 @@ def _edge_plans(graph: Graph, rules, op_plans) -> dict[str, EdgePlan]:
             by_edge[edge.id] = EdgePlan(edge=edge.id, spec=base.spec, rule=base.rule,
                                         reason=f"alias of {target}")
     return {e: by_edge[e] for e in graph.edges}
-
-
-# Activations that matmul/conv kernels apply before requantizing their int32
-# accumulators (LiteRT's fused_activation_function, XLA fusion): the tensor
-# between the op and the activation is never materialized, so it is not
-# quantized; the activation's output carries the quantization.
-FUSED_ACTIVATIONS = frozenset({"relu", "relu6"})
-# Ops that apply a following activation before requantizing (LiteRT's
-# FULLY_CONNECTED, CONV_2D, ADD, SUB, MUL all take a fused activation).
-FUSING_OPS = frozenset({"dot_general", "conv", "einsum", "add", "sub", "mul"})
-
-
-def _fuse_activations(graph: Graph, by_edge: dict[str, EdgePlan]) -> None:
-    for op in graph.ops:
-        if op.kind not in FUSING_OPS or len(op.outputs) != 1:
-            continue
-        edge = graph.edges[op.outputs[0]]
-        if edge.is_output or len(edge.consumers) != 1 or by_edge[edge.id].spec is None:
-            continue
-        consumer = graph.op(edge.consumers[0])
-        if consumer.kind in FUSED_ACTIVATIONS and by_edge[consumer.outputs[0]].spec is not None:
-            by_edge[edge.id] = EdgePlan(edge=edge.id, spec=None, rule=by_edge[edge.id].rule,
-                                        reason=f"fused into {consumer.id}")
-
-
-def _dynamic_only_into_kernels(graph: Graph, by_edge: dict[str, EdgePlan]) -> None:
-    """Run-time quantization happens inside matmul/conv kernels (dynamic-range
-    kernels quantize their input per call), so a dynamic edge that feeds
-    anything else stays float."""
-    for edge in graph.edges.values():
-        plan = by_edge.get(edge.id)
-        if plan is None or plan.spec is None or not plan.spec.dynamic:
-            continue
-        kinds = {graph.op(c).kind for c in edge.consumers}
-        if not kinds or not kinds <= {"dot_general", "conv", "einsum"}:
-            by_edge[edge.id] = EdgePlan(
-                edge=edge.id, spec=None, rule=plan.rule,
-                reason="dynamic: only inputs of matmul/conv are quantized at run time")

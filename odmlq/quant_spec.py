@@ -1,0 +1,84 @@
+"""QuantSpec: how one tensor is quantized, resolved against its shape.
+
+The plan gives one to every quantized weight, edge and constant operand;
+backends read it and never re-decide.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from odmlq import calibration as calibration_lib
+from odmlq.qtypes import BACKENDS, qtype as lookup_qtype
+
+__all__ = ["QuantSpec", "spec_or_none"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QuantSpec:
+    """How one tensor is quantized, fully resolved against its shape.
+
+    Attributes:
+      qtype: canonical qtype name.
+      scale_axes: axes along which the scale varies (() is per-tensor).
+      block_axis, block_size: blockwise scales along `block_axis`.
+      symmetric: no zero point.
+      narrow_range: int codes in [-qmax, qmax] (symmetric int weights).
+      calibration: how the range is chosen (None for dynamic activations).
+      dynamic: the range is taken from the tensor itself at run time.
+    """
+
+    qtype: str
+    scale_axes: tuple[int, ...] = ()
+    block_axis: int | None = None
+    block_size: int | None = None
+    symmetric: bool = True
+    narrow_range: bool = False
+    calibration: Any = None
+    dynamic: bool = False
+
+    def describe(self) -> str:
+        if self.block_size is not None:
+            gran = f"block({self.block_size}, axis={self.block_axis})"
+            if self.scale_axes:
+                gran += f" channels{list(self.scale_axes)}"
+        elif self.scale_axes:
+            gran = f"per-channel{list(self.scale_axes)}"
+        else:
+            gran = "per-tensor"
+        parts = [self.qtype, gran, "sym" if self.symmetric else "asym"]
+        if self.narrow_range:
+            parts.append("narrow")
+        if self.dynamic:
+            parts.append("dynamic")
+        elif self.calibration is not None:
+            parts.append(_method_str(self.calibration))
+        emulated = [b for b in BACKENDS if not lookup_qtype(self.qtype).runs_natively_on(b)]
+        if emulated:
+            parts.append(f"(emulated on {'/'.join(emulated)})")
+        return " ".join(parts)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["scale_axes"] = list(self.scale_axes)
+        d["calibration"] = None if self.calibration is None else self.calibration.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "QuantSpec":
+        d = dict(d)
+        d["scale_axes"] = tuple(d["scale_axes"])
+        if d.get("calibration") is not None:
+            d["calibration"] = calibration_lib.parse_calibration_method(d["calibration"])
+        return cls(**d)
+
+
+def _method_str(method) -> str:
+    d = method.to_dict()
+    name = d.pop("method")
+    return name + (f"({', '.join(f'{k}={v}' for k, v in d.items())})" if d else "")
+
+
+def spec_or_none(d):
+    return None if d is None else QuantSpec.from_dict(d)
