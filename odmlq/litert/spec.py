@@ -121,6 +121,14 @@ OP_SPEC: dict[str, OpSpec] = {
     "min": OpSpec(_BOTH, SHARED),
     "reduce_sum": OpSpec(_BOTH),
     "mean": OpSpec(_BOTH),
+    # LayerNorm and L2-norm pieces (x * x, 1 / sqrt, sqrt): int8 kernels exist
+    # (MUL, RSQRT, SQRT); int16 ones are not proven, so int8 only.
+    "square": OpSpec(frozenset({"int8"})),
+    # An embedding lookup: GATHER_ND on the int8 table (then requantized to
+    # the output's calibrated scale).
+    "gather": OpSpec(frozenset({"int8"})),
+    "rsqrt": OpSpec(frozenset({"int8"})),
+    "sqrt": OpSpec(frozenset({"int8"})),
     # litert-converter 0.5.0 rejects an i16 tfl.concatenation operand.
     "concatenate": OpSpec(_INT8, SHARED),
     "avg_pool": OpSpec(_BOTH, SAME_AS_INPUT,

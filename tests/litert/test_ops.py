@@ -167,6 +167,9 @@ CASES = {
     "flatten": Case(_Fn(lambda x: x.reshape((x.shape[0], -1)), features=4), (3, 5), "RESHAPE"),
     "transpose": Case(_Fn(lambda x: jnp.transpose(x, (0, 2, 1)), features=4), (3, 5), "TRANSPOSE"),
     "mean": Case(_Fn(lambda x: jnp.mean(x, axis=1), features=4), (6, 5), "MEAN"),
+    "square": Case(_Fn(jnp.square), (8,), "MUL"),
+    "rsqrt": Case(_Fn(lambda x: jax.lax.rsqrt(x * x + 1.0)), (8,), "RSQRT"),
+    "sqrt": Case(_Fn(lambda x: jnp.sqrt(x * x + 1.0)), (8,), "SQRT"),
     "softmax": Case(_Fn(jax.nn.softmax), (8,), "SOFTMAX"),
     "attention": Case(_Attention(), (5, 8), ("BATCH_MATMUL", "MUL", "SOFTMAX")),
     "div_by_constant": Case(_Fn(lambda x: x / 3.0), (8,), "DIV"),
@@ -255,3 +258,24 @@ def test_int16_ops_the_converter_rejects_are_refused_before_work(name, message):
     rules = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int16")]
     with pytest.raises(FloatOpsError, match=message):
         odmlq.export_tflite(case.model, rules, batches, variables=variables)
+
+
+class _Embedding(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+        table = self.param("table", nn.initializers.normal(1.0), (30, 8))
+        return nn.Dense(4, name="fc")(jnp.take(table, ids, axis=0, mode="clip"))
+
+
+def test_embedding_lookup_is_an_int8_gather():
+    model = _Embedding()
+    rng = np.random.default_rng(0)
+    batches = [rng.integers(0, 30, size=(8, 5)).astype(np.int32) for _ in range(3)]
+    variables = model.init(jax.random.key(0), batches[0][:1])
+    result = odmlq.export_tflite(model, INT8, batches, variables=variables)
+    ops = result.summary.op_histogram
+    assert "GATHER_ND" in ops or "GATHER" in ops, ops
+    assert result.summary.float_islands == ()
+    assert result.verification.passed and not result.verification.unmapped_edges, str(result.verification)
+    table = [t for t in result.summary.tensors if t.is_constant and "table" in t.name]
+    assert table and all(t.dtype == "int8" for t in table)
