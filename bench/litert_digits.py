@@ -15,8 +15,6 @@ import argparse
 import statistics
 import time
 
-import numpy as np
-
 import odmlq
 from samples.digits import batches, load_digits_splits, train
 

@@ -14,11 +14,9 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
-from odmlq._program import (  # _params_of: also odmlq.scales' (via this module)
-    _eval_eqn, _inline_call, _Lit, _params_of, _Program, _Region, _Step, _TopProgram,
-)
+from odmlq._program import _eval_eqn, _inline_call, _Lit, _Program, _Region, _Step, _TopProgram
 from odmlq.errors import TraceError
-from odmlq.graph import Edge, Graph, Op, Operand
+from odmlq.graph import Graph
 
 # jax.nn functions JAX keeps as named calls (`jit[name=...]`); each is one op.
 NAMED_FUNCTIONS = frozenset({

@@ -20,10 +20,8 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import tempfile
 import zipfile
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
@@ -52,6 +50,7 @@ from odmlq._calibration_statistics import (
     observe,
     range_of,
 )
+from odmlq._files import atomic_output
 from odmlq._histogram import HISTOGRAM_BINS
 from odmlq.errors import CalibrationError
 from odmlq.qtypes import QType
@@ -215,22 +214,9 @@ class Calibration(Mapping[str, tuple[CalibrationMethod, Statistics]]):
                 if getattr(stats, field) is not None:
                     arrays[f"edge{i}.{field}"] = np.asarray(getattr(stats, field))
         arrays["metadata"] = np.frombuffer(json.dumps(metadata).encode(), np.uint8)
-        directory = os.path.dirname(os.path.abspath(path))
-        handle, temporary = tempfile.mkstemp(
-            prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory
-        )
-        try:
-            with os.fdopen(handle, "wb") as f:
+        with atomic_output(path) as temporary:
+            with open(temporary, "wb") as f:
                 np.savez_compressed(f, **arrays)
-                f.flush()
-                os.fsync(f.fileno())
-            # mkstemp makes the file private (0600); a calibration is not secret.
-            os.chmod(temporary, 0o644)
-            os.replace(temporary, path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(temporary)
-            raise
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Calibration:

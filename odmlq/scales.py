@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from odmlq import _trace
+from odmlq import _program, _trace
 from odmlq.calibration import Calibration, range_of
 from odmlq.errors import CalibrationError, PlanError
 from odmlq.qarray import QArray, compute_scale, fake_quant, quantize, scale_shape
@@ -84,14 +84,14 @@ class Scales:
 
 def flat_params(params: Any) -> dict[str, Any]:
     """Parameter path ('conv1/kernel') -> array, the paths plans use."""
-    params = _trace._params_of(params)
+    params = _program._params_of(params)
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     return {_trace._path_str(path): leaf for path, leaf in leaves}
 
 
 def replace_params(params: Any, new: Mapping[str, Any]) -> Any:
     """`params` with the leaves named in `new` replaced."""
-    params = _trace._params_of(params)
+    params = _program._params_of(params)
     leaves, tree = jax.tree_util.tree_flatten_with_path(params)
     out = [new.get(_trace._path_str(path), leaf) for path, leaf in leaves]
     return jax.tree_util.tree_unflatten(tree, out)

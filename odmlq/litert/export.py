@@ -10,10 +10,10 @@ import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-import jax
 import numpy as np
 
 from odmlq._calibrate import calibrate
+from odmlq._files import atomic_output
 from odmlq._model_run import params_for
 from odmlq.calibration import Calibration
 from odmlq.errors import OdmlqError, PlanError
@@ -377,34 +377,7 @@ def _input_names(model: Any, n: int) -> list[str]:
 
 
 def _write_atomically(path: str | os.PathLike, data: bytes) -> str:
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise OdmlqError(f"Cannot write {path!r}: directory {directory!r} does not exist.")
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=".odmlq-", suffix=".tflite.tmp", dir=directory)
-    except OSError as e:
-        raise OdmlqError(f"Cannot write {path!r}: {e.strerror}; choose a writable directory.") from None
-    try:
-        with os.fdopen(fd, "wb") as f:
+    with atomic_output(path) as temporary:
+        with open(temporary, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        with _suppress():
-            os.unlink(tmp)
-        raise
-    return path
-
-
-class _suppress:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return exc[0] is not None and issubclass(exc[0], OSError)
-
-
-del jax
+    return os.fspath(path)

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from odmlq import _trace
+from odmlq import _program, _trace
 from odmlq.errors import PlanError
 from odmlq.qarray import QArray, scale_shape
 from odmlq.scales import TensorScale, _weight_scale
@@ -33,7 +33,7 @@ def is_leaf(x: Any) -> bool:
 
 def flat_leaves(params: Any) -> tuple[list[tuple[str, Any]], Any]:
     """``([(param path, leaf)], treedef)`` with QArrays as leaves."""
-    params = _trace._params_of(params)
+    params = _program._params_of(params)
     leaves, tree = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_leaf)
     return [(_trace._path_str(path), leaf) for path, leaf in leaves], tree
 

@@ -14,14 +14,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from typing import Any
 
 import jax
 import ml_dtypes
 import numpy as np
 
-from odmlq.errors import OdmlqError, PlanError
+from odmlq._files import atomic_output
+from odmlq.errors import PlanError
 from odmlq.qarray import QArray
 from odmlq.xla import _params
 
@@ -81,21 +81,9 @@ def save_params(path: str | os.PathLike, params: Any, plan) -> str:
     metadata = {"format": FORMAT, "version": str(VERSION), "fingerprint": fingerprint(plan),
                 "model": plan.graph.model_name, "weights": json.dumps(_weights(plan)),
                 "layout": json.dumps(layout)}
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=".odmlq-", suffix=".safetensors.tmp", dir=directory)
-        os.close(fd)
-    except OSError as e:
-        raise OdmlqError(f"Cannot write {path!r}: {e.strerror}; choose a writable directory.") from None
-    try:
-        save_file(tensors, tmp, metadata=metadata)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
+    with atomic_output(path) as temporary:
+        save_file(tensors, temporary, metadata=metadata)
+    return os.fspath(path)
 
 
 def _stored(value) -> tuple[np.ndarray, str]:
