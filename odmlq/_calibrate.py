@@ -45,6 +45,10 @@ def calibrate(model: Any, plan, rep_dataset: Iterable | Callable[[], Iterable], 
     cache = GraphCache(model, plan, variables)
     edges = {e: p.spec for e, p in plan.edges.items()
              if p.spec is not None and not p.spec.dynamic and plan.graph.edges[e].alias is None}
+    for conversion in plan.conversions.values():
+        # A float edge read by an integer op (after a float island) is
+        # quantized where it is read: its range is calibrated too.
+        edges.setdefault(conversion.edge, conversion.spec)
     out = Calibration() if calibration is None else calibration
     dataset = rep_dataset() if callable(rep_dataset) else rep_dataset
     total = len(dataset) if hasattr(dataset, "__len__") else None

@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -112,6 +113,14 @@ class Plan:
 
     def edge_spec(self, edge_id: str) -> QuantSpec | None:
         return self.edges[edge_id].spec
+
+    @functools.cached_property
+    def conversions(self) -> dict:
+        """``(edge id, qtype) -> Conversion``: inputs an op reads in its own
+        activation qtype, requantized from the edge's (see `odmlq._conversions`)."""
+        from odmlq._conversions import input_conversions
+
+        return input_conversions(self)
 
     def weight_specs(self) -> dict[str, QuantSpec]:
         """Parameter path -> the spec the plan gives it (quantized weights only).

@@ -80,6 +80,19 @@ class Scales:
     weights: dict[str, TensorScale]
     biases: dict[str, np.ndarray]  # bias scale per output channel (int32, zero point 0)
     constants: dict[tuple[str, int], TensorScale] = dataclasses.field(default_factory=dict)
+    # (edge id, qtype) -> the scale an op of that qtype reads the edge at (see
+    # `Plan.conversions`).
+    conversions: dict[tuple[str, str], TensorScale] = dataclasses.field(default_factory=dict)
+
+    def input_scale(self, plan, op, edge_id: str) -> TensorScale | None:
+        """The scale `op` reads input `edge_id` at: a conversion's, or the edge's."""
+        from odmlq._conversions import op_qtype
+
+        edge_id = _resolve(plan.graph, edge_id)
+        target = op_qtype(plan, op)
+        if target is not None and (edge_id, target.qtype) in self.conversions:
+            return self.conversions[(edge_id, target.qtype)]
+        return self.edges.get(edge_id)
 
 
 def flat_params(params: Any) -> dict[str, Any]:
@@ -114,10 +127,12 @@ def compute_scales(plan, calibration: Calibration | None, params: Any,
         weights = _weight_scales(plan, flat_params(params))
     else:
         weights = dict(weight_scales)
-    edges = _edge_scales(plan, calibration, constraints or {})
-    biases = _bias_scales(plan, edges, weights)
+    conversions: dict[tuple[str, str], TensorScale] = {}
+    edges = _edge_scales(plan, calibration, constraints or {}, conversions)
+    scales = Scales(edges=edges, weights=weights, biases={}, constants={}, conversions=conversions)
+    biases = _bias_scales(plan, scales, weights)
     constants = _constant_scales(plan, edges, constraints or {})
-    return Scales(edges=edges, weights=weights, biases=biases, constants=constants)
+    return dataclasses.replace(scales, biases=biases, constants=constants)
 
 
 def _weight_scales(plan, values: Mapping[str, Any]) -> dict[str, TensorScale]:
@@ -156,7 +171,7 @@ def _tensor_scale(spec, lo, hi, shape) -> TensorScale:
         narrow_range=spec.narrow_range)
 
 
-def _edge_scales(plan, calibration, constraints) -> dict[str, TensorScale]:
+def _edge_scales(plan, calibration, constraints, conversions) -> dict[str, TensorScale]:
     graph = plan.graph
     out: dict[str, TensorScale] = {}
     for edge_id, edge_plan in plan.edges.items():
@@ -177,7 +192,9 @@ def _edge_scales(plan, calibration, constraints) -> dict[str, TensorScale]:
             producer = graph.op(edge.producer)
             source = next((e for e in producer.inputs if _resolve(graph, e) in out), None)
             if source is not None:
-                base = out[_resolve(graph, source)]
+                key = (_resolve(graph, source), spec.qtype)
+                base = (_conversion_scale(plan, key, out, calibration, conversions)
+                        if key in plan.conversions else out[key[0]])
                 if base.qtype == spec.qtype and not base.scale_axes:
                     divisor = graph.op(edge.producer).attributes.get("window_size", 1)
                     out[edge_id] = dataclasses.replace(
@@ -186,12 +203,35 @@ def _edge_scales(plan, calibration, constraints) -> dict[str, TensorScale]:
                         else base.zero_point.reshape((1,) * len(edge.shape)))
                     continue
         out[edge_id] = _calibrated_scale(edge, spec, calibration)
+    for key in plan.conversions:
+        _conversion_scale(plan, key, out, calibration, conversions)
     _share_with_inputs(graph, out, constraints)
     for edge_id, edge in graph.edges.items():
         target = _resolve(graph, edge_id)
         if edge.alias is not None and target in out:
             out[edge_id] = out[target]
     return out
+
+
+def _conversion_scale(plan, key, edges, calibration, conversions) -> TensorScale:
+    """The scale of a conversion (`Plan.conversions`), computed once into
+    `conversions`. A quantized source's whole representable range is kept
+    (int8 -> int16 then moves each value by at most half an int16 step, and
+    nothing clips); a float source's range is its calibrated one."""
+    if key not in conversions:
+        conversion = plan.conversions[key]
+        edge = plan.graph.edges[conversion.edge]
+        source = edges.get(conversion.edge)
+        if source is None or source.scale_axes:
+            conversions[key] = _calibrated_scale(edge, conversion.spec, calibration)
+        else:
+            qt = lookup_qtype(source.qtype)
+            s = np.asarray(source.scale, np.float64).reshape(())
+            zp = 0.0 if source.zero_point is None else float(np.asarray(source.zero_point).reshape(()))
+            lo = np.float32((qt.qmin + (1 if source.narrow_range else 0) - zp) * s)
+            hi = np.float32((qt.qmax - zp) * s)
+            conversions[key] = _tensor_scale(conversion.spec, lo, hi, scale_shape(edge.shape, ()))
+    return conversions[key]
 
 
 def _share_with_inputs(graph, out: dict[str, TensorScale], constraints) -> None:
@@ -318,15 +358,15 @@ def _calibrated_scale(edge, spec, calibration) -> TensorScale:
     return _tensor_scale(spec, lo, hi, scale_shape(edge.shape, spec.scale_axes))
 
 
-def _bias_scales(plan, edges, weights) -> dict[str, np.ndarray]:
+def _bias_scales(plan, scales: Scales, weights) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     for op in plan.graph.ops:
         biases = [w for w in plan.ops[op.id].weights if w.role == "bias"]
         kernels = [w for w in plan.ops[op.id].weights if w.role == "weight" and w.spec is not None]
         if not biases or len(kernels) != 1 or not op.inputs:
             continue
-        source = _resolve(plan.graph, op.inputs[0])
-        if source not in edges or edges[source].scale_axes or kernels[0].spec.block_size:
+        source = scales.input_scale(plan, op, op.inputs[0])
+        if source is None or source.scale_axes or kernels[0].spec.block_size:
             continue
         if lookup_qtype(kernels[0].spec.qtype).kind != "int":
             continue
@@ -334,7 +374,7 @@ def _bias_scales(plan, edges, weights) -> dict[str, np.ndarray]:
         if len(kernel.scale_axes) > 1:  # stacked layers: biases stay float for now
             continue
         w_scale = np.asarray(kernel.scale).reshape(-1)
-        in_scale = float(np.asarray(edges[source].scale).reshape(-1)[0])
+        in_scale = float(np.asarray(source.scale).reshape(-1)[0])
         for b in biases:
             out[b.param] = (w_scale * in_scale).astype(np.float32)
     return out

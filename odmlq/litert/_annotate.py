@@ -28,6 +28,7 @@ import numpy as np
 from odmlq.errors import OdmlqError
 from odmlq.litert.spec import pool_as_depthwise
 from odmlq.scales import Scales, TensorScale, flat_params, replace_params
+from odmlq.simulate import input_conversion_scales
 
 _DTYPES = {"int8": "i8", "int16": "i16", "int4": "i4"}
 
@@ -164,12 +165,12 @@ def annotated_function(graph, plan, scales: Scales, params: Any) -> Callable:
                 return fake_quant_composite(x, ts)
 
         return graph.evaluate(qparams, *inputs, on_edge=on_edge, on_constant=_constant_hook(scales),
-                              on_op=_composite_hook(graph, scales))
+                              on_op=_composite_hook(graph, plan, scales))
 
     return fn
 
 
-def _composite_hook(graph, scales: Scales) -> Callable:
+def _composite_hook(graph, plan, scales: Scales) -> Callable:
     """`on_op` for `Graph.evaluate`: fused ops the converter recognises only as a
     composite. jax.nn.gelu(approximate=False) is one: its erfc is expanded into
     a polynomial before the converter could match GELU, so it is handed over as
@@ -178,14 +179,26 @@ def _composite_hook(graph, scales: Scales) -> Callable:
     ``tfl.gelu`` without it. jax.nn.gelu's tanh form and softmax are matched
     as they are."""
     ops = {op.id: op for op in graph.ops}
+    converted = input_conversion_scales(plan, scales)
 
     def on_op(op_id: str, compute: Callable, *inputs):
         op = ops.get(op_id)
+        if op_id in converted:
+            # An input read in this op's qtype: a QUANTIZE (requantize) on LiteRT.
+            inputs = list(inputs)
+            for index, ts in converted[op_id]:
+                with jax.named_scope(f"{op.operands[index].edge}/to_{ts.qtype}"):
+                    inputs[index] = fake_quant_composite(inputs[index], ts)
         if op is not None and op.kind == "avg_pool" and len(inputs) == 1:
             out = scales.edges.get(op.outputs[0])
             if out is not None and pool_as_depthwise(op, out.qtype):
                 return [_pool_as_depthwise(op, inputs[0])]
         if op is None or op.kind != "gelu" or op.attributes.get("approximate", True) or len(inputs) != 1:
+            return compute(*inputs)
+        if scales.edges.get(op.outputs[0]) is None and any(e in scales.edges for e in op.inputs):
+            # A GELU kept in float between quantized tensors: as one tfl.gelu
+            # the converter would quantize it (int8 in, the next op's qtype
+            # out); its float decomposition stays float.
             return compute(*inputs)
         gelu = jax.lax.composite(lambda x, **_: compute(x)[0], name="tfl.gelu")
         return [gelu(inputs[0], approximate=np.bool_(False))]

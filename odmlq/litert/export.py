@@ -293,22 +293,32 @@ def _effective_output_spec(plan: Plan, op):
 
 
 def _check_one_activation_type(plan: Plan, op, where: str) -> None:
-    """LiteRT kernels read and write one activation type: an int8 input into an
-    int16 output (or back) is computed wrongly, without an error (seen with
-    FULLY_CONNECTED: off by the whole range)."""
-    if op.kind == "scan" or not op.outputs:
-        return
-    out = _effective_output_spec(plan, op)
-    if out is None or out.dynamic:
-        return
-    for edge_id in op.inputs:
-        spec = plan.edges[edge_id].spec
-        if spec is not None and not spec.dynamic and spec.qtype != out.qtype:
+    """LiteRT kernels read and write one activation type (an int8 -> int16
+    FULLY_CONNECTED computes garbage, without an error): an input of another
+    qtype is read through a conversion (`Plan.conversions`, a QUANTIZE op).
+    Kernels that read every input at their output's scale (CONCATENATION,
+    MAXIMUM, MINIMUM) would fold that QUANTIZE into their own scale, which the
+    plan does not model: refused."""
+    converted = [c for c in plan.conversions.values() if op.id in c.consumers]
+    for c in converted:
+        producer = plan.graph.edges[c.edge].producer
+        kind = None if producer is None else plan.graph.op(producer).kind
+        if c.source != "float" and kind is not None and getattr(OP_SPEC.get(kind), "output", None) is None:
+            # Seen with FULLY_CONNECTED (its int8 output silently rescaled: 0 dB)
+            # and GELU ('input and output must have same element type').
             raise PlanError(
-                f"{where} reads {spec.qtype} edge {edge_id!r} and writes {out.qtype}; LiteRT kernels "
-                "take one activation type (an int8 -> int16 FULLY_CONNECTED computes garbage). "
-                "Give the producer and this op the same act_qtype."
-            )
+                f"{where} reads {c.source} edge {c.edge!r} as {c.spec.qtype}: litert-converter 0.5.0 "
+                f"folds that requantization into the producing {kind!r} op, which then reads "
+                f"{c.source} and writes {c.spec.qtype} (computed wrongly or refused). Give the "
+                f"producer ({producer!r}) act_qtype={c.spec.qtype!r} too, or keep it in float "
+                "(skip=True, allow_float_ops=True): a QUANTIZE after a float op converts correctly.")
+    if converted and getattr(OP_SPEC.get(op.kind), "output", None) == "shared":
+        c = converted[0]
+        raise PlanError(
+            f"{where} reads {c.source} edge {c.edge!r} as {c.spec.qtype}; LiteRT's {op.kind} reads "
+            "its inputs at its output's scale, so the requantization cannot be placed before it. "
+            "Give the producer of that edge and this op the same act_qtype."
+        )
 
 
 def _int16_conv(plan: Plan, op) -> bool:

@@ -17,8 +17,10 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
+from odmlq._model_run import GraphCache, params_for
 from odmlq._plan_table import table
 from odmlq.errors import OdmlqError
 
@@ -57,6 +59,20 @@ class VerificationReport:
     output_sqnr_db: float
     samples: int
     tolerance_lsb: float
+    # Outputs against float: LiteRT's and simulate's (None when not measured).
+    litert_float_sqnr_db: float | None = None
+    simulate_float_sqnr_db: float | None = None
+
+    @property
+    def end_to_end_ok(self) -> bool:
+        """Outputs >= `min_output_sqnr_db` against simulate, or, for a deep
+        model where one-LSB rounding differences grow layer by layer, as close
+        to float as simulate is (within `FLOAT_SQNR_SLACK_DB`)."""
+        if self.min_output_sqnr_db is None or self.output_sqnr_db >= self.min_output_sqnr_db:
+            return True
+        if self.litert_float_sqnr_db is None or self.simulate_float_sqnr_db is None:
+            return False
+        return self.litert_float_sqnr_db >= self.simulate_float_sqnr_db - FLOAT_SQNR_SLACK_DB
 
     @property
     def worst(self) -> EdgeCheck | None:
@@ -64,7 +80,7 @@ class VerificationReport:
 
     @property
     def passed(self) -> bool:
-        if self.min_output_sqnr_db is not None and self.output_sqnr_db < self.min_output_sqnr_db:
+        if not self.end_to_end_ok:
             return False
         return all(c.params_match and c.max_lsb <= self.tolerance_lsb + _SLACK_LSB for c in self.checks)
 
@@ -77,6 +93,9 @@ class VerificationReport:
                  table(["edge", "module", "tensor", "max LSB", "mean LSB", "scale ok"], rows),
                  f"end to end vs simulate: max {self.output_max_lsb:.3f} LSB, "
                  f"SQNR {self.output_sqnr_db:.1f} dB"]
+        if self.litert_float_sqnr_db is not None and self.simulate_float_sqnr_db is not None:
+            lines.append(f"outputs vs float: LiteRT {self.litert_float_sqnr_db:.1f} dB, "
+                         f"simulate {self.simulate_float_sqnr_db:.1f} dB")
         if self.unmapped_edges:
             lines.append("edges with no tensor in the model: " + ", ".join(self.unmapped_edges))
         if self.unmapped_tensors:
@@ -169,6 +188,9 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
     simulator = Simulator(model, plan, scales, variables=variables)
     stats: dict[str, list] = {e: [0.0, 0.0, 0] for e in mapping}
     out_err, out_sig, out_noise, n = 0.0, 0.0, 0.0, 0
+    float_sig = float_noise_litert = float_noise_sim = 0.0
+    graphs = GraphCache(model, plan, variables)
+    params = params_for(model, variables, "verify")
     for inputs in _rows(samples, interpreter):
         for d, x in zip(interpreter.get_input_details(), inputs):
             interpreter.set_tensor(d["index"], _to_input(x, d))
@@ -186,6 +208,11 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
         out_err = max(out_err, float(np.max(np.abs(got - expected)) / out_scale))
         out_sig += float(np.sum(expected.astype(np.float64) ** 2))
         out_noise += float(np.sum((got - expected).astype(np.float64) ** 2))
+        reference = np.concatenate([np.asarray(o, np.float64).reshape(-1) for o in jax.tree_util.tree_leaves(
+            graphs.graph_for(tuple(inputs)).evaluate(params, *inputs))])
+        float_sig += float(np.sum(reference ** 2))
+        float_noise_litert += float(np.sum((got - reference) ** 2))
+        float_noise_sim += float(np.sum((expected - reference) ** 2))
         n += 1
     checks = tuple(
         EdgeCheck(edge=e, op=plan.graph.edges[e].producer,
@@ -202,12 +229,15 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
                                and by_index[i]["dtype"] in (np.int8, np.int16)),
         output_max_lsb=out_err,
         output_sqnr_db=float(10 * np.log10(out_sig / out_noise)) if out_noise > 0 else float("inf"),
-        samples=n, tolerance_lsb=tolerance_lsb, min_output_sqnr_db=min_output_sqnr_db)
-    if raise_on_failure and not report.passed and min_output_sqnr_db is not None and \
-            report.output_sqnr_db < min_output_sqnr_db:
+        samples=n, tolerance_lsb=tolerance_lsb, min_output_sqnr_db=min_output_sqnr_db,
+        litert_float_sqnr_db=_db(float_sig, float_noise_litert),
+        simulate_float_sqnr_db=_db(float_sig, float_noise_sim))
+    if raise_on_failure and not report.end_to_end_ok:
         raise VerificationError(
             f"The exported model's outputs reach only {report.output_sqnr_db:.1f} dB SQNR against "
-            f"simulate (at least {min_output_sqnr_db:g} dB expected).\n{report}"
+            f"simulate (at least {min_output_sqnr_db:g} dB expected), and "
+            f"{report.litert_float_sqnr_db:.1f} dB against float where simulate reaches "
+            f"{report.simulate_float_sqnr_db:.1f} dB.\n{report}"
         )
     if raise_on_failure and not report.passed:
         bad = [c for c in checks if not c.params_match or c.max_lsb > tolerance_lsb + _SLACK_LSB]
@@ -225,6 +255,17 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
 def _module_path(plan, edge_id: str) -> str:
     producer = plan.graph.edges[edge_id].producer
     return plan.graph.op(producer).module_path if producer else ""
+
+
+# One-LSB rounding differences between LiteRT's kernels and simulate grow
+# through a deep model (a 6-layer BERT encoder: every op within 1 LSB, outputs
+# 19.8 dB apart, yet both as close to float: mean cosine 0.9929 and 0.9930 on
+# 163 sentences); the export must then be as accurate as simulate promised.
+FLOAT_SQNR_SLACK_DB = 1.0
+
+
+def _db(signal: float, noise: float) -> float:
+    return float("inf") if noise == 0 else float(10 * np.log10(signal / noise))
 
 
 def _output_scale(plan, scales) -> float:

@@ -87,12 +87,21 @@ def test_int16x8_convolution_is_refused(models, digits):
         _export(models, digits, "cnn", [R(".*", weight_qtype="int8", act_qtype="int16")])
 
 
-def test_int8_into_int16_kernel_is_refused(models, digits):
-    """LiteRT computes an int8-in, int16-out FULLY_CONNECTED wrongly (caught by
-    verification: off by the whole range), so the plan check refuses it first."""
+def test_int8_edge_into_int16_ops_is_requantized(models, digits):
+    """LiteRT computes an int8-in, int16-out FULLY_CONNECTED wrongly (off by the
+    whole range, without an error), so an int16 op reading an int8 edge reads
+    it through a conversion: a QUANTIZE int8 -> int16 that simulate models."""
     rules = [R("conv.*", weight_qtype="int8", act_qtype="int8"), R(".*", weight_qtype="int8", act_qtype="int16")]
-    with pytest.raises(PlanError, match=r"op 'dense1/dot_general' .* reads int8 edge 'conv2/reshape' and writes int16"):
-        _export(models, digits, "cnn", rules)
+    model, variables = models["cnn"]
+    plan = odmlq.plan(model, rules, digits.x_test[:1], variables=variables)
+    conversions = {c.edge: c for c in plan.conversions.values()}
+    assert set(conversions) == {"conv2/reshape"}, conversions  # dense1 reads the flattened int8 edge as int16
+    assert conversions["conv2/reshape"].source == "int8" and conversions["conv2/reshape"].spec.qtype == "int16"
+    result = _export(models, digits, "cnn", rules)
+    requantize = [t for t in result.summary.tensors if t.dtype == "int16" and "conv2/reshape/to_int16" in t.name]
+    assert requantize, "no int16 tensor made from conv2/reshape"
+    # Every edge within 1 LSB of simulate (verification), int16 output within 1 LSB.
+    assert result.verification.passed and result.verification.output_max_lsb <= 1
 
 
 def test_int8_model_io(models, digits):

@@ -1,0 +1,113 @@
+"""Mixed activation qtypes: an op reads its inputs in its own qtype (Plan.conversions).
+
+Small Flax models, exported with the real converter and checked by the real
+interpreter: every kept conversion is a QUANTIZE that verification checks
+(each edge within 1 LSB of simulate); conversions the converter would fold
+into their producer are refused by the plan check.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import odmlq
+from odmlq.errors import PlanError
+from odmlq.litert.spec import OP_SPEC
+
+R = odmlq.Rule
+
+
+class _Net(nn.Module):
+    act: str = "tanh"
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(32, name="a")(x)
+        if self.act == "tanh":
+            h = jnp.tanh(h)
+        elif self.act == "gelu":
+            h = jax.nn.gelu(h, approximate=False)
+        return nn.Dense(8, name="b")(h)
+
+
+X = np.random.RandomState(0).randn(64, 16).astype(np.float32)
+BATCHES = [X[i:i + 16] for i in range(0, 64, 16)]
+
+
+def _model(act):
+    model = _Net(act=act)
+    return model, model.init(jax.random.PRNGKey(0), X[:1])
+
+
+def test_conversions_are_listed_once_per_edge_and_qtype():
+    model, variables = _model("tanh")
+    plan = odmlq.plan(model, [R("b", weight_qtype="int8", act_qtype="int16"),
+                              R(".*", weight_qtype="int8", act_qtype="int8")], X[:1], variables=variables)
+    (conversion,) = plan.conversions.values()
+    assert conversion.key == ("a/tanh", "int16") and conversion.source == "int8"
+    assert conversion.consumers == ("b/dot_general",) and conversion.spec.symmetric
+    same = odmlq.plan(model, [R(".*", weight_qtype="int8", act_qtype="int8")], X[:1], variables=variables)
+    assert same.conversions == {}
+
+
+def test_simulate_reads_the_converted_value():
+    """The int16 op reads tanh's int8 output on the int16 grid of its range."""
+    model, variables = _model("tanh")
+    plan = odmlq.plan(model, [R("b", weight_qtype="int8", act_qtype="int16"),
+                              R(".*", weight_qtype="int8", act_qtype="int8")], X[:1], variables=variables)
+    calibration = odmlq.calibrate(model, plan, BATCHES, variables=variables)
+    scales = odmlq.compute_scales(plan, calibration, variables, OP_SPEC)
+    ts = scales.conversions[("a/tanh", "int16")]
+    assert ts.qtype == "int16" and ts.zero_point is None or not np.any(ts.zero_point)
+    # The int16 matmul's bias scale is the converted input's scale times the weight's.
+    w = scales.weights["b/kernel"]
+    np.testing.assert_allclose(scales.biases["b/bias"], np.asarray(w.scale).reshape(-1) * float(ts.scale.reshape(-1)[0]),
+                               rtol=1e-6)
+    _, edges = odmlq.simulate(model, plan, scales, X, variables=variables, capture=True)
+    converted = np.asarray(ts.fake_quant(edges["a/tanh"]))
+    # On the int16 grid (exact multiples of its scale), within half an int16 step of the int8 value.
+    steps = converted / ts.scale.reshape(-1)[0]
+    np.testing.assert_array_equal(steps, np.round(steps))
+    assert np.max(np.abs(converted - np.asarray(edges["a/tanh"]))) <= ts.scale.reshape(-1)[0] / 2 + 1e-9
+
+
+def test_int8_into_int16_after_a_fixed_range_op_exports_and_verifies():
+    model, variables = _model("tanh")
+    result = odmlq.export_tflite(model, [R("b", weight_qtype="int8", act_qtype="int16"),
+                                         R(".*", weight_qtype="int8", act_qtype="int8")],
+                                 BATCHES, variables=variables)
+    assert result.summary.op_histogram["QUANTIZE"] == 2  # the model input, and tanh -> int16
+    assert any(t.dtype == "int16" and "a/tanh/to_int16" in t.name for t in result.summary.tensors)
+    # verification: every op within 1 LSB of simulate, int16 output within 1 LSB.
+    assert result.verification.passed and result.verification.output_max_lsb <= 1
+
+
+def test_float_island_output_is_quantized_where_it_is_read():
+    """A skipped layer's float output read by an int8 op: calibrated, then a QUANTIZE."""
+    model, variables = _model("tanh")
+    rules = [R("a", skip=True), R(".*", weight_qtype="int8", act_qtype="int8")]
+    plan = odmlq.plan(model, rules, X[:1], variables=variables)
+    (conversion,) = plan.conversions.values()
+    assert conversion.key == ("a/tanh", "int8") and conversion.source == "float"
+    calibration = odmlq.calibrate(model, plan, BATCHES, variables=variables)
+    assert "a/tanh" in calibration  # the float edge's range is observed for its conversion
+    with pytest.warns(UserWarning, match="float"):
+        result = odmlq.export_tflite(model, rules, BATCHES, variables=variables, allow_float_ops=True)
+    assert result.verification.passed
+    assert {o.name for o in result.summary.float_islands} >= {"FULLY_CONNECTED", "TANH"}
+    quantized = [t for t in result.summary.tensors if t.dtype == "int8" and "a/tanh/to_int8" in t.name]
+    assert quantized, "no int8 tensor made from the float a/tanh"
+
+
+@pytest.mark.parametrize("act, producer", [("none", "dot_general"), ("gelu", "gelu")])
+def test_conversion_the_converter_would_fold_is_refused(act, producer):
+    """litert-converter folds an int8 -> int16 requantize into a free-scale
+    producer: a FULLY_CONNECTED then reads int8 and writes int16 (seen: 0 dB
+    against simulate), a GELU is refused. The plan check says so first."""
+    model, variables = _model(act)
+    rules = [R("b", weight_qtype="int8", act_qtype="int16"), R(".*", weight_qtype="int8", act_qtype="int8")]
+    with pytest.raises(PlanError, match=rf"op 'b/dot_general' .* reads int8 edge 'a/{producer}' as int16: "
+                                        rf"litert-converter 0.5.0 folds .* Give the producer"):
+        odmlq.export_tflite(model, rules, BATCHES, variables=variables)
