@@ -5,6 +5,7 @@
   odmlq export module:function --out model.tflite [--rules R] [--calibration C.npz] [--data D.npz]
   odmlq inspect model.tflite
   odmlq diff model.tflite --inputs in.npz --device-tensors dump.npz [--min-sqnr 30]
+             [--model module:function [--rules R] [--calibration C.npz]] [--json] [--html out.html]
 
 A SAMPLE is one of the bundled sample models (``odmlq plan --list``). A
 ``module:function`` names a function that takes no arguments and returns
@@ -121,7 +122,7 @@ def _cmd_inspect(args) -> int:
 def _cmd_diff(args) -> int:
     import numpy as np
 
-    from odmlq.litert.device import diff_device
+    from odmlq.litert.device import check_model_inputs, device_report, diff_device
 
     def load(path, what):
         try:
@@ -135,13 +136,61 @@ def _cmd_diff(args) -> int:
             tflite = f.read()
     except OSError as e:
         raise OdmlqError(f"Cannot read model {args.model!r}: {e.strerror}.") from None
-    result = diff_device(tflite, load(args.inputs, "--inputs"), load(args.device_tensors, "--device-tensors"))
-    print(result)
+    if (args.rules or args.calibration) and not args.float_model:
+        raise OdmlqError("--rules and --calibration describe the model given with --model module:function; "
+                         "add --model.")
+    inputs = load(args.inputs, "--inputs")
+    dump = load(args.device_tensors, "--device-tensors")
+    result = diff_device(tflite, inputs, dump)
+    model = variables = plan = scales = None
+    if args.float_model:
+        model, example_inputs, variables = _load_model(args.float_model)
+        check_model_inputs(list(inputs), list(inputs.values()), example_inputs)
+        if not result.outputs_only:
+            plan, scales = _plan_and_scales(args, model, example_inputs, variables)
+    report = device_report(tflite, inputs, dump, result, model=model, variables=variables, plan=plan,
+                           scales=scales)
+    if args.json:
+        print(report.to_json(indent=None))
+    else:
+        print(result)
+        if model is not None:
+            print()
+            print(report)
+    if args.html:
+        _write_html(args.html, report)
     if args.min_sqnr is not None and result.output_sqnr_db < args.min_sqnr:
         print(f"odmlq: outputs at {result.output_sqnr_db:.1f} dB, under --min-sqnr {args.min_sqnr:g}",
               file=sys.stderr)
         return 3
     return 0
+
+
+def _plan_and_scales(args, model, example_inputs, variables):
+    """The plan and scales an odmlq .tflite was exported with, from --rules and --calibration."""
+    from odmlq._model_run import params_for
+    from odmlq.calibration import Calibration
+    from odmlq.litert.spec import OP_SPEC
+    from odmlq.plan import plan as make_plan
+    from odmlq.scales import compute_scales
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        p = make_plan(model, _rules_from(args), *example_inputs, variables=variables)
+    for w in caught:
+        print(f"warning: {w.message}", file=sys.stderr)
+    static = any(e.spec is not None and not e.spec.dynamic for e in p.edges.values())
+    if static and not args.calibration:
+        raise OdmlqError("odmlq diff --model needs --calibration C.npz for a model with calibrated "
+                         "activations: the statistics the .tflite was exported with (Calibration.save).")
+    calibration = Calibration.load(args.calibration) if args.calibration else None
+    return p, compute_scales(p, calibration, params_for(model, variables, "odmlq diff"), OP_SPEC)
+
+
+def _write_html(path: str, report) -> None:
+    """The report as one HTML page, written atomically."""
+    report.save_html(path)
+    print(f"# wrote {path}", file=sys.stderr)
 
 
 def _cmd_demo(args) -> int:
@@ -181,6 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--device-tensors", required=True,
                    help=".npz of tensors dumped on the device (samples/dump_tensors.py)")
     f.add_argument("--min-sqnr", type=float, help="exit 3 when the outputs' SQNR is under this (dB)")
+    f.add_argument("--model", dest="float_model", metavar="MODULE:FUNCTION",
+                   help="the float model (a sample or module:function) to compare every edge with "
+                        "float and simulate; outputs only for a .tflite odmlq did not make")
+    f.add_argument("--rules", help="rules file the .tflite was exported with (with --model)")
+    f.add_argument("--calibration", help="calibration statistics it was exported with (with --model)")
+    f.add_argument("--json", action="store_true", help="print the report as JSON (odmlq.report version 2)")
+    f.add_argument("--html", metavar="OUT.html", help="write the report as one HTML page")
     args = parser.parse_args(argv)
     try:
         if args.command == "plan":
