@@ -1,0 +1,217 @@
+"""all-MiniLM-L6-v2 to LiteRT: int8, int16x8 and dynamic-range, measured against float.
+
+Run: ``python -m samples.minilm_tflite [--out DIR] [--schemas int8,int16x8,dynamic,float]``
+
+For each schema the model is exported with `odmlq.export_tflite` (calibrated
+on ``samples/calibration_sentences.txt``, verified op by op against simulate)
+and the .tflite run by the LiteRT interpreter, one sentence at a time, on the
+227 sentences of ``samples/sentences.txt`` (none of them seen in calibration).
+It prints, per schema: mean and minimum cosine similarity to the float Flax
+embeddings, nearest-neighbour agreement with float (top-1; see `retrieval`),
+file size, latency per sentence (1 thread) and the ops left in float, grouped
+by module, with the reason.
+
+The rules (`SCHEMAS`), and why:
+
+- The attention mask bias is -30, not BERT's -1e4 (`MiniLMConfig.mask_bias`):
+  the float embeddings are the same (a padded key's weight is ~1e-13 either
+  way), but a quantized score edge holding -1e4 has no resolution left for
+  the real scores.
+- LayerNorm has no LiteRT kernel; decomposed in int8 it loses ~15 dB per
+  layer (the residual stream has outlier channels), and in int16 the
+  converter refuses its ADD of the bias and epsilon ('operands should have
+  valid shapes'). It stays in float: DEQUANTIZE, the float ops, QUANTIZE.
+- The residual stream (the adds, and the attention-output and FFN-output
+  matmuls that feed them) is int16: in int8 those edges lose 12-16 dB each
+  (outlier channels again). The int8 matmuls around them read it through a
+  QUANTIZE (`Plan.conversions`).
+- GELU's LiteRT kernel is int8 only, and the FFN-output matmul must read
+  int16; litert-converter folds an int8 -> int16 requantize into the GELU
+  (refused: 'input and output must have same element type'), so the GELU is
+  computed in float between the two.
+- The embedding adds (word + position + segment) read two weight tables: in
+  int16 the converter refuses an ADD of a weight, and in int8 they lose
+  ~19 dB. They stay in float; the gathered table is int8.
+- int8 activation ranges use MSE calibration (MinMax lets a few outliers
+  widen the whole range of the FFN and attention edges).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+import odmlq
+from odmlq.calibration import MSE
+
+HERE = Path(__file__).parent
+SEQ_LEN = 64
+MASK_BIAS = -30.0
+PARAPHRASE_PAIRS = 40  # lines 2k-1 and 2k of sentences.txt, k = 1..40
+
+R = odmlq.Rule
+_FLOAT_LAYER_NORM = R(r".*layer_norm", skip=True)
+_FLOAT_GELU = R(r"encoder/layer_\d+", op="gelu", skip=True)
+_FLOAT_EMBEDDING_ADDS = R(r"embeddings", op="add", skip=True)
+_INT16_RESIDUAL = [R(r"encoder/layer_\d+", op="add", weight_qtype="int8", act_qtype="int16"),
+                   R(r"encoder/layer_\d+/(attention/)?output", weight_qtype="int8", act_qtype="int16")]
+
+SCHEMAS: dict[str, list] = {
+    "int8": [_FLOAT_EMBEDDING_ADDS, _FLOAT_LAYER_NORM, _FLOAT_GELU, *_INT16_RESIDUAL,
+             R(".*", weight_qtype="int8", act_qtype="int8", act_calibration=MSE())],
+    "int16x8": [_FLOAT_EMBEDDING_ADDS, _FLOAT_LAYER_NORM, _FLOAT_GELU,
+                # The mask add broadcasts (batch, 1, 1, keys) over the scores: an
+                # int16 ADD of two shapes, which the converter refuses. A single
+                # float op between quantized tensors is quantized by the
+                # converter anyway, so the scaling MUL before it stays float too.
+                R(r"encoder/layer_\d+/attention", op=("mul", "add"), skip=True),
+                # GATHER_ND takes no int16 table: the lookup is int8, read by the float adds.
+                R(r"embeddings/word_embeddings", weight_qtype="int8", act_qtype="int8"),
+                R(".*", weight_qtype="int8", act_qtype="int16")],
+    "dynamic": [R(".*", weight_qtype="int8", act_qtype="int8", act_dynamic=True)],
+    "float": [],
+}
+
+# Why ops stay in float, by the module path LiteRT's tensor names give them.
+FLOAT_REASONS = (
+    (r".*layer_norm", "LayerNorm: no LiteRT kernel; int8 decomposition loses ~15 dB, int16 "
+                      "decomposition refused by litert-converter (ADD of bias/epsilon)"),
+    (r"embeddings(/word_embeddings)?", "embedding adds: int16 ADD of a weight refused by "
+                                       "litert-converter; int8 loses ~19 dB"),
+    (r"encoder/layer_\d+/attention", "attention scaling and mask add: int16 ADD of two shapes "
+                                     "refused by litert-converter"),
+    (r"encoder/layer_\d+", "GELU: LiteRT's kernel is int8 only; an int8 -> int16 requantize "
+                           "after it is folded into it by litert-converter (refused)"),
+)
+
+
+def load_sentences(name: str) -> list[str]:
+    return [s for s in (HERE / name).read_text(encoding="utf-8").splitlines() if s.strip()]
+
+
+def retrieval(embeddings: np.ndarray, reference: np.ndarray, queries=None) -> float:
+    """Top-1 nearest-neighbour agreement with `reference` (cosine; the query
+    itself excluded): the share of queries whose nearest other sentence is
+    the same under both sets of embeddings (both L2-normalized)."""
+    queries = np.arange(len(embeddings)) if queries is None else np.asarray(queries)
+
+    def nearest(e):
+        similarity = e[queries] @ e.T
+        similarity[np.arange(len(queries)), queries] = -np.inf
+        return similarity.argmax(axis=1)
+
+    return float(np.mean(nearest(embeddings) == nearest(reference)))
+
+
+def run_tflite(path: str, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, float]:
+    """Embeddings one sentence at a time with 1 thread, and the median seconds per sentence."""
+    from ai_edge_litert.interpreter import Interpreter
+
+    interpreter = Interpreter(model_path=path, num_threads=1)
+    interpreter.allocate_tensors()
+    by_name = {d["name"]: d for d in interpreter.get_input_details()}
+    inputs = [next(d for n, d in by_name.items() if n.endswith(k)) for k in ("input_ids", "attention_mask")]
+    output = interpreter.get_output_details()[0]
+    out, seconds = [], []
+    for i in range(len(ids)):
+        for d, x in zip(inputs, (ids[i:i + 1], mask[i:i + 1])):
+            interpreter.set_tensor(d["index"], x.astype(d["dtype"]))
+        start = time.perf_counter()
+        interpreter.invoke()
+        seconds.append(time.perf_counter() - start)
+        out.append(np.asarray(interpreter.get_tensor(output["index"]), np.float64).reshape(-1))
+    return np.stack(out), float(np.median(seconds))
+
+
+def float_ops_by_reason(summary) -> list[tuple[str, int, str]]:
+    """(module, number of float ops, reason) for the ops LiteRT computes in float."""
+    counts: dict[str, int] = {}
+    for op in summary.float_islands:
+        counts[op.module_path or "?"] = counts.get(op.module_path or "?", 0) + 1
+    rows = []
+    for module, n in counts.items():
+        reason = next((why for pattern, why in FLOAT_REASONS if re.fullmatch(pattern, module)),
+                      "not matched by a known reason")
+        rows.append((module, n, reason))
+    return rows
+
+
+def measure(schema: str, out_dir: str, model, variables, calibration, evaluation, reference) -> dict:
+    """Exports one schema and measures it against the float embeddings."""
+    path = os.path.join(out_dir, f"minilm_{schema}.tflite")
+    ids, mask = evaluation
+    result = odmlq.export_tflite(model, SCHEMAS[schema], calibration, path, variables=variables,
+                                 allow_float_ops=schema in ("int8", "int16x8"))
+    embeddings, seconds = run_tflite(path, ids, mask)
+    norms = np.linalg.norm(embeddings, axis=1) * np.linalg.norm(reference, axis=1)
+    cosine = np.sum(embeddings * reference, axis=1) / norms
+    unit = embeddings / np.linalg.norm(embeddings, axis=1, keepdims=True)
+    paraphrases = np.arange(2 * PARAPHRASE_PAIRS)
+    return {
+        "schema": schema, "path": path, "cosine_mean": float(cosine.mean()), "cosine_min": float(cosine.min()),
+        "top1_all": retrieval(unit, reference), "top1_paraphrase": retrieval(unit, reference, paraphrases),
+        "bytes": os.path.getsize(path), "latency_ms": 1000 * seconds,
+        "float_ops": float_ops_by_reason(result.summary),
+        "verified": None if result.verification is None else result.verification.passed,
+    }
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    from converters.minilm import load_minilm, tokenize
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="folder for the .tflite files (default: a temporary one)")
+    parser.add_argument("--schemas", default="int8,int16x8,dynamic",
+                        help="comma-separated, from " + ", ".join(SCHEMAS))
+    args = parser.parse_args(argv)
+    schemas = [s for s in args.schemas.split(",") if s]
+    unknown = [s for s in schemas if s not in SCHEMAS]
+    if unknown:
+        parser.error(f"unknown schema(s) {unknown}; choose from {list(SCHEMAS)}")
+
+    import jax
+
+    float_model, variables, tokenizer, config = load_minilm()
+    model = type(float_model)(dataclasses.replace(config, mask_bias=MASK_BIAS))
+    sentences = load_sentences("sentences.txt")
+    ids, mask = tokenize(tokenizer, sentences, seq_len=SEQ_LEN)
+    cal_ids, cal_mask = tokenize(tokenizer, load_sentences("calibration_sentences.txt"), seq_len=SEQ_LEN)
+    calibration = [(cal_ids[i:i + 16], cal_mask[i:i + 16]) for i in range(0, len(cal_ids), 16)]
+    reference = np.asarray(jax.jit(float_model.apply)(variables, ids, mask), np.float64)
+
+    out_dir = args.out or tempfile.mkdtemp(prefix="odmlq_minilm_")
+    os.makedirs(out_dir, exist_ok=True)
+    results = []
+    for schema in schemas:
+        start = time.perf_counter()
+        results.append(measure(schema, out_dir, model, variables, calibration, (ids, mask), reference))
+        print(f"# {schema}: exported, verified and measured in {time.perf_counter() - start:.0f} s",
+              file=sys.stderr, flush=True)
+    print(f"all-MiniLM-L6-v2 on {len(sentences)} sentences ({SEQ_LEN} tokens), LiteRT, 1 thread")
+    header = ("schema", "cos mean", "cos min", "top-1 all", "top-1 paraphrase", "size MB",
+              "ms/sentence", "float ops")
+    rows = [(r["schema"], f"{r['cosine_mean']:.4f}", f"{r['cosine_min']:.4f}", f"{r['top1_all']:.3f}",
+             f"{r['top1_paraphrase']:.3f}", f"{r['bytes'] / 1e6:.1f}", f"{r['latency_ms']:.1f}",
+             str(sum(n for _, n, _ in r["float_ops"]))) for r in results]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+    for row in (header, tuple("-" * w for w in widths), *rows):
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+    for r in results:
+        if r["float_ops"] and r["schema"] in ("int8", "int16x8"):
+            print(f"\n{r['schema']}: ops in float")
+            for module, n, reason in r["float_ops"]:
+                print(f"  {module:40s} {n:3d}  {reason}")
+    print(f"\n.tflite files in {out_dir}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
