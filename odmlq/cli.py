@@ -6,6 +6,7 @@
   odmlq inspect model.tflite
   odmlq diff model.tflite --inputs in.npz --device-tensors dump.npz [--min-sqnr 30]
              [--model module:function [--rules R] [--calibration C.npz]] [--json] [--html out.html]
+             [--model-explorer out.json]
 
 A SAMPLE is one of the bundled sample models (``odmlq plan --list``). A
 ``module:function`` names a function that takes no arguments and returns
@@ -142,6 +143,9 @@ def _cmd_diff(args) -> int:
     inputs = load(args.inputs, "--inputs")
     dump = load(args.device_tensors, "--device-tensors")
     result = diff_device(tflite, inputs, dump)
+    if args.model_explorer and (not args.float_model or result.outputs_only):
+        raise OdmlqError("--model-explorer needs --model (and --calibration) and a .tflite odmlq exported: "
+                         "the device's SQNR is measured per edge of its plan.")
     model = variables = plan = scales = None
     if args.float_model:
         model, example_inputs, variables = _load_model(args.float_model)
@@ -159,6 +163,9 @@ def _cmd_diff(args) -> int:
             print(report)
     if args.html:
         _write_html(args.html, report)
+    if args.model_explorer:
+        report.save_model_explorer(args.model_explorer, tflite, plan=plan, scales=scales, metric="device")
+        print(f"# wrote {args.model_explorer}", file=sys.stderr)
     if args.min_sqnr is not None and result.output_sqnr_db < args.min_sqnr:
         print(f"odmlq: outputs at {result.output_sqnr_db:.1f} dB, under --min-sqnr {args.min_sqnr:g}",
               file=sys.stderr)
@@ -237,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--calibration", help="calibration statistics it was exported with (with --model)")
     f.add_argument("--json", action="store_true", help="print the report as JSON (odmlq.report version 2)")
     f.add_argument("--html", metavar="OUT.html", help="write the report as one HTML page")
+    f.add_argument("--model-explorer", metavar="OUT.json",
+                   help="write the device's SQNR per op as Model Explorer node data (with --model)")
     args = parser.parse_args(argv)
     try:
         if args.command == "plan":

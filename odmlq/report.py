@@ -168,6 +168,40 @@ class Report:
                 f.write(page)
         return str(path)
 
+    def to_model_explorer(self, tflite: bytes, *, plan, scales, metric: str = "local") -> dict:
+        """Per-op SQNR (dB) of one run as Model Explorer node data for `tflite`.
+
+        ``{graph id: {"name", "results": {op index: {"value": dB}}, "thresholds"}}``:
+        red under 10 dB to green over 40; an infinite SQNR is written as
+        200 dB. Ops that carry no edge get no entry. Format and mapping:
+        `odmlq._report_model_explorer`.
+
+        Args:
+          tflite: the .tflite this report was made with (``compare(..., tflite=)``).
+          plan, scales: what it was exported with (``Export.plan``, ``Export.scales``),
+            to find each edge's tensor as the LiteRT run did.
+          metric: the run whose SQNR to show: 'local', 'simulate', 'litert', ...
+
+        Raises:
+          OdmlqError: no LiteRT run in the report, or a metric it lacks.
+
+        Example:
+          >>> result = odmlq.export_tflite(model, rules, batches, variables=variables)
+          >>> report = odmlq.compare(model, result.plan, result.scales, x, variables=variables,
+          ...                        tflite=result.tflite)
+          >>> report.save_model_explorer("local.json", result.tflite, plan=result.plan,
+          ...                            scales=result.scales, metric="local")
+        """
+        from odmlq._report_model_explorer import node_data
+
+        return node_data(self, tflite, plan, scales, metric)
+
+    def save_model_explorer(self, path, tflite: bytes, *, plan, scales, metric: str = "local") -> str:
+        """Writes `to_model_explorer` to `path` as JSON, atomically; returns the path."""
+        from odmlq._report_model_explorer import save_node_data
+
+        return save_node_data(path, self.to_model_explorer(tflite, plan=plan, scales=scales, metric=metric))
+
     @classmethod
     def from_json(cls, text: str | dict) -> "Report":
         """Reads `to_json` (or `to_dict`) back.
