@@ -36,15 +36,49 @@ def fuse_activations(graph: Graph, by_edge: dict) -> None:
                                                    reason=f"fused into {consumer.id}")
 
 
+KERNELS = frozenset({"dot_general", "conv", "einsum"})
+
+
 def dynamic_only_into_kernels(graph: Graph, by_edge: dict) -> None:
     """Run-time quantization happens inside matmul/conv kernels (dynamic-range
-    kernels quantize their input per call), so a dynamic edge that feeds
-    anything else stays float."""
+    kernels quantize their input per call): a dynamic edge is quantized where
+    a kernel reads it (`dynamic_kernel_inputs`), and read in float by anything
+    else; an edge no kernel reads stays float."""
     for edge in graph.edges.values():
         plan = by_edge.get(edge.id)
         if plan is None or plan.spec is None or not plan.spec.dynamic:
             continue
-        kinds = {graph.op(c).kind for c in edge.consumers}
-        if not kinds or not kinds <= {"dot_general", "conv", "einsum"}:
+        if not any(graph.op(c).kind in KERNELS for c in edge.consumers):
             by_edge[edge.id] = dataclasses.replace(
                 plan, spec=None, reason="dynamic: only inputs of matmul/conv are quantized at run time")
+
+
+def dynamic_kernel_inputs(plan) -> dict[str, list]:
+    """op id -> [(operand index, spec)]: the dynamic edges each matmul/conv
+    kernel quantizes at run time (other consumers read them in float)."""
+    from odmlq.quant_spec import QuantSpec
+
+    out: dict[str, list] = {}
+    for op in plan.graph.ops:
+        if op.kind not in KERNELS:
+            continue
+        index_of_rule = plan.ops[op.id].rule
+        rule = None if index_of_rule is None else plan.rules[index_of_rule]
+        own = (None if rule is None or rule.skip or not rule.act_dynamic or rule.act_qtype is None
+               else QuantSpec(qtype=rule.act_qtype, symmetric=rule.resolved("act_symmetric"), dynamic=True))
+        for index, operand in enumerate(op.operands):
+            if operand.role != "input":
+                continue
+            edge_id = operand.edge
+            while plan.graph.edges[edge_id].alias is not None:
+                edge_id = plan.graph.edges[edge_id].alias
+            edge_plan = plan.edges[edge_id]
+            spec = edge_plan.spec
+            if spec is None and own is not None and plan.graph.edges[edge_id].is_float \
+                    and not edge_plan.reason.startswith("fused into "):
+                # A float edge (from an op kept in float) read by a dynamic
+                # kernel: the kernel quantizes it, as its rule says.
+                spec = own
+            if spec is not None and spec.dynamic:
+                out.setdefault(op.id, []).append((index, spec))
+    return out

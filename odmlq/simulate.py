@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from odmlq._edge_passes import dynamic_kernel_inputs
 from odmlq._model_run import GraphCache, params_for
 from odmlq.calibration import Calibration
 from odmlq.qarray import compute_scale, fake_quant
@@ -35,7 +36,6 @@ class Simulator:
         self.plan, self.scales = plan, scales
         self._graphs = GraphCache(model, plan, variables)
         self._qparams = quantized_params(params_for(model, variables, "simulate"), scales)
-        self._dynamic = {e for e, p in plan.edges.items() if p.spec is not None and p.spec.dynamic}
         self._jitted: dict = {}
 
     def __call__(self, *inputs: Any, capture: bool = False,
@@ -49,7 +49,7 @@ class Simulator:
         return (outputs, captured) if capture else outputs
 
     def _runner(self, graph, capture: bool):
-        scales, dynamic, plan = self.scales, self._dynamic, self.plan
+        scales, plan = self.scales, self.plan
 
         def run(qparams, feed_values, *xs):
             captured = {}
@@ -58,8 +58,6 @@ class Simulator:
                 ts = scales.edges.get(edge_id)
                 if ts is not None:
                     x = ts.fake_quant(x)
-                elif edge_id in dynamic:
-                    x = _dynamic_fake_quant(x, plan.edges[edge_id].spec)
                 if capture:
                     captured[edge_id] = x
                 return feed_values.get(edge_id, x)
@@ -72,12 +70,16 @@ class Simulator:
                                   on_op=on_op), captured
 
         converted = input_conversion_scales(plan, scales)
+        at_run_time = dynamic_kernel_inputs(plan)
 
         def on_op(op_id, compute, *operands):
-            if op_id in converted:
+            if op_id in converted or op_id in at_run_time:
                 operands = list(operands)
-                for index, ts in converted[op_id]:
+                for index, ts in converted.get(op_id, ()):
                     operands[index] = ts.fake_quant(operands[index])
+                # Dynamic edges are quantized by the kernels that read them.
+                for index, spec in at_run_time.get(op_id, ()):
+                    operands[index] = _dynamic_fake_quant(operands[index], spec)
             return compute(*operands)
 
         return run

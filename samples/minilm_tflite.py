@@ -75,22 +75,33 @@ SCHEMAS: dict[str, list] = {
                 R(r"encoder/layer_\d+/attention", op=("mul", "add"), skip=True),
                 # GATHER_ND takes no int16 table: the lookup is int8, read by the float adds.
                 R(r"embeddings/word_embeddings", weight_qtype="int8", act_qtype="int8"),
+                # The mask's 1 - mask is an int16 SUB of a constant that LiteRT's
+                # kernel refuses to prepare (sub.cc: input1_shift <= 0): the mask
+                # and the pooling after the encoder are int8.
+                R(r"encoder", weight_qtype="int8", act_qtype="int8"),
                 R(".*", weight_qtype="int8", act_qtype="int16")],
-    "dynamic": [R(".*", weight_qtype="int8", act_qtype="int8", act_dynamic=True)],
+    # Hybrid kernels: int8 weights, activations quantized per call by the
+    # matmuls; LayerNorm and embedding-add weights stay float (an elementwise op
+    # has no hybrid kernel: its int8 weight would be dequantized every call).
+    "dynamic": [_FLOAT_LAYER_NORM, _FLOAT_EMBEDDING_ADDS,
+                R(".*", weight_qtype="int8", act_qtype="int8", act_dynamic=True)],
     "float": [],
 }
 
-# Why ops stay in float, by the module path LiteRT's tensor names give them.
+# Why ops stay in float, by the op path LiteRT's tensor names give them.
 FLOAT_REASONS = (
-    (r".*layer_norm", "LayerNorm: no LiteRT kernel; int8 decomposition loses ~15 dB, int16 "
-                      "decomposition refused by litert-converter (ADD of bias/epsilon)"),
-    (r"embeddings(/word_embeddings)?", "embedding adds: int16 ADD of a weight refused by "
-                                       "litert-converter; int8 loses ~19 dB"),
-    (r"encoder/layer_\d+/attention", "attention scaling and mask add: int16 ADD of two shapes "
-                                     "refused by litert-converter"),
-    (r"encoder/layer_\d+", "GELU: LiteRT's kernel is int8 only; an int8 -> int16 requantize "
-                           "after it is folded into it by litert-converter (refused)"),
+    (r".*layer_norm(/.*)?", "LayerNorm: no LiteRT kernel; int8 decomposition loses ~15 dB, int16 "
+                            "decomposition refused by litert-converter (ADD of bias/epsilon)"),
+    (r"encoder/layer_\d+/gelu", "GELU: LiteRT's kernel is int8 only; an int8 -> int16 requantize "
+                                "after it is folded into it by litert-converter (refused)"),
+    (r"embeddings/add.*", "embedding adds: int16 ADD of a weight refused by litert-converter; "
+                          "int8 loses ~19 dB"),
+    (r"encoder/layer_\d+/attention/(mul|add)", "attention scaling and mask add: int16 ADD of two "
+                                               "shapes refused by litert-converter"),
+    (r"encoder/convert_element_type", "the int32 attention mask cast to float (CAST: an integer "
+                                      "input; pass a float32 mask to drop it)"),
 )
+BOUNDARY = "DEQUANTIZE into / QUANTIZE out of the float ops above"
 
 
 def load_sentences(name: str) -> list[str]:
@@ -132,16 +143,16 @@ def run_tflite(path: str, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray
 
 
 def float_ops_by_reason(summary) -> list[tuple[str, int, str]]:
-    """(module, number of float ops, reason) for the ops LiteRT computes in float."""
-    counts: dict[str, int] = {}
+    """(reason, number of ops, their kinds) for the ops LiteRT computes in float."""
+    groups: dict[str, dict[str, int]] = {}
     for op in summary.float_islands:
-        counts[op.module_path or "?"] = counts.get(op.module_path or "?", 0) + 1
-    rows = []
-    for module, n in counts.items():
-        reason = next((why for pattern, why in FLOAT_REASONS if re.fullmatch(pattern, module)),
-                      "not matched by a known reason")
-        rows.append((module, n, reason))
-    return rows
+        path = op.module_path or ""
+        reason = BOUNDARY if op.name in ("QUANTIZE", "DEQUANTIZE") else next(
+            (why for pattern, why in FLOAT_REASONS if re.fullmatch(pattern, path)), None)
+        kinds = groups.setdefault(reason or f"not matched by a known reason ({path})", {})
+        kinds[op.name] = kinds.get(op.name, 0) + 1
+    return [(reason, sum(k.values()), ", ".join(f"{n} {name}" for name, n in sorted(k.items(), key=lambda x: -x[1])))
+            for reason, k in groups.items()]
 
 
 def measure(schema: str, out_dir: str, model, variables, calibration, evaluation, reference) -> dict:
@@ -207,8 +218,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for r in results:
         if r["float_ops"] and r["schema"] in ("int8", "int16x8"):
             print(f"\n{r['schema']}: ops in float")
-            for module, n, reason in r["float_ops"]:
-                print(f"  {module:40s} {n:3d}  {reason}")
+            for reason, n, kinds in r["float_ops"]:
+                print(f"  {n:4d} ops  {reason}\n            ({kinds})")
     print(f"\n.tflite files in {out_dir}")
     return results
 

@@ -1,8 +1,6 @@
-import dataclasses
 import json
 import warnings
 
-import jax
 import jax.numpy as jnp
 import pytest
 from hypothesis import given, settings, strategies as st

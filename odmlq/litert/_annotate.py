@@ -28,6 +28,7 @@ import numpy as np
 from odmlq.errors import OdmlqError
 from odmlq.litert.spec import pool_as_depthwise
 from odmlq.scales import Scales, TensorScale, flat_params, replace_params
+from odmlq._edge_passes import dynamic_kernel_inputs
 from odmlq.simulate import input_conversion_scales
 
 _DTYPES = {"int8": "i8", "int16": "i16", "int4": "i4"}
@@ -141,7 +142,6 @@ def annotated_function(graph, plan, scales: Scales, params: Any) -> Callable:
                 "quantized dimension. This should have been refused by the plan check."
             )
 
-    dynamic = {e for e, p in plan.edges.items() if p.spec is not None and p.spec.dynamic}
 
     def fn(*inputs):
         from odmlq.scales import fake_quant_bias
@@ -156,9 +156,6 @@ def annotated_function(graph, plan, scales: Scales, params: Any) -> Callable:
 
         def on_edge(edge_id, x):
             ts = scales.edges.get(edge_id)
-            if edge_id in dynamic:
-                with jax.named_scope(edge_id):
-                    return dynamic_range_composite(x)
             if ts is None or ts.scale_axes:
                 return x
             with jax.named_scope(edge_id):
@@ -180,15 +177,20 @@ def _composite_hook(graph, plan, scales: Scales) -> Callable:
     as they are."""
     ops = {op.id: op for op in graph.ops}
     converted = input_conversion_scales(plan, scales)
+    at_run_time = dynamic_kernel_inputs(plan)
 
     def on_op(op_id: str, compute: Callable, *inputs):
         op = ops.get(op_id)
-        if op_id in converted:
-            # An input read in this op's qtype: a QUANTIZE (requantize) on LiteRT.
+        if op_id in converted or op_id in at_run_time:
             inputs = list(inputs)
-            for index, ts in converted[op_id]:
+            # An input read in this op's qtype: a QUANTIZE (requantize) on LiteRT.
+            for index, ts in converted.get(op_id, ()):
                 with jax.named_scope(f"{op.operands[index].edge}/to_{ts.qtype}"):
                     inputs[index] = fake_quant_composite(inputs[index], ts)
+            # A dynamic edge: this kernel quantizes it per call (hybrid kernel).
+            for index, _ in at_run_time.get(op_id, ()):
+                with jax.named_scope(op.operands[index].edge):
+                    inputs[index] = dynamic_range_composite(inputs[index])
         if op is not None and op.kind == "avg_pool" and len(inputs) == 1:
             out = scales.edges.get(op.outputs[0])
             if out is not None and pool_as_depthwise(op, out.qtype):

@@ -58,9 +58,13 @@ class OpSpec:
     output: object = None
     rounding: object = "half_even"  # or a function of (op, output qtype) giving one
 
+    limitation: Callable[[Any, str], str | None] | None = None
+    # Kernels that approximate (rather than round) their function: the most
+    # LSBs of the output they may differ from simulate's exact value, by qtype.
+    tolerance_lsb: dict | None = None
+
     def rounding_of(self, op, qtype: str) -> str:
         return self.rounding(op, qtype) if callable(self.rounding) else self.rounding
-    limitation: Callable[[Any, str], str | None] | None = None
 
 
 def _int16_add_operands(op, qtype: str) -> str | None:
@@ -136,7 +140,10 @@ OP_SPEC: dict[str, OpSpec] = {
     "tanh": OpSpec(_BOTH, _TANH_LIKE),
     "logistic": OpSpec(_BOTH, _SIGMOID_LIKE),
     "sigmoid": OpSpec(_BOTH, _SIGMOID_LIKE),
-    "softmax": OpSpec(_BOTH, _SIGMOID_LIKE, limitation=_softmax_axis),
+    # int16 SOFTMAX evaluates exp and 1/x by interpolating lookup tables: it
+    # is within 1/256 of the exact softmax (seen: <= 125 int16 LSB on MiniLM),
+    # not within one rounding step.
+    "softmax": OpSpec(_BOTH, _SIGMOID_LIKE, limitation=_softmax_axis, tolerance_lsb={"int16": 128.0}),
     "reshape": OpSpec(_BOTH, SAME_AS_INPUT),
     "squeeze": OpSpec(_BOTH, SAME_AS_INPUT),
     "transpose": OpSpec(_BOTH, SAME_AS_INPUT),

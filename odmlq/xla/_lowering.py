@@ -17,6 +17,13 @@ Anything else (a qtype XLA does not run natively: nf4, int2..7, int16; a
 scale along a contracted axis; a weight reshaped before the op) is
 *emulated*: computed in float32 on the dequantized values, which equals
 `simulate`, and listed as emulated with the reason in `Lowering`.
+
+An input the op reads through a conversion (`Plan.conversions`: an int16 op
+reading an int8 edge, an int8 op reading the float output of a skipped op) is
+read at the conversion's scale, as `simulate` reads it: fake-quantized before
+the op runs, and, where the row above picks a kernel, it is the conversion's
+spec that picks it (an int8 op reading a float or int16 edge runs the int8
+kernel on codes of the conversion's scale, which also rescales its int32 sums).
 """
 
 from __future__ import annotations
@@ -29,9 +36,11 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from odmlq import _qarray_kernels as qkernels
+from odmlq.errors import PlanError
 from odmlq.qarray import QArray, compute_scale
 from odmlq.qtypes import qtype as lookup_qtype
 from odmlq.xla import _conv, _decode, _matmul
+from odmlq.xla._inputs import Input, converted_inputs
 
 ANCHOR_KINDS = ("dot_general", "conv", "einsum")
 _PRIMITIVES = ("dot_general", "conv_general_dilated")
@@ -65,14 +74,29 @@ def quantized_weight(plan, op) -> tuple[int, str] | None:
 
 
 class Lowerer:
-    """The `on_op` hook for one evaluation (weights and scales bound)."""
+    """The `on_op` hook for one evaluation (weights and scales bound).
 
-    def __init__(self, graph, plan, scales, weights: Mapping[str, QArray], records: dict):
+    Args:
+      converted: `odmlq.xla._inputs.converted_inputs(plan, scales)` (computed
+        here when None).
+    """
+
+    def __init__(self, graph, plan, scales, weights: Mapping[str, QArray], records: dict,
+                 converted: Mapping[str, Mapping[int, Input]] | None = None):
         self.ops = {op.id: op for op in graph.ops}
         self.plan, self.scales, self.weights, self.records = plan, scales, weights, records
+        self.converted = converted_inputs(plan, scales) if converted is None else converted
 
     def on_op(self, op_id: str, compute: Callable, *operands):
         op = self.ops[op_id]
+        converted = self.converted.get(op_id, {})
+        if converted:
+            # Read as simulate reads them: on the conversion's grid. An integer
+            # kernel below quantizes them again at that scale, which gives the
+            # same codes (rounding a value on the grid returns it).
+            operands = list(operands)
+            for index, read in converted.items():
+                operands[index] = read.scale.fake_quant(operands[index])
         found = quantized_weight(self.plan, op)
         if found is None:
             return compute(*operands)
@@ -82,20 +106,44 @@ class Lowerer:
         anchors = [i for i, e in enumerate(closed.jaxpr.eqns)
                    if e.primitive.name in _PRIMITIVES and invars[w_index] in e.invars[:2]]
         if len(anchors) != 1:
-            return self._emulate(op, path, compute, operands, "the weight is read by other than one matmul")
+            read = next(iter(self._quantized_inputs(op, converted)), None)
+            return self._emulate(op, path, compute, operands, "the weight is read by other than one matmul", read)
         eqn = closed.jaxpr.eqns[anchors[0]]
         side = eqn.invars.index(invars[w_index])
         x_var = eqn.invars[1 - side]
         x_index = invars.index(x_var) if x_var in invars else None
-        edge = op.operands[x_index].edge if x_index is not None and op.operands[x_index].role == "input" else None
-        spec = None if edge is None else self.plan.edges[edge].spec
-        kernel = self._kernel(op, path, eqn, side, operands[w_index], spec, edge)
+        if x_index is not None and op.operands[x_index].role == "input":
+            read = self._input(op, x_index, converted)
+        else:
+            read = next(iter(self._quantized_inputs(op, converted)), None)
+            if read is not None:
+                return self._emulate(op, path, compute, operands,
+                                     "the quantized input is transformed inside the op before the matmul", read)
+        kernel = self._kernel(op, path, eqn, side, operands[w_index], read)
         if isinstance(kernel, str):
-            return self._emulate(op, path, compute, operands, kernel, spec)
+            return self._emulate(op, path, compute, operands, kernel, read)
         return _evaluate(closed, operands, {anchors[0]: kernel})
 
+    def _input(self, op, index: int, converted: Mapping[int, Input]) -> Input | None:
+        """How the op reads operand `index`: through a conversion, at its edge's
+        spec, or in float (None)."""
+        if index in converted:
+            return converted[index]
+        edge = op.operands[index].edge
+        spec = self.plan.edges[edge].spec
+        if spec is None:
+            return None
+        return Input(edge=edge, spec=spec, scale=None if spec.dynamic else self.scales.edges.get(edge))
+
+    def _quantized_inputs(self, op, converted):
+        for index, operand in enumerate(op.operands):
+            if operand.role == "input" and operand.edge is not None:
+                read = self._input(op, index, converted)
+                if read is not None:
+                    yield read
+
     # -- choosing ---------------------------------------------------------
-    def _kernel(self, op, path, eqn, side, w_value, spec, edge):
+    def _kernel(self, op, path, eqn, side, w_value, read: Input | None):
         """A replacement for the anchor equation, or why there is none (a str)."""
         q = self.weights[path]
         operand = op.operands[[o.param for o in op.operands].index(path)]
@@ -103,17 +151,21 @@ class Lowerer:
             return "a stacked weight (nn.scan), sliced per iteration: not lowered yet"
         if tuple(w_value.shape) != tuple(q.shape):
             return f"the weight is reshaped to {tuple(w_value.shape)} before the op"
-        if spec is not None and edge is None:
-            return "the quantized input is transformed inside the op before the matmul"
+        spec = None if read is None else read.spec
+        if spec is not None and not spec.dynamic and read.scale is None:
+            # compute_scales gives every static edge a scale: these were made otherwise.
+            raise PlanError(f"Op {op.id!r} reads static edge {read.edge!r} ({spec.describe()}) but the "
+                            "scales have none for it; compute them for this plan: "
+                            "odmlq.compute_scales(plan, calibration, params).")
         schema = "weight_only" if spec is None else "dynamic" if spec.dynamic else "static"
         if eqn.primitive.name == "dot_general":
-            return self._dot(op, q, operand, eqn, side, spec, edge, schema)
-        return self._conv(op, q, operand, eqn, side, spec, edge, schema)
+            return self._dot(op, q, operand, eqn, side, read, schema)
+        return self._conv(op, q, operand, eqn, side, read, schema)
 
     def _record(self, op, schema, kernel, emulated=None):
         self.records[op.id] = Lowering(op=op.id, schema=schema, kernel=kernel, emulated=emulated)
 
-    def _dot(self, op, q, operand, eqn, side, spec, edge, schema):
+    def _dot(self, op, q, operand, eqn, side, read, schema):
         x_shape = eqn.invars[1 - side].aval.shape
         layout = _matmul.DotLayout.of(eqn.params["dimension_numbers"], side, x_shape, q.shape)
         if layout is None:
@@ -128,11 +180,12 @@ class Lowerer:
         moved = ", unpacked/transposed per call" if w.moved else ""
         native_w = lookup_qtype(q.qtype).runs_natively_on("xla")
         out_dtype = eqn.outvars[0].aval.dtype
-        if spec is None:
+        if read is None:
             self._record(op, schema, f"{q.qtype} weight-only dot: decode per block, f32 dot, scale ({blocks}{moved})",
                          None if native_w else f"{q.qtype} is not native on XLA")
             return lambda e, ins: [
                 layout.output(_matmul.dot_float(layout.x_matrix(ins[1 - side]), w)).astype(out_dtype)]
+        spec, ts = read.spec, read.scale
         act = lookup_qtype(spec.qtype)
         if act.kind == "int" and not (act.runs_natively_on("xla") and act.bits <= 8):
             return f"{act.name} activations are not native on XLA"
@@ -140,7 +193,6 @@ class Lowerer:
             return f"an integer matmul needs int8/int4 weights, not {q.qtype}"
         if act.kind == "int" and not q.symmetric:
             return "an integer matmul needs symmetric weights"
-        ts = self.scales.edges.get(edge)
 
         def kernel(e, ins):
             x = ins[1 - side]
@@ -156,11 +208,11 @@ class Lowerer:
             return "the activation scale varies along a contracted axis"
         name = ("int8 x int8 -> int32 dot, one rescale" if act.kind == "int"
                 else f"{act.name} activation x dequantized weight, f32 dot")
-        self._record(op, schema, f"{name} ({q.qtype} weight, {blocks}{moved})",
+        self._record(op, schema, f"{name} ({q.qtype} weight, {blocks}{moved}{read.describe()})",
                      None if native_w else f"{q.qtype} is not native on XLA")
         return kernel
 
-    def _conv(self, op, q, operand, eqn, side, spec, edge, schema):
+    def _conv(self, op, q, operand, eqn, side, read, schema):
         params = eqn.params
         dn = params["dimension_numbers"]
         out_dtype = eqn.outvars[0].aval.dtype
@@ -169,10 +221,11 @@ class Lowerer:
         if operand.contraction_axes is not None and (dn.rhs_spec[1],) != tuple(operand.contraction_axes):
             return "the weight is transposed before the op"
         native_w = lookup_qtype(q.qtype).runs_natively_on("xla")
-        if spec is None:
+        if read is None:
             self._record(op, schema, f"{q.qtype} weight-only conv: kernel dequantized in one fused pass",
                          None if native_w else f"{q.qtype} is not native on XLA")
             return lambda e, ins: [_conv.conv_float(ins[0], q, params).astype(out_dtype)]
+        spec, ts = read.spec, read.scale
         act = lookup_qtype(spec.qtype)
         if act.kind != "int" or not act.runs_natively_on("xla") or act.bits > 8:
             return f"no native {act.name}-activation convolution on XLA"
@@ -184,7 +237,6 @@ class Lowerer:
             return "a dilated-input or batch-grouped convolution"
         if any(a != dn.lhs_spec[0] for a in spec.scale_axes):
             return "the activation scale varies along other than the batch axis"
-        ts = self.scales.edges.get(edge)
 
         def kernel(e, ins):
             x = ins[0]
@@ -192,14 +244,16 @@ class Lowerer:
             y = _conv.conv_int(codes, zero_point, q, params)
             return [(y * _batch_param(scale, dn, y.ndim)).astype(out_dtype)]
 
-        self._record(op, schema, f"int8 x {q.qtype} -> int32 conv, one rescale")
+        self._record(op, schema, f"int8 x {q.qtype} -> int32 conv, one rescale{read.describe()}")
         return kernel
 
-    def _emulate(self, op, path, compute, operands, reason: str, spec=None):
+    def _emulate(self, op, path, compute, operands, reason: str, read: Input | None = None):
         """The op as traced, on the dequantized weight (the float view holds it)
-        and the fake-quantized input (static edges already are)."""
+        and the fake-quantized input (static edges and converted inputs already are)."""
+        spec = None if read is None else read.spec
         schema = "weight_only" if spec is None else "dynamic" if spec.dynamic else "static"
-        self._record(op, schema, f"float32 op on dequantized {self.weights[path].qtype} weight", reason)
+        conversion = "" if read is None else read.describe().replace(";", ",")
+        self._record(op, schema, f"float32 op on dequantized {self.weights[path].qtype} weight{conversion}", reason)
         if spec is not None and spec.dynamic:
             operands = [dynamic_fake_quant(x, spec) if o.role == "input" and o.edge is not None
                         and self.plan.edges[o.edge].spec == spec else x

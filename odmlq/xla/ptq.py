@@ -9,7 +9,9 @@ graph (`Graph.evaluate`): every quantized matmul / convolution becomes a
 quantized kernel (`odmlq.xla._lowering`), every static edge is rounded to its
 grid as `simulate` does (so results agree with `simulate` and with the LiteRT
 export, clipping included), and only the inputs of integer kernels are
-materialized as integers.
+materialized as integers. An op that reads an input of another activation
+qtype (`Plan.conversions`: an int16 op reading an int8 edge, an int8 op after a
+skipped one) reads it at the conversion's scale, as `simulate` does.
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from odmlq._edge_passes import dynamic_kernel_inputs
 from odmlq._model_run import GraphCache
 from odmlq.calibration import Calibration
 from odmlq.errors import PlanError
 from odmlq.plan import Plan, plan as make_plan
 from odmlq.qarray import QArray
 from odmlq.scales import Scales, compute_scales, fake_quant_bias
-from odmlq.xla import _lowering, _params
+from odmlq.xla import _inputs, _lowering, _params
 
 __all__ = ["ptq", "QuantizedModel"]
 
@@ -44,6 +47,10 @@ class QuantizedModel:
       lowerings: op id -> `Lowering` (the kernel each quantized op runs, and
         whether it is emulated), for the example inputs' shapes.
 
+    Raises:
+      PlanError: `scales` lack the scale of a conversion of `plan`, or of a
+        static edge a kernel reads (they were computed for another plan).
+
     Example:
       >>> qmodel = odmlq.ptq(model, rules, variables, calibration, example_inputs=(x,))
       >>> y = qmodel(x)                                   # jitted
@@ -57,13 +64,15 @@ class QuantizedModel:
         traced, variables = _for_tracing(model, params)
         self._graphs = GraphCache(traced, plan, variables)
         self._dtypes = {p: np.dtype(d) for p, (_, d) in plan.graph.params.items()}
-        edges = plan.edges
-        self._dynamic = {e: p.spec for e, p in edges.items() if p.spec is not None and p.spec.dynamic}
-        # A dynamic edge read only by quantized kernels stays float: each kernel
-        # quantizes it (as simulate's fake-quant would) on the fly.
-        self._kernel_only = {e for e in self._dynamic if all(
-            _lowering.quantized_weight(plan, plan.graph.op(c)) is not None
-            for c in plan.graph.edges[e].consumers)}
+        # A dynamic edge stays float: each matmul/conv that reads it quantizes
+        # it on the fly (simulate's semantics); kernels with a quantized weight
+        # do so themselves, others (activation x activation) here.
+        self._dynamic_inputs = {
+            op_id: inputs for op_id, inputs in dynamic_kernel_inputs(plan).items()
+            if _lowering.quantized_weight(plan, plan.graph.op(op_id)) is None}
+        # Inputs read through a conversion (Plan.conversions), checked against
+        # the scales before anything runs.
+        self._converted = _inputs.converted_inputs(plan, scales)
         self._jitted = jax.jit(self.apply, static_argnames=("capture",))
         examples = [jax.ShapeDtypeStruct(plan.graph.edges[e].shape, plan.graph.edges[e].dtype)
                     for e in plan.graph.inputs]
@@ -91,21 +100,29 @@ class QuantizedModel:
         view = jax.tree_util.tree_unflatten(tree, [
             q.dequantize(self._dtypes.get(p, np.float32)) if isinstance(q, QArray) else q for p, q in leaves])
         captured: dict[str, Any] = {}
-        lowerer = _lowering.Lowerer(graph, self.plan, self.scales, weights, self.lowerings)
+        lowerer = _lowering.Lowerer(graph, self.plan, self.scales, weights, self.lowerings, self._converted)
         outputs = graph.evaluate(view, *inputs, on_edge=self._on_edge(captured, capture),
-                                 on_constant=self._on_constant, on_op=lowerer.on_op)
+                                 on_constant=self._on_constant, on_op=self._on_op(lowerer))
         return (outputs, captured) if capture else outputs
 
     def __call__(self, *inputs: Any, capture: bool = False) -> Any:
         return self._jitted(self.params, *inputs, capture=capture)
+
+    def _on_op(self, lowerer):
+        def on_op(op_id, compute, *operands):
+            if op_id in self._dynamic_inputs:
+                operands = list(operands)
+                for index, spec in self._dynamic_inputs[op_id]:
+                    operands[index] = _lowering.dynamic_fake_quant(operands[index], spec)
+            return lowerer.on_op(op_id, compute, *operands)
+
+        return on_op
 
     def _on_edge(self, captured: dict, capture: bool):
         def on_edge(edge_id, x):
             ts = self.scales.edges.get(edge_id)
             if ts is not None:
                 x = ts.fake_quant(x)
-            elif edge_id in self._dynamic and edge_id not in self._kernel_only:
-                x = _lowering.dynamic_fake_quant(x, self._dynamic[edge_id])
             if capture:
                 captured[edge_id] = x
             return x

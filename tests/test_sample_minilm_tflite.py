@@ -1,0 +1,30 @@
+"""samples/minilm_tflite.py end to end: the pretrained encoder exported three ways (slow: ~15 min).
+
+Targets (the issue's): int8 mean cosine to float >= 0.98 and top-1 retrieval
+agreement >= 95%, int16x8 mean cosine >= 0.995, every export verified op by
+op (within 1 LSB of simulate), every op left in float with its reason.
+"""
+
+import os
+
+import pytest
+
+
+@pytest.mark.slow
+def test_minilm_exports_meet_their_targets(tmp_path):
+    from samples.minilm_tflite import main
+
+    results = {r["schema"]: r for r in main(["--out", str(tmp_path), "--schemas", "int8,int16x8,dynamic"])}
+    int8, int16, dynamic = results["int8"], results["int16x8"], results["dynamic"]
+    for r in results.values():
+        assert r["verified"], r["schema"]
+        assert os.path.getsize(r["path"]) == r["bytes"]
+    assert int8["cosine_mean"] >= 0.98, int8
+    assert int8["top1_paraphrase"] >= 0.95, int8
+    assert int16["cosine_mean"] >= 0.995, int16
+    for schema in (int8, int16):
+        for reason, count, kinds in schema["float_ops"]:
+            assert not reason.startswith("not matched"), (schema["schema"], reason, kinds)
+    # int8 weights (the float model is ~91 MB: 22.7M float32 parameters).
+    assert all(r["bytes"] < 30e6 for r in results.values()), {k: r["bytes"] for k, r in results.items()}
+    assert dynamic["cosine_mean"] >= 0.99, dynamic
