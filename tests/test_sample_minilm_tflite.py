@@ -18,6 +18,8 @@ def test_minilm_exports_meet_their_targets(tmp_path):
     int8, int16, dynamic = results["int8"], results["int16x8"], results["dynamic"]
     for r in results.values():
         assert r["verified"], r["schema"]
+        # Every op within 1 LSB of simulate (plus float32 noise at int16: 1e-2).
+        assert r["max_lsb"] <= 1.01, (r["schema"], r["max_lsb"])
         assert os.path.getsize(r["path"]) == r["bytes"]
     assert int8["cosine_mean"] >= 0.98, int8
     assert int8["top1_paraphrase"] >= 0.95, int8

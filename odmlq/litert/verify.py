@@ -153,6 +153,26 @@ def map_tensors(details: Sequence[dict], produced: set[int], plan, scales) -> di
     return out
 
 
+def _float_island_outputs(ops: Sequence[dict], details: Sequence[dict], plan) -> dict[str, int]:
+    """Edge id -> the float32 tensor LiteRT quantizes for a conversion from a
+    float edge (`Plan.conversions`): the input of the QUANTIZE whose output is
+    named ``<edge>/to_<qtype>`` (see `odmlq.litert._annotate`)."""
+    wanted = {c.edge for c in plan.conversions.values() if c.source == "float"}
+    by_index = {d["index"]: d for d in details}
+    out: dict[str, int] = {}
+    for op in ops:
+        if op["op_name"] != "QUANTIZE" or len(op["inputs"]) != 1 or len(op["outputs"]) != 1:
+            continue
+        source = by_index.get(int(op["inputs"][0]))
+        name = by_index[int(op["outputs"][0])]["name"]
+        if source is None or source["dtype"] != np.float32:
+            continue
+        for edge in wanted:
+            if f"/{edge}/to_int" in name or name.startswith(f"{edge}/to_int"):
+                out[edge] = source["index"]
+    return out
+
+
 def _params_match(detail: dict, ts) -> bool:
     q = detail["quantization_parameters"]
     scale = np.asarray(ts.scale, np.float64).reshape(-1)
@@ -204,6 +224,7 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
     details = interpreter.get_tensor_details()
     produced = {int(t) for op in interpreter._get_ops_details() for t in op["outputs"]}
     mapping = map_tensors(details, produced, plan, scales)
+    island_outputs = _float_island_outputs(interpreter._get_ops_details(), details, plan)
     by_index = {d["index"]: d for d in details}
     simulator = Simulator(model, plan, scales, variables=variables)
     stats: dict[str, list] = {e: [0.0, 0.0, 0] for e in mapping}
@@ -216,7 +237,11 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
             interpreter.set_tensor(d["index"], _to_input(x, d))
         interpreter.invoke()
         litert = {e: _dequantize(interpreter.get_tensor(i), by_index[i]) for e, i in mapping.items()}
-        _, fed = simulator(*inputs, capture=True, feed=litert)
+        # Float ops' outputs that integer ops read through a QUANTIZE are fed
+        # too: LiteRT's float kernels and XLA differ by float32 noise, which a
+        # fine int16 grid would turn into an LSB downstream.
+        floats = {e: np.asarray(interpreter.get_tensor(i)) for e, i in island_outputs.items()}
+        _, fed = simulator(*inputs, capture=True, feed={**floats, **litert})
         for e in mapping:
             lsb = np.abs(np.asarray(fed[e]) - litert[e]) / np.asarray(scales.edges[e].scale)
             s = stats[e]
