@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jcore
 
@@ -211,6 +212,10 @@ def _inline_call(closed):
 
 
 def _run_scan(region: _Region, ins: list, hooks: _Hooks) -> list:
+    """A scan, unrolled when hooks watch it: a hook may keep the values it is
+    given (calibration statistics, captured edges), and a value kept from
+    inside `lax.scan`'s body would be a tracer that escapes it. Unrolled, each
+    iteration's edges reach the hooks as values of the caller's own trace."""
     p = region.eqn.params
     nc, ncarry = p["num_consts"], p["num_carry"]
     consts, init, xs = ins[:nc], ins[nc:nc + ncarry], ins[nc + ncarry:]
@@ -219,8 +224,19 @@ def _run_scan(region: _Region, ins: list, hooks: _Hooks) -> list:
         outs = region.body.run_flat([*consts, *carry, *x], hooks)
         return outs[:ncarry], outs[ncarry:]
 
-    carry, ys = lax.scan(body, list(init), list(xs), length=p["length"],
-                         reverse=p["reverse"], unroll=p["unroll"])
+    if hooks.on_edge is None and hooks.on_op is None:
+        carry, ys = lax.scan(body, list(init), list(xs), length=p["length"],
+                             reverse=p["reverse"], unroll=p["unroll"])
+        return [*carry, *ys]
+    carry, steps = list(init), []
+    order = range(p["length"] - 1, -1, -1) if p["reverse"] else range(p["length"])
+    for i in order:
+        carry, y = body(carry, [x[i] for x in xs])
+        steps.append(y)
+    if p["reverse"]:
+        steps.reverse()
+    n_ys = len(region.eqn.outvars) - ncarry
+    ys = [jnp.stack([step[j] for step in steps]) for j in range(n_ys)] if steps else []
     return [*carry, *ys]
 
 
