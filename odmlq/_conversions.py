@@ -5,9 +5,9 @@ FULLY_CONNECTED reads int8). When a rule gives an op another activation qtype
 than the producer of one of its inputs (int16 residual adds between int8
 matmuls, an int8 matmul after a LayerNorm kept in float), that input is
 requantized where the op reads it: one conversion per (edge, qtype), shared by
-every consumer of that qtype. Its range comes from the edge's calibration
-statistics, its symmetry from the consumer's rule (int16 is symmetric on
-LiteRT). On LiteRT a conversion is a QUANTIZE op (int8 <-> int16, or float ->
+every consumer of that qtype. Its range is the source's whole representable
+range (an integer edge: nothing clips) or the edge's calibrated range (a float
+edge), its symmetry the consumer's rule's (int16 is symmetric on LiteRT). On LiteRT a conversion is a QUANTIZE op (int8 <-> int16, or float ->
 int after a float island); `odmlq.simulate` fake-quantizes the value the op
 reads, so every backend computes the same numbers.
 
@@ -22,7 +22,7 @@ import dataclasses
 
 from odmlq.quant_spec import QuantSpec
 
-__all__ = ["Conversion", "input_conversions", "op_qtype"]
+__all__ = ["Conversion", "input_conversion_scales", "input_conversions", "op_qtype"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -55,9 +55,8 @@ def op_qtype(plan, op) -> QuantSpec | None:
     if op.kind == "scan" or len(op.outputs) != 1:
         return None
     edge = plan.graph.edges[op.outputs[0]]
-    edge_plan = plan.edges[edge.id]
-    spec = edge_plan.spec
-    if spec is None and edge_plan.reason.startswith("fused into ") and edge.consumers:
+    spec = plan.edges[edge.id].spec
+    if spec is None and plan.edges[edge.id].fused:
         spec = plan.edges[plan.graph.op(edge.consumers[0]).outputs[0]].spec
     if spec is None or spec.dynamic or spec.scale_axes:
         return None
@@ -73,14 +72,14 @@ def input_conversions(plan) -> dict[tuple[str, str], Conversion]:
         if target is None:
             continue
         for edge_id in dict.fromkeys(op.inputs):
-            edge_id = _resolve(graph, edge_id)
+            edge_id = graph.resolve(edge_id)
             edge = graph.edges[edge_id]
             if not edge.is_float:
                 continue
             source = plan.edges[edge_id].spec
             if source is not None and (source.dynamic or source.qtype == target.qtype):
                 continue
-            if source is None and plan.edges[edge_id].reason.startswith("fused into "):
+            if source is None and plan.edges[edge_id].fused:
                 continue  # never materialized: the fused activation's output is read
             key = (edge_id, target.qtype)
             if key in found:
@@ -93,7 +92,20 @@ def input_conversions(plan) -> dict[tuple[str, str], Conversion]:
     return found
 
 
-def _resolve(graph, edge_id: str) -> str:
-    while graph.edges[edge_id].alias is not None:
-        edge_id = graph.edges[edge_id].alias
-    return edge_id
+def input_conversion_scales(plan, scales) -> dict[str, list]:
+    """op id -> [(operand index, TensorScale)] of the inputs it reads converted
+    to its own qtype (`Plan.conversions`)."""
+    if not scales.conversions:
+        return {}
+    out: dict[str, list] = {}
+    for op in plan.graph.ops:
+        target = op_qtype(plan, op)
+        if target is None:
+            continue
+        for index, operand in enumerate(op.operands):
+            if operand.role != "input":
+                continue
+            ts = scales.conversions.get((plan.graph.resolve(operand.edge), target.qtype))
+            if ts is not None:
+                out.setdefault(op.id, []).append((index, ts))
+    return out

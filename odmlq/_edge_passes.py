@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from odmlq.graph import Graph
+from odmlq.quant_spec import QuantSpec
 
 # Activations that matmul/conv kernels apply before requantizing their int32
 # accumulators (LiteRT's fused_activation_function, XLA fusion): the tensor
@@ -56,8 +57,6 @@ def dynamic_only_into_kernels(graph: Graph, by_edge: dict) -> None:
 def dynamic_kernel_inputs(plan) -> dict[str, list]:
     """op id -> [(operand index, spec)]: the dynamic edges each matmul/conv
     kernel quantizes at run time (other consumers read them in float)."""
-    from odmlq.quant_spec import QuantSpec
-
     out: dict[str, list] = {}
     for op in plan.graph.ops:
         if op.kind not in KERNELS:
@@ -69,13 +68,11 @@ def dynamic_kernel_inputs(plan) -> dict[str, list]:
         for index, operand in enumerate(op.operands):
             if operand.role != "input":
                 continue
-            edge_id = operand.edge
-            while plan.graph.edges[edge_id].alias is not None:
-                edge_id = plan.graph.edges[edge_id].alias
+            edge_id = plan.graph.resolve(operand.edge)
             edge_plan = plan.edges[edge_id]
             spec = edge_plan.spec
             if spec is None and own is not None and plan.graph.edges[edge_id].is_float \
-                    and not edge_plan.reason.startswith("fused into "):
+                    and not edge_plan.fused:
                 # A float edge (from an op kept in float) read by a dynamic
                 # kernel: the kernel quantizes it, as its rule says.
                 spec = own

@@ -22,7 +22,7 @@ import numpy as np
 
 from odmlq._report_advice import Advice, Measured
 from odmlq._report_metrics import edge_metrics
-from odmlq._report_runs import interpreter_for, leaves, litert_run
+from odmlq._report_runs import leaves, litert_run
 from odmlq.calibration import Calibration, FixedRange, MovingAverageMinMax
 from odmlq.errors import CalibrationError, OdmlqError
 from odmlq.rules import UnmatchedRuleWarning
@@ -115,7 +115,9 @@ class FixTrials:
     def _exported(self, plan, calibration, *, allow_float_ops: bool) -> tuple[int, float]:
         from odmlq.litert.export import export_tflite
 
-        details = interpreter_for(self.tflite).get_input_details()
+        from odmlq.litert.verify import preserving_interpreter
+
+        details = preserving_interpreter(self.tflite).get_input_details()
         examples = tuple(np.zeros(d["shape"], self.plan.graph.edges[e].dtype)
                          for d, e in zip(details, self.plan.graph.inputs))
         with warnings.catch_warnings():

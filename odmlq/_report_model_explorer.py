@@ -71,7 +71,7 @@ def node_data(report, tflite: bytes, plan, scales, metric: str) -> dict:
       OdmlqError: a report without a LiteRT run, a metric it lacks, or a
         .tflite none of whose tensors carries an edge of the report.
     """
-    from odmlq._report_runs import interpreter_for
+    from odmlq.litert.verify import preserving_interpreter
     from odmlq.litert.inspect import inspect
     from odmlq.litert.verify import map_tensors
 
@@ -86,7 +86,7 @@ def node_data(report, tflite: bytes, plan, scales, metric: str) -> dict:
         raise OdmlqError(f"metric={metric!r} is not a run of this report; choose one of {choices}.")
     summary = inspect(tflite)
     producer = {t: op.index for op in summary.ops for t in op.outputs}
-    details = interpreter_for(tflite).get_tensor_details()
+    details = preserving_interpreter(tflite).get_tensor_details()
     mapping = map_tensors(details, set(producer), plan, scales)
     values: dict[int, float] = {}
     for edge, tensor in mapping.items():

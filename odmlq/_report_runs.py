@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -67,17 +66,6 @@ class LiteRTRun:
     device_missing: tuple[str, ...] = ()
 
 
-def interpreter_for(tflite: bytes):
-    from ai_edge_litert.interpreter import Interpreter
-
-    with warnings.catch_warnings():
-        # It warns that keeping every tensor is for debugging: that is the point here.
-        warnings.simplefilter("ignore", UserWarning)
-        interpreter = Interpreter(model_content=bytes(tflite), experimental_preserve_all_tensors=True)
-    interpreter.allocate_tensors()
-    return interpreter
-
-
 def check_litert_inputs(interpreter, inputs: Sequence[np.ndarray], names: Sequence[str] | None = None,
                         *, whole: bool = False) -> None:
     """Inputs fit the .tflite: as many as it takes, its shape but for the batch
@@ -111,9 +99,10 @@ def litert_run(tflite: bytes, plan, scales, inputs: tuple,
     Raises:
       OdmlqError: inputs that do not fit the model; a dumped tensor of another shape.
     """
-    from odmlq.litert.verify import _dequantize, _from_output, _params_match, _rows, _to_input, map_tensors
+    from odmlq.litert.verify import (_dequantize, _from_output, _params_match, _rows, _to_input, map_tensors,
+                                     preserving_interpreter)
 
-    interpreter = interpreter_for(tflite)
+    interpreter = preserving_interpreter(tflite)
     check_litert_inputs(interpreter, inputs, whole=device is not None)
     details = {d["index"]: d for d in interpreter.get_tensor_details()}
     produced = {int(t) for op in interpreter._get_ops_details() for t in op["outputs"]}

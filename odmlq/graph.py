@@ -187,6 +187,12 @@ class Graph:
     model_name: str
     program: Any = dataclasses.field(default=None, compare=False, repr=False)
 
+    def resolve(self, edge_id: str) -> str:
+        """The edge an alias edge stands for (itself if not an alias)."""
+        while self.edges[edge_id].alias is not None:
+            edge_id = self.edges[edge_id].alias
+        return edge_id
+
     def op(self, op_id: str) -> Op:
         for op in self.ops:
             if op.id == op_id:

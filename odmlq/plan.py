@@ -83,6 +83,11 @@ class EdgePlan:
     rule: int | None
     reason: str
 
+    @property
+    def fused(self) -> bool:
+        """Not materialized: fused into the activation that consumes it."""
+        return self.reason.startswith("fused into ")
+
     def to_dict(self) -> dict:
         return {"edge": self.edge, "rule": self.rule, "reason": self.reason,
                 "spec": None if self.spec is None else self.spec.to_dict()}
@@ -368,9 +373,7 @@ def _edge_plans(graph: Graph, rules, op_plans) -> dict[str, EdgePlan]:
     dynamic_only_into_kernels(graph, by_edge)
     for edge in graph.edges.values():
         if edge.alias is not None:
-            target = edge.alias
-            while graph.edges[target].alias is not None:
-                target = graph.edges[target].alias
+            target = graph.resolve(edge.id)
             base = by_edge[target]
             by_edge[edge.id] = EdgePlan(edge=edge.id, spec=base.spec, rule=base.rule,
                                         reason=f"alias of {target}")

@@ -88,7 +88,7 @@ class Scales:
         """The scale `op` reads input `edge_id` at: a conversion's, or the edge's."""
         from odmlq._conversions import op_qtype
 
-        edge_id = _resolve(plan.graph, edge_id)
+        edge_id = plan.graph.resolve(edge_id)
         target = op_qtype(plan, op)
         if target is not None and (edge_id, target.qtype) in self.conversions:
             return self.conversions[(edge_id, target.qtype)]
@@ -190,9 +190,9 @@ def _edge_scales(plan, calibration, constraints, conversions) -> dict[str, Tenso
             continue
         if constraint == "same_as_input":
             producer = graph.op(edge.producer)
-            source = next((e for e in producer.inputs if _resolve(graph, e) in out), None)
+            source = next((e for e in producer.inputs if graph.resolve(e) in out), None)
             if source is not None:
-                key = (_resolve(graph, source), spec.qtype)
+                key = (graph.resolve(source), spec.qtype)
                 base = (_conversion_scale(plan, key, out, calibration, conversions)
                         if key in plan.conversions else out[key[0]])
                 if base.qtype == spec.qtype and not base.scale_axes:
@@ -207,7 +207,7 @@ def _edge_scales(plan, calibration, constraints, conversions) -> dict[str, Tenso
         _conversion_scale(plan, key, out, calibration, conversions)
     _share_with_inputs(graph, out, constraints)
     for edge_id, edge in graph.edges.items():
-        target = _resolve(graph, edge_id)
+        target = graph.resolve(edge_id)
         if edge.alias is not None and target in out:
             out[edge_id] = out[target]
     return out
@@ -312,11 +312,6 @@ def _constant_scales(plan, edges: Mapping[str, TensorScale], constraints) -> dic
                 out[(op.id, index)] = constant_scale(operand.value, spec.qtype)
     return out
 
-
-def _resolve(graph, edge_id: str) -> str:
-    while graph.edges[edge_id].alias is not None:
-        edge_id = graph.edges[edge_id].alias
-    return edge_id
 
 
 def _op_spec(graph, edge, constraints):

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from odmlq._conversions import input_conversion_scales
 from odmlq._edge_passes import dynamic_kernel_inputs
 from odmlq._model_run import GraphCache, params_for
 from odmlq.calibration import Calibration
@@ -111,33 +112,6 @@ def simulate(model: Any, plan, scales: Scales | Calibration, *inputs: Any, varia
     if isinstance(scales, Calibration):
         scales = compute_scales(plan, scales, params_for(model, variables, "simulate"), constraints)
     return Simulator(model, plan, scales, variables=variables)(*inputs, capture=capture, feed=feed)
-
-
-def input_conversion_scales(plan, scales: Scales) -> dict[str, list]:
-    """op id -> [(operand index, TensorScale)] of the inputs it reads converted
-    to its own qtype (`Plan.conversions`)."""
-    from odmlq._conversions import op_qtype
-
-    if not scales.conversions:
-        return {}
-    out: dict[str, list] = {}
-    for op in plan.graph.ops:
-        target = op_qtype(plan, op)
-        if target is None:
-            continue
-        for index, operand in enumerate(op.operands):
-            if operand.role != "input":
-                continue
-            ts = scales.conversions.get((_resolve(plan.graph, operand.edge), target.qtype))
-            if ts is not None:
-                out.setdefault(op.id, []).append((index, ts))
-    return out
-
-
-def _resolve(graph, edge_id: str) -> str:
-    while graph.edges[edge_id].alias is not None:
-        edge_id = graph.edges[edge_id].alias
-    return edge_id
 
 
 def _dynamic_fake_quant(x: jax.Array, spec) -> jax.Array:

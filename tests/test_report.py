@@ -117,9 +117,10 @@ def test_litert_run_lines_up_with_simulate(cnn):
     assert data["format"] == "odmlq.report" and len(data["edges"]) == len(report.edges)
     assert data["runs"] == ["local", "simulate", "litert"] and not report.notes
     with pytest.raises(odmlq.OdmlqError, match=r"Input 'input 0' has shape \(32, 8, 7, 1\).*takes \(1, 8, 8, 1\)"):
-        from odmlq._report_runs import check_litert_inputs, interpreter_for
+        from odmlq._report_runs import check_litert_inputs
+        from odmlq.litert.verify import preserving_interpreter
 
-        check_litert_inputs(interpreter_for(result.tflite), [np.zeros((32, 8, 7, 1), np.float32)])
+        check_litert_inputs(preserving_interpreter(result.tflite), [np.zeros((32, 8, 7, 1), np.float32)])
 
 
 def test_inputs_that_do_not_fit_the_model_are_named_with_the_shape(cnn):

@@ -29,7 +29,7 @@ from odmlq.errors import OdmlqError
 from odmlq.litert.spec import pool_as_depthwise
 from odmlq.scales import Scales, TensorScale, flat_params, replace_params
 from odmlq._edge_passes import dynamic_kernel_inputs
-from odmlq.simulate import input_conversion_scales
+from odmlq._conversions import input_conversion_scales
 
 _DTYPES = {"int8": "i8", "int16": "i16", "int4": "i4"}
 

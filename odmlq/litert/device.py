@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,6 +35,7 @@ import numpy as np
 
 from odmlq._plan_table import table
 from odmlq.errors import OdmlqError
+from odmlq.litert.verify import preserving_interpreter
 from odmlq.report import NOT_ODMLQ, Report
 
 __all__ = ["DeviceDiff", "TensorDiff", "check_model_inputs", "device_report", "diff_device", "dump_tensors",
@@ -100,16 +100,6 @@ def _db(v: float) -> str:
     return ("inf" if v > 0 else "-inf") if math.isinf(v) else f"{v:.1f}"
 
 
-def _interpreter(tflite: bytes):
-    from ai_edge_litert.interpreter import Interpreter
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        interpreter = Interpreter(model_content=bytes(tflite), experimental_preserve_all_tensors=True)
-    interpreter.allocate_tensors()
-    return interpreter
-
-
 # odmlq names each tensor after the traced op it computes: `jit(fn)/conv1/relu/...`.
 _TRACED_NAME = re.compile(r"jit\((?:[^()]|\([^()]*\))*\)/")
 
@@ -123,7 +113,7 @@ def produced_by_odmlq(tflite: bytes) -> bool:
     converted by litert-converter without odmlq may pass it; `device_report`
     then finds no plan edge in it and says so.
     """
-    for d in _interpreter(tflite).get_tensor_details():
+    for d in preserving_interpreter(tflite).get_tensor_details():
         q = d["quantization_parameters"]
         if d["dtype"] in (np.int8, np.int16) and q["scales"].size and _TRACED_NAME.search(d["name"]):
             return True
@@ -156,7 +146,7 @@ def dump_tensors(tflite: bytes, inputs: Mapping[str, np.ndarray] | list) -> dict
       OdmlqError: inputs that do not fit the model (naming the input and the
         shape it takes).
     """
-    interpreter = _interpreter(tflite)
+    interpreter = preserving_interpreter(tflite)
     details = interpreter.get_input_details()
     for d, x in zip(details, _ordered(inputs, details)):
         if tuple(np.shape(x)) != tuple(d["shape"]):
@@ -186,7 +176,7 @@ def diff_device(tflite: bytes, inputs, dump: Mapping[str, np.ndarray], *,
     if outputs_only is None:
         outputs_only = not produced_by_odmlq(tflite)
     host = dump_tensors(tflite, inputs)
-    interpreter = _interpreter(tflite)
+    interpreter = preserving_interpreter(tflite)
     details = {d["name"]: d for d in interpreter.get_tensor_details()}
     outputs = {d["index"] for d in interpreter.get_output_details()}
     diffs, missing = [], []
@@ -263,7 +253,7 @@ def device_report(tflite: bytes, inputs: Mapping[str, np.ndarray], dump: Mapping
     if model is not None and plan is not None and not diff.outputs_only:
         report = compare(model, plan, scales, *arrays, variables=variables, tflite=tflite, device=dump)
         return dataclasses.replace(report, notes=(*report.notes, *notes))
-    interpreter = _interpreter(tflite)
+    interpreter = preserving_interpreter(tflite)
     host = dump_tensors(tflite, dict(inputs))
     out_details = interpreter.get_output_details()
     host_out = [_output_value(host[d["name"]], d) for d in out_details]

@@ -282,16 +282,6 @@ def _with_module_paths(error, plan: Plan):
     return _convert.ConversionError(f"{error}\nFailing: {where}.")
 
 
-def _effective_output_spec(plan: Plan, op):
-    """The spec of what an op really outputs (a fused activation's, if fused)."""
-    edge = plan.graph.edges[op.outputs[0]]
-    spec = plan.edges[edge.id].spec
-    if spec is None and plan.edges[edge.id].reason.startswith("fused into "):
-        consumer = plan.graph.op(edge.consumers[0])
-        spec = plan.edges[consumer.outputs[0]].spec
-    return spec
-
-
 def _check_one_activation_type(plan: Plan, op, where: str) -> None:
     """LiteRT kernels read and write one activation type (an int8 -> int16
     FULLY_CONNECTED computes garbage, without an error): an input of another

@@ -186,6 +186,18 @@ def _dequantize(value: np.ndarray, detail: dict) -> np.ndarray:
     return (value.astype(np.float32) - q["zero_points"].astype(np.float32)) * q["scales"].astype(np.float32)
 
 
+def preserving_interpreter(tflite: bytes):
+    """A LiteRT interpreter for `tflite` that keeps every intermediate tensor, allocated."""
+    from ai_edge_litert.interpreter import Interpreter
+
+    with warnings.catch_warnings():
+        # It warns that keeping every tensor is for debugging: that is the point here.
+        warnings.simplefilter("ignore", UserWarning)
+        interpreter = Interpreter(model_content=bytes(tflite), experimental_preserve_all_tensors=True)
+    interpreter.allocate_tensors()
+    return interpreter
+
+
 def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, variables: Any = None,
            tolerance_lsb: float = 1.0, min_output_sqnr_db: float | None = None,
            raise_on_failure: bool = True) -> VerificationReport:
@@ -205,22 +217,16 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
         when an op differs by more than `tolerance_lsb` or a tensor's scale is
         not its edge's.
     """
-    from ai_edge_litert.interpreter import Interpreter
-
     from odmlq.simulate import Simulator
 
-    with warnings.catch_warnings():
-        # It warns that keeping every tensor is for debugging: that is the point here.
-        warnings.simplefilter("ignore", UserWarning)
-        try:
-            interpreter = Interpreter(model_content=bytes(tflite), experimental_preserve_all_tensors=True)
-            interpreter.allocate_tensors()
-        except (RuntimeError, ValueError) as e:
-            raise VerificationError(
-                f"The LiteRT interpreter cannot run the converted model: {e}. The converter "
-                "produced a kernel configuration LiteRT rejects; quantize the op it names "
-                "differently or keep it in float."
-            ) from e
+    try:
+        interpreter = preserving_interpreter(tflite)
+    except (RuntimeError, ValueError) as e:
+        raise VerificationError(
+            f"The LiteRT interpreter cannot run the converted model: {e}. The converter "
+            "produced a kernel configuration LiteRT rejects; quantize the op it names "
+            "differently or keep it in float."
+        ) from e
     details = interpreter.get_tensor_details()
     produced = {int(t) for op in interpreter._get_ops_details() for t in op["outputs"]}
     mapping = map_tensors(details, produced, plan, scales)

@@ -3,7 +3,7 @@ or through a conversion (`Plan.conversions`) at the conversion's.
 
 Internal; `odmlq.xla._lowering` picks each op's kernel from the `Input` its
 matmul or convolution reads. Conversions are looked up with
-`odmlq.simulate.input_conversion_scales`, so XLA reads each converted input
+`odmlq._conversions.input_conversion_scales`, so XLA reads each converted input
 at the very scale `simulate` does.
 """
 
@@ -14,7 +14,7 @@ import dataclasses
 from odmlq.errors import PlanError
 from odmlq.quant_spec import QuantSpec
 from odmlq.scales import TensorScale
-from odmlq.simulate import input_conversion_scales
+from odmlq._conversions import input_conversion_scales
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,14 +54,9 @@ def converted_inputs(plan, scales) -> dict[str, dict[int, Input]]:
     for op_id, pairs in input_conversion_scales(plan, scales).items():
         op = plan.graph.op(op_id)
         for index, ts in pairs:
-            edge = _resolve(plan.graph, op.operands[index].edge)
+            edge = plan.graph.resolve(op.operands[index].edge)
             conversion = plan.conversions[(edge, ts.qtype)]
             out.setdefault(op_id, {})[index] = Input(edge=edge, spec=conversion.spec, scale=ts,
                                                      converted_from=conversion.source)
     return out
 
-
-def _resolve(graph, edge_id: str) -> str:
-    while graph.edges[edge_id].alias is not None:
-        edge_id = graph.edges[edge_id].alias
-    return edge_id
