@@ -203,7 +203,10 @@ def _write_html(path: str, report) -> None:
 def _cmd_demo(args) -> int:
     try:
         from samples import digits_cnn
-    except ImportError:
+    except ModuleNotFoundError as e:
+        if e.name and e.name.split(".")[0] != "samples":
+            raise OdmlqError(f"odmlq demo needs the package {e.name!r}, which is not installed; "
+                             "reinstall odmlq (python -m pip install -e .).") from None
         raise OdmlqError("odmlq demo needs the repository's samples/ (install odmlq from a checkout).") from None
     digits_cnn.main(args.out, args.seconds)
     return 0

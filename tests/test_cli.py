@@ -93,3 +93,14 @@ def test_export_with_calibration_file(tmp_path, capsys):
 def test_export_needs_representative_data(tmp_path, capsys):
     assert cli.main(["export", "samples.models:mlp", "--out", str(tmp_path / "m.tflite")]) == 1
     assert "needs --calibration" in capsys.readouterr().err
+
+
+def test_demo_names_a_missing_dependency(monkeypatch, capsys):
+    """Not 'install from a checkout' when what is missing is a package the demo needs."""
+    for name in ("samples.digits_cnn", "samples.digits"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setitem(sys.modules, "sklearn", None)  # import sklearn now fails
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
+    assert cli.main(["demo"]) != 0
+    err = capsys.readouterr().err
+    assert "odmlq demo needs the package 'sklearn" in err and "which is not installed" in err, err
