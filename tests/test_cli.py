@@ -97,8 +97,13 @@ def test_export_needs_representative_data(tmp_path, capsys):
 
 def test_demo_names_a_missing_dependency(monkeypatch, capsys):
     """Not 'install from a checkout' when what is missing is a package the demo needs."""
-    for name in ("samples.digits_cnn", "samples.digits"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
+    import samples
+
+    for name in ("digits_cnn", "digits"):
+        # Both the module cache and the package attribute: `from samples import digits_cnn`
+        # finds an earlier test's import through either.
+        monkeypatch.delitem(sys.modules, f"samples.{name}", raising=False)
+        monkeypatch.delattr(samples, name, raising=False)
     monkeypatch.setitem(sys.modules, "sklearn", None)  # import sklearn now fails
     monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
     assert cli.main(["demo"]) != 0
