@@ -31,6 +31,7 @@ which is how calibration, simulation and reports observe and rewrite tensors.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -193,11 +194,15 @@ class Graph:
             edge_id = self.edges[edge_id].alias
         return edge_id
 
+    @functools.cached_property
+    def _ops_by_id(self) -> dict[str, Op]:
+        return {op.id: op for op in self.ops}
+
     def op(self, op_id: str) -> Op:
-        for op in self.ops:
-            if op.id == op_id:
-                return op
-        raise KeyError(f"No op {op_id!r} in the graph; ops are {[o.id for o in self.ops]}.")
+        try:
+            return self._ops_by_id[op_id]
+        except KeyError:
+            raise KeyError(f"No op {op_id!r} in the graph; ops are {[o.id for o in self.ops]}.") from None
 
     def evaluate(self, params: Any, *inputs: Any,
                  on_edge: Callable[[str, Any], Any] | None = None,

@@ -23,6 +23,10 @@ def test_minilm_exports_meet_their_targets(tmp_path):
         assert os.path.getsize(r["path"]) == r["bytes"]
     assert int8["cosine_mean"] >= 0.98, int8
     assert int8["top1_paraphrase"] >= 0.95, int8
+    # Every sentence as a query: measured 0.947 (near-ties among unrelated
+    # sentences; a one-LSB difference flips ~5 of 227). A guard, not a target.
+    assert int8["top1_all"] >= 0.92, int8
+    assert int8["cosine_min"] >= 0.95, int8
     assert int16["cosine_mean"] >= 0.995, int16
     for schema in (int8, int16):
         for reason, count, kinds in schema["float_ops"]:

@@ -346,13 +346,27 @@ def _check_summary(schema: str, summary: ModelSummary, allow_float_ops: bool, fl
             "annotation; please report it with the plan."
         )
     if static and summary.float_islands:
-        listing = ", ".join(f"{o.name} (module {o.module_path!r})" for o in summary.float_islands)
+        listing = _float_op_listing(summary.float_islands)
         if not allow_float_ops:
             raise FloatOpsError(
                 f"The full-integer export has float islands: {listing}. Quantize those ops "
                 "(a rule with act_qtype) or pass allow_float_ops=True to accept them."
             )
-        warnings.warn(f"float ops in the exported model: {listing}", stacklevel=3)
+        warnings.warn(f"float ops in the exported model: {listing}; all of them are in "
+                      "the export's summary.float_islands", stacklevel=3)
+
+
+def _float_op_listing(ops, limit: int = 12) -> str:
+    """Float ops grouped by module path, in model order: 'ADD (module 'a/b')' for a
+    lone op, 'MUL x3, ADD (module 'a/gelu')' for several; the first `limit` modules."""
+    groups: dict[str, dict[str, int]] = {}
+    for o in ops:
+        kinds = groups.setdefault(o.module_path or "", {})
+        kinds[o.name] = kinds.get(o.name, 0) + 1
+    items = [", ".join(name if n == 1 else f"{name} x{n}" for name, n in kinds.items()) + f" (module {path!r})"
+             for path, kinds in groups.items()]
+    more = len(items) - limit
+    return "; ".join(items[:limit]) + (f"; and {more} more modules ({len(ops)} ops in all)" if more > 0 else "")
 
 
 def _limit(batches: list, samples: int) -> list:

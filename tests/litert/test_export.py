@@ -232,3 +232,23 @@ def test_rep_dataset_as_a_callable_of_jax_arrays(small_cnn, digits):
     result = odmlq.export_tflite(model, INT8, lambda: (data[i:i + 32] for i in range(0, 64, 32)),
                                  variables=variables)
     assert result.verification.passed and result.calibration is not None
+
+
+class _ErfGelu(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4, name="out")(jax.nn.gelu(nn.Dense(8, name="fc")(x), approximate=False))
+
+
+def test_float_ops_warning_groups_them_by_module():
+    """An erf GELU kept in float is dozens of LiteRT ops: the warning counts them per module."""
+    model, x = _ErfGelu(), np.linspace(-3, 3, 32, dtype=np.float32).reshape(8, 4)
+    variables = model.init(jax.random.key(0), x[:1])
+    rules = [odmlq.Rule(".*", op="gelu", skip=True), *INT8]
+    with pytest.warns(UserWarning, match="float ops in the exported model") as caught:
+        result = odmlq.export_tflite(model, rules, [x], variables=variables, allow_float_ops=True)
+    message = next(str(w.message) for w in caught if "float ops in the exported" in str(w.message))
+    gelu_ops = [o for o in result.summary.float_islands if o.name not in ("QUANTIZE", "DEQUANTIZE")]
+    assert len(gelu_ops) > 10
+    mul = sum(o.name == "MUL" for o in gelu_ops)
+    assert f"MUL x{mul}" in message and message.count("(module ") <= 4, message
