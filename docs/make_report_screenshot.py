@@ -35,7 +35,6 @@ def planted_fault_report() -> dict:
 
     import odmlq
     from odmlq.calibration import FixedRange
-    from odmlq.litert.spec import OP_SPEC
     from samples.digits import batches, load_digits_splits, train
 
     digits = load_digits_splits()
@@ -49,7 +48,7 @@ def planted_fault_report() -> dict:
     faulty.observe("conv2/relu_fault", FixedRange(float(lo) / 10, float(hi) / 10), np.zeros(1))
     entries = dict(calibration)
     entries["conv2/relu"] = faulty["conv2/relu_fault"]
-    scales = odmlq.compute_scales(plan, odmlq.Calibration(entries), variables, OP_SPEC)
+    scales = odmlq.compute_scales(plan, odmlq.Calibration(entries), variables)
     report = odmlq.compare(model, plan, scales, digits.x_test[:64], variables=variables)
     return json.loads(report.to_json())
 
@@ -84,7 +83,7 @@ def screenshot(page: pathlib.Path, out: pathlib.Path) -> tuple[int, int]:
 
 
 def main() -> None:
-    from odmlq._report_html import render_html
+    from odmlq.report._html import render_html
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "docs" / "report.png")

@@ -31,16 +31,16 @@ from odmlq.errors import (
 )
 from odmlq.granularity import PerBlock, PerChannel, PerTensor
 from odmlq.graph import Edge, Graph, Op, Operand, trace
-from odmlq.plan import EdgePlan, OpPlan, Plan, QuantSpec, WeightPlan, plan
+from odmlq.plan import EdgePlan, OpPlan, Plan, QuantSpec, WeightPlan
 from odmlq.qarray import QArray, compute_scale, fake_quant, quantize, quantize_tensor
 from odmlq.qtypes import QType, qtype
 from odmlq.rules import Rule, UnmatchedRuleWarning, load_rules
-from odmlq._calibrate import calibrate
+from odmlq.calibration import calibrate
 from odmlq.scales import Scales, TensorScale, compute_scales
 from odmlq.simulate import Simulator, simulate
-from odmlq.litert.export import export_tflite
-from odmlq.litert.verify import VerificationError
-from odmlq.xla import QuantizedModel, load_params, ptq, quantize_params, save_params
+from odmlq.litert import VerificationError, export_tflite
+from odmlq.xla import QuantizedModel, load_params, quantize_params, save_params
+from odmlq.targets import plan, ptq
 from odmlq.report import Report, compare
 
 __version__ = "0.1.0"

@@ -25,12 +25,17 @@ from odmlq.errors import OdmlqError
 DEFAULT_RULES = "int8 weights (per-channel) and int8 activations everywhere"
 
 
+# The repository's samples are loaded by name, as any user's module:function
+# is: odmlq itself never depends on them (an installed odmlq may lack them).
+SAMPLES_MODULE = "samples.models"
+DEMO_MODULE = "samples.digits_cnn"
+
+
 def _samples() -> dict:
     try:
-        from samples.models import SAMPLES
+        return importlib.import_module(SAMPLES_MODULE).SAMPLES
     except ImportError:  # an installed odmlq without the repository's samples/
         return {}
-    return SAMPLES
 
 
 def _load_model(target: str):
@@ -63,7 +68,7 @@ def _load_model(target: str):
 
 
 def _cmd_plan(args) -> int:
-    from odmlq.plan import plan
+    from odmlq.targets import plan
 
     model, inputs, variables = _load_model(args.model)
     rules = _rules_from(args)
@@ -123,7 +128,8 @@ def _cmd_inspect(args) -> int:
 def _cmd_diff(args) -> int:
     import numpy as np
 
-    from odmlq.litert.device import check_model_inputs, device_report, diff_device
+    from odmlq.litert.device import check_model_inputs, diff_device
+    from odmlq.report import device_report
 
     def load(path, what):
         try:
@@ -175,10 +181,9 @@ def _cmd_diff(args) -> int:
 
 def _plan_and_scales(args, model, example_inputs, variables):
     """The plan and scales an odmlq .tflite was exported with, from --rules and --calibration."""
-    from odmlq._model_run import params_for
+    from odmlq.graph import params_for
     from odmlq.calibration import Calibration
-    from odmlq.litert.spec import OP_SPEC
-    from odmlq.plan import plan as make_plan
+    from odmlq.targets import plan as make_plan
     from odmlq.scales import compute_scales
 
     with warnings.catch_warnings(record=True) as caught:
@@ -191,7 +196,7 @@ def _plan_and_scales(args, model, example_inputs, variables):
         raise OdmlqError("odmlq diff --model needs --calibration C.npz for a model with calibrated "
                          "activations: the statistics the .tflite was exported with (Calibration.save).")
     calibration = Calibration.load(args.calibration) if args.calibration else None
-    return p, compute_scales(p, calibration, params_for(model, variables, "odmlq diff"), OP_SPEC)
+    return p, compute_scales(p, calibration, params_for(model, variables, "odmlq diff"))
 
 
 def _write_html(path: str, report) -> None:
@@ -202,7 +207,7 @@ def _write_html(path: str, report) -> None:
 
 def _cmd_demo(args) -> int:
     try:
-        from samples import digits_cnn
+        digits_cnn = importlib.import_module(DEMO_MODULE)
     except ModuleNotFoundError as e:
         if e.name and e.name.split(".")[0] != "samples":
             raise OdmlqError(f"odmlq demo needs the package {e.name!r}, which is not installed; "

@@ -9,9 +9,9 @@ int32 accumulator), constant operands of elementwise ops from their values
 (`constant_scale`). Backends and `simulate` all quantize with the same
 `Scales`, so their results line up value for value.
 
-An optional `constraints` table (e.g. LiteRT's, `odmlq.litert.spec.OP_SPEC`)
-ties output scales to inputs, inputs to outputs ('shared'), or fixes them, as
-a target's kernels require.
+Where the plan's targets constrain an edge (`EdgePlan.constraint`, resolved
+when the plan was made), its scale follows the constraint: its input's,
+shared with the inputs of the op that reads it, or fixed.
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from odmlq import _program, _trace
-from odmlq.calibration import Calibration, range_of
+from odmlq.graph import flat_params, replace_params
+from odmlq.calibration._calibration import Calibration, range_of
+from odmlq.constraints import FixedScale, SameAsInput, SharedWithInputs
 from odmlq.errors import CalibrationError, PlanError
-from odmlq.qarray import QArray, compute_scale, fake_quant, quantize, scale_shape
+from odmlq.qarray._array import QArray, compute_scale, fake_quant, quantize, scale_shape
 from odmlq.qtypes import qtype as lookup_qtype
 
 __all__ = ["TensorScale", "Scales", "compute_scales", "constant_scale", "flat_params"]
@@ -86,7 +87,7 @@ class Scales:
 
     def input_scale(self, plan, op, edge_id: str) -> TensorScale | None:
         """The scale `op` reads input `edge_id` at: a conversion's, or the edge's."""
-        from odmlq._conversions import op_qtype
+        from odmlq.plan._conversions import op_qtype
 
         edge_id = plan.graph.resolve(edge_id)
         target = op_qtype(plan, op)
@@ -95,23 +96,7 @@ class Scales:
         return self.edges.get(edge_id)
 
 
-def flat_params(params: Any) -> dict[str, Any]:
-    """Parameter path ('conv1/kernel') -> array, the paths plans use."""
-    params = _program._params_of(params)
-    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    return {_trace._path_str(path): leaf for path, leaf in leaves}
-
-
-def replace_params(params: Any, new: Mapping[str, Any]) -> Any:
-    """`params` with the leaves named in `new` replaced."""
-    params = _program._params_of(params)
-    leaves, tree = jax.tree_util.tree_flatten_with_path(params)
-    out = [new.get(_trace._path_str(path), leaf) for path, leaf in leaves]
-    return jax.tree_util.tree_unflatten(tree, out)
-
-
-def compute_scales(plan, calibration: Calibration | None, params: Any,
-                   constraints: Mapping[str, Any] | None = None, *,
+def compute_scales(plan, calibration: Calibration | None, params: Any, *,
                    weight_scales: Mapping[str, TensorScale] | None = None) -> Scales:
     """Scale and zero point of every quantized edge, weight and bias of `plan`.
 
@@ -128,10 +113,10 @@ def compute_scales(plan, calibration: Calibration | None, params: Any,
     else:
         weights = dict(weight_scales)
     conversions: dict[tuple[str, str], TensorScale] = {}
-    edges = _edge_scales(plan, calibration, constraints or {}, conversions)
+    edges = _edge_scales(plan, calibration, conversions)
     scales = Scales(edges=edges, weights=weights, biases={}, constants={}, conversions=conversions)
     biases = _bias_scales(plan, scales, weights)
-    constants = _constant_scales(plan, edges, constraints or {})
+    constants = _constant_scales(plan, edges)
     return dataclasses.replace(scales, biases=biases, constants=constants)
 
 
@@ -140,11 +125,11 @@ def _weight_scales(plan, values: Mapping[str, Any]) -> dict[str, TensorScale]:
     for param, spec in plan.weight_specs().items():
         if param not in values:
             raise PlanError(f"The params have no {param!r}, which the plan quantizes.")
-        out[param] = _weight_scale(np.asarray(values[param], np.float32), spec)
+        out[param] = weight_scale(np.asarray(values[param], np.float32), spec)
     return out
 
 
-def _weight_scale(x: np.ndarray, spec) -> TensorScale:
+def weight_scale(x: np.ndarray, spec) -> TensorScale:
     shape = scale_shape(x.shape, spec.scale_axes, spec.block_axis, spec.block_size)
     if spec.block_size is not None:
         # Split the block axis into (blocks, block_size) and keep the block index.
@@ -171,7 +156,7 @@ def _tensor_scale(spec, lo, hi, shape) -> TensorScale:
         narrow_range=spec.narrow_range)
 
 
-def _edge_scales(plan, calibration, constraints, conversions) -> dict[str, TensorScale]:
+def _edge_scales(plan, calibration, conversions) -> dict[str, TensorScale]:
     graph = plan.graph
     out: dict[str, TensorScale] = {}
     for edge_id, edge_plan in plan.edges.items():
@@ -179,38 +164,46 @@ def _edge_scales(plan, calibration, constraints, conversions) -> dict[str, Tenso
         edge = graph.edges[edge_id]
         if spec is None or spec.dynamic or edge.alias is not None:
             continue
-        op_spec = _op_spec(graph, edge, constraints)
-        constraint = None if op_spec is None else op_spec.output
-        rounding = "half_even" if op_spec is None else op_spec.rounding_of(graph.op(edge.producer), spec.qtype)
-        fixed = getattr(constraint, "params", None)
-        if fixed is not None and spec.qtype in fixed and not spec.scale_axes:
-            scale, zp = fixed[spec.qtype]
-            out[edge_id] = TensorScale(qtype=spec.qtype, scale=np.full((1,) * len(edge.shape), scale, np.float32),
-                                       zero_point=np.full((1,) * len(edge.shape), zp, np.int32))
+        constraint = edge_plan.constraint
+        if isinstance(constraint, FixedScale):
+            shape = (1,) * len(edge.shape)
+            out[edge_id] = TensorScale(qtype=spec.qtype, scale=np.full(shape, constraint.scale, np.float32),
+                                       zero_point=np.full(shape, constraint.zero_point, np.int32))
             continue
-        if constraint == "same_as_input":
-            producer = graph.op(edge.producer)
-            source = next((e for e in producer.inputs if graph.resolve(e) in out), None)
-            if source is not None:
-                key = (graph.resolve(source), spec.qtype)
-                base = (_conversion_scale(plan, key, out, calibration, conversions)
-                        if key in plan.conversions else out[key[0]])
-                if base.qtype == spec.qtype and not base.scale_axes:
-                    divisor = graph.op(edge.producer).attributes.get("window_size", 1)
-                    out[edge_id] = dataclasses.replace(
-                        base, rounding=rounding, divisor=divisor, scale=base.scale.reshape((1,) * len(edge.shape)),
-                        zero_point=None if base.zero_point is None
-                        else base.zero_point.reshape((1,) * len(edge.shape)))
-                    continue
+        if isinstance(constraint, SameAsInput):
+            same = _read_input_scale(plan, edge, spec, constraint, out, calibration, conversions)
+            if same is not None:
+                out[edge_id] = same
+                continue
         out[edge_id] = _calibrated_scale(edge, spec, calibration)
     for key in plan.conversions:
         _conversion_scale(plan, key, out, calibration, conversions)
-    _share_with_inputs(graph, out, constraints)
+    _share_with_inputs(plan, out)
     for edge_id, edge in graph.edges.items():
         target = graph.resolve(edge_id)
         if edge.alias is not None and target in out:
             out[edge_id] = out[target]
     return out
+
+
+def _read_input_scale(plan, edge, spec, constraint, out, calibration, conversions) -> TensorScale | None:
+    """The scale of the producer's first quantized input, as the op reads it
+    (None: no per-tensor input of the same qtype; the edge is calibrated)."""
+    graph = plan.graph
+    producer = graph.op(edge.producer)
+    source = next((e for e in producer.inputs if graph.resolve(e) in out), None)
+    if source is None:
+        return None
+    key = (graph.resolve(source), spec.qtype)
+    base = (_conversion_scale(plan, key, out, calibration, conversions)
+            if key in plan.conversions else out[key[0]])
+    if base.qtype != spec.qtype or base.scale_axes:
+        return None
+    shape = (1,) * len(edge.shape)
+    return dataclasses.replace(
+        base, rounding=constraint.rounding.value, divisor=producer.attributes.get("window_size", 1),
+        scale=base.scale.reshape(shape),
+        zero_point=None if base.zero_point is None else base.zero_point.reshape(shape))
 
 
 def _conversion_scale(plan, key, edges, calibration, conversions) -> TensorScale:
@@ -234,19 +227,21 @@ def _conversion_scale(plan, key, edges, calibration, conversions) -> TensorScale
     return conversions[key]
 
 
-def _share_with_inputs(graph, out: dict[str, TensorScale], constraints) -> None:
-    """Ops whose kernel reads every input at its output's scale (constraint
-    'shared': LiteRT's CONCATENATION, MAXIMUM, MINIMUM) give that scale to
-    each input edge they alone consume, where the producer can requantize to
-    it (a free output or a model input) — as the converter does, folding the
-    requantization into the producer. Other inputs keep their scale and are
-    requantized by a separate op, which computes the same values. Ops are
-    visited last to first, so chains (max then min, a clip) share one scale.
+def _share_with_inputs(plan, out: dict[str, TensorScale]) -> None:
+    """Ops whose kernel reads every input at its output's scale (an output
+    constrained `SharedWithInputs`) give that scale to each input edge they
+    alone consume, where the producer can requantize to it (a free output or
+    a model input) — as a converter does, folding the requantization into the
+    producer. Other inputs keep their scale and are requantized by a separate
+    op, which computes the same values. Ops are visited last to first, so
+    chains (max then min, a clip) share one scale.
     """
+    graph = plan.graph
     aliased = {e.alias for e in graph.edges.values() if e.alias is not None}
     for op in reversed(graph.ops):
-        op_spec = constraints.get(op.kind)
-        if getattr(op_spec, "output", None) != "shared" or len(op.outputs) != 1 or op.outputs[0] not in out:
+        if len(op.outputs) != 1 or op.outputs[0] not in out:
+            continue
+        if not isinstance(plan.edges[op.outputs[0]].constraint, SharedWithInputs):
             continue
         target = out[op.outputs[0]]
         if target.scale_axes:
@@ -256,8 +251,7 @@ def _share_with_inputs(graph, out: dict[str, TensorScale], constraints) -> None:
             if (edge_id not in out or edge.alias is not None or edge_id in aliased or edge.is_output
                     or edge.consumers != (op.id,) or out[edge_id].qtype != target.qtype):
                 continue
-            producer = None if edge.producer is None else constraints.get(graph.op(edge.producer).kind)
-            if getattr(producer, "output", None) not in (None, "shared"):
+            if not isinstance(plan.edges[edge_id].constraint, (type(None), SharedWithInputs)):
                 continue
             out[edge_id] = _reshaped(target, len(edge.shape))
 
@@ -296,11 +290,11 @@ def constant_scale(value: np.ndarray, qtype: str) -> TensorScale:
     return TensorScale(qtype=qt.name, scale=np.full(shape, scale, np.float32))
 
 
-def _constant_scales(plan, edges: Mapping[str, TensorScale], constraints) -> dict:
+def _constant_scales(plan, edges: Mapping[str, TensorScale]) -> dict:
     out: dict[tuple[str, int], TensorScale] = {}
     for op in plan.graph.ops:
         specs = plan.ops[op.id].constants
-        shared = getattr(constraints.get(op.kind), "output", None) == "shared"
+        shared = len(op.outputs) == 1 and isinstance(plan.edges[op.outputs[0]].constraint, SharedWithInputs)
         for index, (operand, spec) in enumerate(zip(op.constants, specs)):
             if spec is None:
                 continue
@@ -312,12 +306,6 @@ def _constant_scales(plan, edges: Mapping[str, TensorScale], constraints) -> dic
                 out[(op.id, index)] = constant_scale(operand.value, spec.qtype)
     return out
 
-
-
-def _op_spec(graph, edge, constraints):
-    if edge.producer is None:
-        return None
-    return constraints.get(graph.op(edge.producer).kind)
 
 
 def _fake_quant_of_sum(x: jax.Array, ts: TensorScale) -> jax.Array:

@@ -15,11 +15,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from odmlq._conversions import input_conversion_scales
-from odmlq._edge_passes import dynamic_kernel_inputs
-from odmlq._model_run import GraphCache, params_for
 from odmlq.calibration import Calibration
-from odmlq.qarray import compute_scale, fake_quant
+from odmlq.graph import GraphCache, params_for
+from odmlq.hooks import FakeQuant, PlanHooks
 from odmlq.scales import Scales, compute_scales, quantized_params
 
 __all__ = ["simulate", "Simulator"]
@@ -50,52 +48,24 @@ class Simulator:
         return (outputs, captured) if capture else outputs
 
     def _runner(self, graph, capture: bool):
-        scales, plan = self.scales, self.plan
+        plan, scales = self.plan, self.scales
 
         def run(qparams, feed_values, *xs):
-            captured = {}
-
-            def on_edge(edge_id, x):
-                ts = scales.edges.get(edge_id)
-                if ts is not None:
-                    x = ts.fake_quant(x)
-                if capture:
-                    captured[edge_id] = x
-                return feed_values.get(edge_id, x)
-
-            def on_constant(op_id, index, value):
-                ts = scales.constants.get((op_id, index))
-                return value if ts is None else ts.fake_quant(jnp.asarray(value, jnp.float32))
-
-            return graph.evaluate(qparams, *xs, on_edge=on_edge, on_constant=on_constant,
-                                  on_op=on_op), captured
-
-        converted = input_conversion_scales(plan, scales)
-        at_run_time = dynamic_kernel_inputs(plan)
-
-        def on_op(op_id, compute, *operands):
-            if op_id in converted or op_id in at_run_time:
-                operands = list(operands)
-                for index, ts in converted.get(op_id, ()):
-                    operands[index] = ts.fake_quant(operands[index])
-                # Dynamic edges are quantized by the kernels that read them.
-                for index, spec in at_run_time.get(op_id, ()):
-                    operands[index] = _dynamic_fake_quant(operands[index], spec)
-            return compute(*operands)
+            hooks = PlanHooks(plan, scales, FakeQuant(), capture=capture, feed=feed_values)
+            return hooks.evaluate(graph, qparams, *xs), hooks.captured
 
         return run
 
 
 def simulate(model: Any, plan, scales: Scales | Calibration, *inputs: Any, variables: Any = None,
-             capture: bool = False, feed: Mapping[str, Any] | None = None,
-             constraints: Mapping | None = None) -> Any:
+             capture: bool = False, feed: Mapping[str, Any] | None = None) -> Any:
     """Runs `model` as `plan` quantizes it, in float.
 
     Args:
       model: the model the plan was made from (Linen: pass `variables`).
       plan: the Plan.
       scales: the `Scales` to quantize with, or a `Calibration` (scales are
-        then computed with `constraints`).
+        then computed from it, as the plan's constraints say).
       *inputs: the model's inputs (any batch size).
       capture: also return every edge's (fake-quantized) value, by edge id.
       feed: edge id -> value that replaces the edge's value after it has been
@@ -110,13 +80,5 @@ def simulate(model: Any, plan, scales: Scales | Calibration, *inputs: Any, varia
       >>> logits = odmlq.simulate(model, plan, scales, x, variables=variables)
     """
     if isinstance(scales, Calibration):
-        scales = compute_scales(plan, scales, params_for(model, variables, "simulate"), constraints)
+        scales = compute_scales(plan, scales, params_for(model, variables, "simulate"))
     return Simulator(model, plan, scales, variables=variables)(*inputs, capture=capture, feed=feed)
-
-
-def _dynamic_fake_quant(x: jax.Array, spec) -> jax.Array:
-    """Run-time range: the tensor's own min/max (per tensor or per channel)."""
-    axes = tuple(a for a in range(x.ndim) if a not in spec.scale_axes)
-    lo, hi = jnp.min(x, axis=axes, keepdims=True), jnp.max(x, axis=axes, keepdims=True)
-    scale, zero_point = compute_scale(lo, hi, spec.qtype, symmetric=spec.symmetric)
-    return fake_quant(x, spec.qtype, scale=scale, zero_point=zero_point, scale_axes=spec.scale_axes)

@@ -8,7 +8,6 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import odmlq
-from odmlq.litert.spec import OP_SPEC
 from odmlq.scales import constant_scale
 
 INT8 = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
@@ -62,7 +61,7 @@ def test_inputs_of_a_concatenation_take_its_scale(shared_input):
     p = odmlq.plan(model, INT8, x[:1], variables=variables)
     calibration = odmlq.calibrate(model, p, [x], variables=variables)
     free = odmlq.compute_scales(p, calibration, variables)
-    scales = odmlq.compute_scales(p, calibration, variables, OP_SPEC)
+    scales = odmlq.compute_scales(p, calibration, variables)
     out = scales.edges["a/concatenate"]
     assert scales.edges["a/dot_general"].scale == out.scale  # a feeds only the concatenation
     if shared_input:  # b also feeds the add: it keeps its own range

@@ -17,6 +17,7 @@ constant and emits no DEQUANTIZE or TRANSPOSE at run time.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -26,10 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from odmlq.errors import OdmlqError
+from odmlq.qtypes import qtype as lookup_qtype
 from odmlq.litert.spec import pool_as_depthwise
-from odmlq.scales import Scales, TensorScale, flat_params, replace_params
-from odmlq._edge_passes import dynamic_kernel_inputs
-from odmlq._conversions import input_conversion_scales
+from odmlq.graph import flat_params, replace_params
+from odmlq.scales import Scales, TensorScale, fake_quant_bias
+from odmlq.hooks import FakeQuant, PlanHooks
 
 _DTYPES = {"int8": "i8", "int16": "i16", "int4": "i4"}
 
@@ -53,9 +55,7 @@ def _fake_quant_decomposition(x, *, dtype, scale, zero_point, narrow_range,
 
 def fake_quant_composite(x: jax.Array, ts: TensorScale, quantization_dimension: int | None = None):
     """`x` wrapped in a `quant.fake_quant` composite for `ts`."""
-    from odmlq.qtypes import qtype as lookup
-
-    qt = lookup(ts.qtype)
+    qt = lookup_qtype(ts.qtype)
     attrs = dict(
         dtype=_DTYPES[qt.name],
         scale=np.asarray(ts.scale, np.float32).reshape(-1),
@@ -119,8 +119,6 @@ def _annotated_weight(w: np.ndarray, ts: TensorScale, layout) -> jax.Array:
 
 
 def _permuted(ts: TensorScale, perm) -> TensorScale:
-    import dataclasses
-
     scale = np.transpose(ts.scale, perm)
     zp = None if ts.zero_point is None else np.transpose(ts.zero_point, perm)
     return dataclasses.replace(ts, scale=scale, zero_point=zp,
@@ -144,8 +142,6 @@ def annotated_function(graph, plan, scales: Scales, params: Any) -> Callable:
 
 
     def fn(*inputs):
-        from odmlq.scales import fake_quant_bias
-
         new = {}
         for p, ts in scales.weights.items():
             with jax.named_scope(p):
@@ -154,48 +150,58 @@ def annotated_function(graph, plan, scales: Scales, params: Any) -> Callable:
             new[p] = fake_quant_bias(jnp.asarray(values[p]), s)
         qparams = replace_params(params, new)
 
-        def on_edge(edge_id, x):
-            ts = scales.edges.get(edge_id)
-            if ts is None or ts.scale_axes:
-                return x
-            with jax.named_scope(edge_id):
-                return fake_quant_composite(x, ts)
-
-        return graph.evaluate(qparams, *inputs, on_edge=on_edge, on_constant=_constant_hook(scales),
-                              on_op=_composite_hook(graph, plan, scales))
+        return PlanHooks(plan, scales, Annotation(scales)).evaluate(graph, qparams, *inputs)
 
     return fn
 
 
-def _composite_hook(graph, plan, scales: Scales) -> Callable:
-    """`on_op` for `Graph.evaluate`: fused ops the converter recognises only as a
-    composite. jax.nn.gelu(approximate=False) is one: its erfc is expanded into
-    a polynomial before the converter could match GELU, so it is handed over as
-    ``tfl.gelu`` around the same computation. `approximate` must be present (as
-    a numpy bool: jax drops a plain False): litert-converter 0.5.0 crashes on a
-    ``tfl.gelu`` without it. jax.nn.gelu's tanh form and softmax are matched
-    as they are."""
-    ops = {op.id: op for op in graph.ops}
-    converted = input_conversion_scales(plan, scales)
-    at_run_time = dynamic_kernel_inputs(plan)
+class Annotation(FakeQuant):
+    """The LiteRT materializer (`odmlq.hooks`): every quantization the plan
+    places becomes a `quant.fake_quant` composite the converter lowers.
 
-    def on_op(op_id: str, compute: Callable, *inputs):
-        op = ops.get(op_id)
-        if op_id in converted or op_id in at_run_time:
-            inputs = list(inputs)
-            # An input read in this op's qtype: a QUANTIZE (requantize) on LiteRT.
-            for index, ts in converted.get(op_id, ()):
-                with jax.named_scope(f"{op.operands[index].edge}/to_{ts.qtype}"):
-                    inputs[index] = fake_quant_composite(inputs[index], ts)
-            # A dynamic edge: this kernel quantizes it per call (hybrid kernel).
-            for index, _ in at_run_time.get(op_id, ()):
-                with jax.named_scope(op.operands[index].edge):
-                    inputs[index] = dynamic_range_composite(inputs[index])
-        if op is not None and op.kind == "avg_pool" and len(inputs) == 1:
+    - an edge: a composite (per-channel activations are refused by the plan check);
+    - a constant operand (the 0.5 of ``x * 0.5``): a composite around a value
+      already on the grid, stored as an integer constant tensor;
+    - an input read in the op's qtype: a composite, a QUANTIZE (requantize) on LiteRT;
+    - a dynamic input: an identity marker; the hybrid kernel quantizes it per call;
+    - ops the converter recognises only as a composite, or that lower better
+      another way (an unpadded int8 average pool as a depthwise convolution).
+    """
+
+    def __init__(self, scales: Scales):
+        self.scales = scales
+
+    def edge(self, edge_id, x, ts):
+        if ts.scale_axes:
+            return x
+        with jax.named_scope(edge_id):
+            return fake_quant_composite(x, ts)
+
+    def constant(self, op, index, value, ts):
+        with jax.named_scope(f"{op.id}/constant_{index}"):
+            return fake_quant_composite(ts.fake_quant(jnp.asarray(value, jnp.float32)), ts)
+
+    def converted_input(self, op, index, x, ts):
+        with jax.named_scope(f"{op.operands[index].edge}/to_{ts.qtype}"):
+            return fake_quant_composite(x, ts)
+
+    def dynamic_input(self, op, index, x, spec):
+        with jax.named_scope(op.operands[index].edge):
+            return dynamic_range_composite(x)
+
+    def op(self, op, compute, inputs):
+        """jax.nn.gelu(approximate=False) is recognised only as a composite: its
+        erfc is expanded into a polynomial before the converter could match
+        GELU, so it is handed over as ``tfl.gelu`` around the same computation.
+        `approximate` must be present (as a numpy bool: jax drops a plain
+        False): litert-converter 0.5.0 crashes on a ``tfl.gelu`` without it.
+        jax.nn.gelu's tanh form and softmax are matched as they are."""
+        scales = self.scales
+        if op.kind == "avg_pool" and len(inputs) == 1:
             out = scales.edges.get(op.outputs[0])
             if out is not None and pool_as_depthwise(op, out.qtype):
                 return [_pool_as_depthwise(op, inputs[0])]
-        if op is None or op.kind != "gelu" or op.attributes.get("approximate", True) or len(inputs) != 1:
+        if op.kind != "gelu" or op.attributes.get("approximate", True) or len(inputs) != 1:
             return compute(*inputs)
         if scales.edges.get(op.outputs[0]) is None and any(e in scales.edges for e in op.inputs):
             # A GELU kept in float between quantized tensors: as one tfl.gelu
@@ -204,8 +210,6 @@ def _composite_hook(graph, plan, scales: Scales) -> Callable:
             return compute(*inputs)
         gelu = jax.lax.composite(lambda x, **_: compute(x)[0], name="tfl.gelu")
         return [gelu(inputs[0], approximate=np.bool_(False))]
-
-    return on_op
 
 
 def _pool_as_depthwise(op, x: jax.Array) -> jax.Array:
@@ -225,19 +229,3 @@ def _pool_as_depthwise(op, x: jax.Array) -> jax.Array:
     return jax.lax.conv_general_dilated(
         x, jnp.transpose(kernel, (1, 2, 0, 3)), tuple(op.attributes["strides"][1:3]), "VALID",
         dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=channels)
-
-
-def _constant_hook(scales: Scales) -> Callable:
-    """`on_constant` for `Graph.evaluate`: each quantized constant operand (the
-    0.5 of ``x * 0.5``) as a `quant.fake_quant` composite, which the converter
-    stores as an integer constant tensor. Its input is already on the grid, as
-    weights' are, so the converter cannot round a near-tie differently."""
-
-    def on_constant(op_id: str, index: int, value):
-        ts = scales.constants.get((op_id, index))
-        if ts is None:
-            return value
-        with jax.named_scope(f"{op_id}/constant_{index}"):
-            return fake_quant_composite(ts.fake_quant(jnp.asarray(value, jnp.float32)), ts)
-
-    return on_constant

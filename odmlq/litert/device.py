@@ -17,10 +17,7 @@ A .tflite that odmlq did not make (no quantized tensor named after a traced
 op, see `produced_by_odmlq`) is compared at its outputs only, and says so:
 its intermediate tensors carry no plan edge to line them up with.
 
-`device_report` turns the same comparison into a `odmlq.report.Report`
-(for JSON and HTML): with the model (and for an odmlq model, its plan and
-scales), every edge against float, simulate and the host interpreter;
-otherwise the outputs only.
+`odmlq.report.device_report` turns the same comparison into a report.
 """
 
 from __future__ import annotations
@@ -29,17 +26,17 @@ import dataclasses
 import math
 import re
 from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 
-from odmlq._plan_table import table
+from odmlq.plan import text_table as table
 from odmlq.errors import OdmlqError
-from odmlq.litert.verify import preserving_interpreter
-from odmlq.report import NOT_ODMLQ, Report
+from odmlq.litert.verify import from_output, preserving_interpreter, produced_tensors
 
-__all__ = ["DeviceDiff", "TensorDiff", "check_model_inputs", "device_report", "diff_device", "dump_tensors",
+__all__ = ["DeviceDiff", "NOT_ODMLQ", "TensorDiff", "check_model_inputs", "diff_device", "dump_tensors", "output_value",
            "produced_by_odmlq"]
+
+NOT_ODMLQ = "not produced by odmlq: comparing outputs only"
 
 _PART_LSB = 1.0  # integer kernels may round differently by one step
 
@@ -110,7 +107,7 @@ def produced_by_odmlq(tflite: bytes) -> bool:
 
     A heuristic (a .tflite carries no odmlq metadata): a float model, or one
     converted by another tool, has no such tensor. A quantized JAX model
-    converted by litert-converter without odmlq may pass it; `device_report`
+    converted by litert-converter without odmlq may pass it; `odmlq.report.device_report`
     then finds no plan edge in it and says so.
     """
     for d in preserving_interpreter(tflite).get_tensor_details():
@@ -154,7 +151,7 @@ def dump_tensors(tflite: bytes, inputs: Mapping[str, np.ndarray] | list) -> dict
                              f"{tuple(int(s) for s in d['shape'])}. Give inputs of that shape.")
         interpreter.set_tensor(d["index"], np.asarray(x).astype(d["dtype"]))
     interpreter.invoke()
-    produced = [int(t) for op in interpreter._get_ops_details() for t in op["outputs"]]
+    produced = produced_tensors(interpreter)
     by_index = {d["index"]: d for d in interpreter.get_tensor_details()}
     return {by_index[i]["name"]: np.array(interpreter.get_tensor(i)) for i in dict.fromkeys(produced)}
 
@@ -234,56 +231,6 @@ def check_model_inputs(names: list[str], arrays: list, example_inputs: tuple) ->
                              f"{('N',) + want[1:]} (any batch size N). Give inputs of that shape.")
 
 
-def device_report(tflite: bytes, inputs: Mapping[str, np.ndarray], dump: Mapping[str, np.ndarray],
-                  diff: DeviceDiff, *, model: Any = None, variables: Any = None, plan=None,
-                  scales=None) -> Report:
-    """A `Report` of a device run: every edge when the model, its plan and scales
-    are given and the .tflite is odmlq's; otherwise its outputs only.
-
-    Args:
-      tflite, inputs, dump: as `diff_device`.
-      diff: `diff_device`'s result (its findings become notes).
-      model, variables: the float model, for a float reference.
-      plan, scales: the plan and scales the .tflite was exported with.
-    """
-    from odmlq.report import _outputs, compare
-
-    arrays = tuple(np.asarray(x) for x in inputs.values())
-    notes = [f"device vs host interpreter: {line}" for line in diff.summary()]
-    if model is not None and plan is not None and not diff.outputs_only:
-        report = compare(model, plan, scales, *arrays, variables=variables, tflite=tflite, device=dump)
-        return dataclasses.replace(report, notes=(*report.notes, *notes))
-    interpreter = preserving_interpreter(tflite)
-    host = dump_tensors(tflite, dict(inputs))
-    out_details = interpreter.get_output_details()
-    host_out = [_output_value(host[d["name"]], d) for d in out_details]
-    keys = [d["name"] if d["name"] in dump else f"t{d['index']}" for d in out_details]
-    device_out = [_output_value(np.asarray(dump[k]), d) if k in dump else None for k, d in zip(keys, out_details)]
-    notes = ([NOT_ODMLQ] if diff.outputs_only else []) + notes
-    if model is None:
-        outputs = _outputs(host_out, device_out, "device")
-        notes.insert(0, "no model given: the device's outputs are compared with the host "
-                        "interpreter's (no float reference)")
-        return Report(edges=(), outputs=outputs, notes=tuple(notes), run_names=("device",))
-    reference = _float_outputs(model, variables, arrays)
-    outputs = {**_outputs(reference, host_out, "litert"), **_outputs(reference, device_out, "device")}
-    if not diff.outputs_only:
-        notes.insert(0, "no plan given: outputs only")
-    return Report(edges=(), outputs=outputs, notes=tuple(notes), run_names=("litert", "device"))
-
-
-def _output_value(value: np.ndarray, detail: dict) -> np.ndarray:
+def output_value(value: np.ndarray, detail: dict) -> np.ndarray:
     """An output as float (an integer output dequantized with its scale)."""
-    from odmlq.litert.verify import _from_output
-
-    return _from_output(np.asarray(value), detail)
-
-
-def _float_outputs(model: Any, variables: Any, arrays: tuple) -> list[np.ndarray]:
-    """The float model's outputs on `arrays`."""
-    from odmlq._model_run import params_for
-    from odmlq._report_runs import leaves
-    from odmlq.graph import trace
-
-    graph = trace(model, *arrays, variables=variables)
-    return leaves(graph.evaluate(params_for(model, variables, "odmlq diff"), *arrays))
+    return from_output(np.asarray(value), detail)

@@ -12,16 +12,17 @@ from typing import Any
 
 import numpy as np
 
-from odmlq._calibrate import calibrate
-from odmlq._files import atomic_output
-from odmlq._model_run import params_for
+from odmlq.calibration import calibrate
+from odmlq.files import atomic_output
+from odmlq.graph import params_for
 from odmlq.calibration import Calibration
 from odmlq.errors import OdmlqError, PlanError
 from odmlq.litert import _annotate, _convert
 from odmlq.litert.inspect import ModelSummary, inspect
-from odmlq.litert.spec import OP_SPEC
+from odmlq.constraints import SharedWithInputs
+from odmlq.litert.spec import OP_SPEC, TARGET
 from odmlq.litert.verify import VerificationReport, verify as verify_model
-from odmlq.plan import Plan, plan as make_plan
+from odmlq.plan import Plan, op_qtype, plan as make_plan
 from odmlq.scales import Scales, compute_scales
 
 __all__ = ["export_tflite", "Export", "FloatOpsError", "check_plan"]
@@ -98,6 +99,12 @@ def check_plan(plan: Plan, *, allow_float_ops: bool = False) -> list[str]:
         weight scales, per-channel activations, a qtype without a LiteRT
         kernel), naming the op, the rule and what to change.
     """
+    if TARGET.name not in plan.targets:
+        raise PlanError(
+            f"This plan was made for the targets {list(plan.targets) or 'none'}, so LiteRT's scale "
+            "constraints (shared, fixed and same-as-input output scales, fused activations) are not "
+            "in it; make it with odmlq.plan(model, rules, x, target='litert') or target='both' "
+            "(the default).")
     float_ops = []
     for op in plan.graph.ops:
         op_plan = plan.ops[op.id]
@@ -221,7 +228,8 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
         first = batches[0] if isinstance(batches[0], (tuple, list)) else (batches[0],)
         example_inputs = tuple(np.asarray(x)[:1] for x in first)
     example_inputs = tuple(example_inputs)
-    plan = rules if isinstance(rules, Plan) else make_plan(model, rules, *example_inputs, variables=variables)
+    plan = (rules if isinstance(rules, Plan)
+            else make_plan(model, rules, *example_inputs, variables=variables, target=TARGET))
     float_ops = check_plan(plan, allow_float_ops=allow_float_ops)
     schema = schema_of(plan)
     if io_dtype not in ("float", "int8", "int16"):
@@ -232,10 +240,10 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
     if calibration is None and any(p.spec is not None and not p.spec.dynamic for p in plan.edges.values()):
         calibration = calibrate(model, plan, batches[:-1] if len(batches) >= 2 else batches,
                                 variables=variables, progress=progress)
-    scales = compute_scales(plan, calibration, params, OP_SPEC)
+    scales = compute_scales(plan, calibration, params)
     graph = plan.graph if plan.graph.program is not None else None
     if graph is None:
-        graph = make_plan(model, plan.rules, *example_inputs, variables=variables).graph
+        graph = make_plan(model, plan.rules, *example_inputs, variables=variables, target=TARGET).graph
     fn = _annotate.annotated_function(graph, plan, scales, params)
     names_in = list(input_names or _input_names(model, len(graph.inputs)))
     names_out = list(output_names or [f"output_{i}" for i in range(len(graph.outputs))])
@@ -293,7 +301,7 @@ def _check_one_activation_type(plan: Plan, op, where: str) -> None:
     for c in converted:
         producer = plan.graph.edges[c.edge].producer
         kind = None if producer is None else plan.graph.op(producer).kind
-        if c.source != "float" and kind is not None and getattr(OP_SPEC.get(kind), "output", None) is None:
+        if c.source != "float" and kind is not None and plan.edges[c.edge].constraint is None:
             # Seen with FULLY_CONNECTED (its int8 output silently rescaled: 0 dB)
             # and GELU ('input and output must have same element type').
             raise PlanError(
@@ -302,7 +310,7 @@ def _check_one_activation_type(plan: Plan, op, where: str) -> None:
                 f"{c.source} and writes {c.spec.qtype} (computed wrongly or refused). Give the "
                 f"producer ({producer!r}) act_qtype={c.spec.qtype!r} too, or keep it in float "
                 "(skip=True, allow_float_ops=True): a QUANTIZE after a float op converts correctly.")
-    if converted and getattr(OP_SPEC.get(op.kind), "output", None) == "shared":
+    if converted and isinstance(plan.edges[op.outputs[0]].constraint, SharedWithInputs):
         c = converted[0]
         raise PlanError(
             f"{where} reads {c.source} edge {c.edge!r} as {c.spec.qtype}; LiteRT's {op.kind} reads "
@@ -313,8 +321,8 @@ def _check_one_activation_type(plan: Plan, op, where: str) -> None:
 
 def _int16_conv(plan: Plan, op) -> bool:
     """A convolution whose output (or fused activation's output) is int16."""
-    rule = plan.ops[op.id].rule
-    return op.kind == "conv" and rule is not None and plan.rules[rule].act_qtype == "int16"
+    spec = op_qtype(plan, op)
+    return op.kind == "conv" and spec is not None and spec.qtype == "int16"
 
 
 def _integer_interface(tflite: bytes, io_dtype: str) -> bytes:

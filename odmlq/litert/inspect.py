@@ -19,7 +19,7 @@ import struct
 
 from ai_edge_litert import schema_py_generated as schema
 
-from odmlq._plan_table import table
+from odmlq.plan import text_table as table
 from odmlq.errors import OdmlqError
 
 _FILE_IDENTIFIER = b"TFL3"

@@ -1,8 +1,9 @@
 """LiteRT's quantization spec, in one table.
 
 For each op kind of a plan: whether LiteRT has an integer kernel for it (in
-the int8 and int16x8 schemas) and what that kernel requires of its output's
-scale and zero point:
+the int8 and int16x8 schemas), what that kernel requires of its output's
+scale and zero point, in the vocabulary of `odmlq.constraints`, and which
+activations it fuses:
 
 - ``SAME_AS_INPUT``: the output shares the input's scale and zero point
   (LiteRT's reshape, transpose, max pool, ... move values, never rescale).
@@ -10,9 +11,13 @@ scale and zero point:
   output's (CONCATENATION, MAXIMUM, MINIMUM read their inputs at the output's
   scale; the converter folds each input's requantization into its producer,
   so the producer's output edge takes that scale — see `odmlq.scales`).
-- ``Fixed``: the output range is fixed by the kernel (logistic, tanh,
+- a `FixedOutput`: the output range is fixed by the kernel (logistic, tanh,
   softmax compute into [0, 1] or [-1, 1] with a fixed scale).
 - ``None``: free, taken from calibration.
+
+`TARGET` gathers those constraints for `odmlq.plan(..., target="litert")`:
+the plan resolves them into its edges, and nothing after planning reads
+this table for scales.
 
 References: LiteRT 8-bit quantization specification
 (ai.google.dev/edge/litert/models/quantization_spec) and the int16x8
@@ -25,19 +30,26 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from odmlq.constraints import (
+    FixedOutput,
+    FixedScale,
+    OpConstraints,
+    Rounding,
+    SameAsInput,
+    SharedWithInputs,
+    Target,
+)
 
-@dataclasses.dataclass(frozen=True)
-class Fixed:
-    """A fixed output (scale, zero point) per activation qtype."""
+__all__ = ["OP_SPEC", "OpSpec", "TARGET", "pool_as_depthwise"]
 
-    params: dict  # qtype name -> (scale, zero_point)
+SAME_AS_INPUT = SameAsInput()
+SHARED = SharedWithInputs()
 
-
-SAME_AS_INPUT = "same_as_input"
-SHARED = "shared"
-
-_SIGMOID_LIKE = Fixed({"int8": (1.0 / 256.0, -128), "int16": (1.0 / 32768.0, 0)})
-_TANH_LIKE = Fixed({"int8": (1.0 / 128.0, 0), "int16": (1.0 / 32768.0, 0)})
+_SIGMOID_LIKE = FixedOutput({"int8": FixedScale(1.0 / 256.0, -128), "int16": FixedScale(1.0 / 32768.0, 0)})
+_TANH_LIKE = FixedOutput({"int8": FixedScale(1.0 / 128.0, 0), "int16": FixedScale(1.0 / 32768.0, 0)})
+# LiteRT's FULLY_CONNECTED, CONV_2D, DEPTHWISE_CONV_2D, BATCH_MATMUL, ADD, SUB
+# and MUL apply a fused activation before requantizing their result.
+_FUSES = frozenset({"relu", "relu6"})
 
 @dataclasses.dataclass(frozen=True)
 class OpSpec:
@@ -45,10 +57,12 @@ class OpSpec:
 
     Attributes:
       schemas: activation qtypes with an integer kernel ('int8', 'int16').
-      output: the output constraint: None, SAME_AS_INPUT or a `Fixed`.
-      rounding: how the kernel rounds its output: 'half_even' (requantizing
-        kernels, like `odmlq.qarray`) or 'half_away' (AVERAGE_POOL_2D divides
-        its raw integer sum rounding half away from zero).
+      output: the output constraint: None, SAME_AS_INPUT, SHARED or a `FixedOutput`.
+      rounding: how a SAME_AS_INPUT kernel rounds its output: half to even
+        (requantizing kernels, like `odmlq.qarray`) or half away from zero
+        (AVERAGE_POOL_2D divides its raw integer sum so), or a function of
+        (op, output qtype) giving one.
+      fuses: activation kinds the kernel applies before requantizing.
       limitation: ``limitation(op, qtype)``: why the kernel cannot run this
         op with `qtype` activations (a sentence naming what to do instead), or
         None when it can.
@@ -56,15 +70,18 @@ class OpSpec:
 
     schemas: frozenset
     output: object = None
-    rounding: object = "half_even"  # or a function of (op, output qtype) giving one
+    rounding: object = Rounding.HALF_EVEN
+    fuses: frozenset = frozenset()
 
     limitation: Callable[[Any, str], str | None] | None = None
     # Kernels that approximate (rather than round) their function: the most
     # LSBs of the output they may differ from simulate's exact value, by qtype.
     tolerance_lsb: dict | None = None
 
-    def rounding_of(self, op, qtype: str) -> str:
-        return self.rounding(op, qtype) if callable(self.rounding) else self.rounding
+    @property
+    def constraints(self) -> OpConstraints:
+        """What this kernel requires of its output, for the plan."""
+        return OpConstraints(output=self.output, rounding=self.rounding, fuses=self.fuses)
 
 
 def _int16_add_operands(op, qtype: str) -> str | None:
@@ -110,12 +127,12 @@ def pool_as_depthwise(op, qtype: str | None) -> bool:
 _INT8 = frozenset({"int8"})
 
 OP_SPEC: dict[str, OpSpec] = {
-    "dot_general": OpSpec(_BOTH),
-    "einsum": OpSpec(_BOTH),
-    "conv": OpSpec(_BOTH),
-    "add": OpSpec(_BOTH, limitation=_int16_add_operands),
-    "sub": OpSpec(_BOTH),
-    "mul": OpSpec(_BOTH),
+    "dot_general": OpSpec(_BOTH, fuses=_FUSES),
+    "einsum": OpSpec(_BOTH, fuses=_FUSES),
+    "conv": OpSpec(_BOTH, fuses=_FUSES),
+    "add": OpSpec(_BOTH, limitation=_int16_add_operands, fuses=_FUSES),
+    "sub": OpSpec(_BOTH, fuses=_FUSES),
+    "mul": OpSpec(_BOTH, fuses=_FUSES),
     "div": OpSpec(_INT8),
     "relu": OpSpec(_BOTH),
     "relu6": OpSpec(_BOTH),
@@ -136,7 +153,7 @@ OP_SPEC: dict[str, OpSpec] = {
     # litert-converter 0.5.0 rejects an i16 tfl.concatenation operand.
     "concatenate": OpSpec(_INT8, SHARED),
     "avg_pool": OpSpec(_BOTH, SAME_AS_INPUT,
-                       rounding=lambda op, qtype: "half_even" if pool_as_depthwise(op, qtype) else "half_away"),
+                       rounding=lambda op, qtype: Rounding.HALF_EVEN if pool_as_depthwise(op, qtype) else Rounding.HALF_AWAY),
     "tanh": OpSpec(_BOTH, _TANH_LIKE),
     "logistic": OpSpec(_BOTH, _SIGMOID_LIKE),
     "sigmoid": OpSpec(_BOTH, _SIGMOID_LIKE),
@@ -154,7 +171,4 @@ OP_SPEC: dict[str, OpSpec] = {
 }
 
 
-def output_constraint(kind: str):
-    """The scale constraint of `kind`'s output (None: free)."""
-    entry = OP_SPEC.get(kind)
-    return None if entry is None else entry.output
+TARGET = Target(name="litert", ops={kind: spec.constraints for kind, spec in OP_SPEC.items()})

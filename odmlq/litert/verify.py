@@ -20,11 +20,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from odmlq._model_run import GraphCache, params_for
-from odmlq._plan_table import table
+from odmlq.graph import GraphCache, params_for
+from odmlq.plan import text_table as table
 from odmlq.errors import OdmlqError
 
-__all__ = ["verify", "VerificationReport", "EdgeCheck", "VerificationError"]
+__all__ = ["EdgeCheck", "VerificationError", "VerificationReport", "dequantize_tensor", "from_output",
+           "map_tensors", "params_match", "preserving_interpreter", "produced_tensors", "sample_rows",
+           "to_input", "verify"]
 
 _JIT_PREFIX = re.compile(r"^jit\((?:[^()]|\([^()]*\))*\)/")
 # Rounding in an integer kernel may differ from round-half-even in float by one
@@ -148,7 +150,7 @@ def map_tensors(details: Sequence[dict], produced: set[int], plan, scales) -> di
     for edge, indices in candidates.items():
         if edge not in scales.edges:
             continue
-        matching = [i for i in indices if _params_match(by_index[i], scales.edges[edge])]
+        matching = [i for i in indices if params_match(by_index[i], scales.edges[edge])]
         out[edge] = (matching or indices)[-1]
     return out
 
@@ -173,7 +175,12 @@ def _float_island_outputs(ops: Sequence[dict], details: Sequence[dict], plan) ->
     return out
 
 
-def _params_match(detail: dict, ts) -> bool:
+def produced_tensors(interpreter) -> list[int]:
+    """Indices of the tensors the interpreter's ops write, in execution order."""
+    return list(dict.fromkeys(int(t) for op in interpreter._get_ops_details() for t in op["outputs"]))
+
+
+def params_match(detail: dict, ts) -> bool:
     q = detail["quantization_parameters"]
     scale = np.asarray(ts.scale, np.float64).reshape(-1)
     zp = np.zeros(scale.shape, np.int64) if ts.zero_point is None else np.asarray(ts.zero_point).reshape(-1)
@@ -181,7 +188,7 @@ def _params_match(detail: dict, ts) -> bool:
             and np.array_equal(q["zero_points"], zp))
 
 
-def _dequantize(value: np.ndarray, detail: dict) -> np.ndarray:
+def dequantize_tensor(value: np.ndarray, detail: dict) -> np.ndarray:
     q = detail["quantization_parameters"]
     return (value.astype(np.float32) - q["zero_points"].astype(np.float32)) * q["scales"].astype(np.float32)
 
@@ -228,7 +235,7 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
             "differently or keep it in float."
         ) from e
     details = interpreter.get_tensor_details()
-    produced = {int(t) for op in interpreter._get_ops_details() for t in op["outputs"]}
+    produced = set(produced_tensors(interpreter))
     mapping = map_tensors(details, produced, plan, scales)
     island_outputs = _float_island_outputs(interpreter._get_ops_details(), details, plan)
     by_index = {d["index"]: d for d in details}
@@ -238,11 +245,11 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
     float_sig = float_noise_litert = float_noise_sim = 0.0
     graphs = GraphCache(model, plan, variables)
     params = params_for(model, variables, "verify")
-    for inputs in _rows(samples, interpreter):
+    for inputs in sample_rows(samples, interpreter):
         for d, x in zip(interpreter.get_input_details(), inputs):
-            interpreter.set_tensor(d["index"], _to_input(x, d))
+            interpreter.set_tensor(d["index"], to_input(x, d))
         interpreter.invoke()
-        litert = {e: _dequantize(interpreter.get_tensor(i), by_index[i]) for e, i in mapping.items()}
+        litert = {e: dequantize_tensor(interpreter.get_tensor(i), by_index[i]) for e, i in mapping.items()}
         # Float ops' outputs that integer ops read through a QUANTIZE are fed
         # too: LiteRT's float kernels and XLA differ by float32 noise, which a
         # fine int16 grid would turn into an LSB downstream.
@@ -253,7 +260,7 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
             s = stats[e]
             s[0], s[1], s[2] = max(s[0], float(lsb.max())), s[1] + float(lsb.sum()), s[2] + lsb.size
         expected = np.asarray(simulator(*inputs)).reshape(-1)
-        got = np.concatenate([_from_output(interpreter.get_tensor(d["index"]), d).reshape(-1)
+        got = np.concatenate([from_output(interpreter.get_tensor(d["index"]), d).reshape(-1)
                               for d in interpreter.get_output_details()])
         out_scale = _output_scale(plan, scales)
         out_err = max(out_err, float(np.max(np.abs(got - expected)) / out_scale))
@@ -269,7 +276,7 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
         EdgeCheck(edge=e, op=plan.graph.edges[e].producer,
                   module_path=_module_path(plan, e), tensor=i, max_lsb=stats[e][0],
                   mean_lsb=stats[e][1] / max(stats[e][2], 1),
-                  params_match=_params_match(by_index[i], scales.edges[e]),
+                  params_match=params_match(by_index[i], scales.edges[e]),
                   allowed_lsb=_allowed_lsb(plan, scales, e, tolerance_lsb))
         for e, i in mapping.items())
     quantized = [e for e in scales.edges if plan.graph.edges[e].alias is None]
@@ -327,7 +334,7 @@ def _output_scale(plan, scales) -> float:
     return float(np.min(np.asarray(scales.edges[outs[0]].scale)))
 
 
-def _rows(samples, interpreter):
+def sample_rows(samples, interpreter):
     batch = int(interpreter.get_input_details()[0]["shape"][0])
     for sample in samples:
         inputs = tuple(sample) if isinstance(sample, (tuple, list)) else (sample,)
@@ -336,7 +343,7 @@ def _rows(samples, interpreter):
             yield tuple(x[start:start + batch] for x in inputs)
 
 
-def _to_input(x: np.ndarray, detail: dict) -> np.ndarray:
+def to_input(x: np.ndarray, detail: dict) -> np.ndarray:
     if detail["dtype"] in (np.int8, np.int16):
         scale, zp = detail["quantization"]
         info = np.iinfo(detail["dtype"])
@@ -344,7 +351,7 @@ def _to_input(x: np.ndarray, detail: dict) -> np.ndarray:
     return x.astype(detail["dtype"])
 
 
-def _from_output(y: np.ndarray, detail: dict) -> np.ndarray:
+def from_output(y: np.ndarray, detail: dict) -> np.ndarray:
     if detail["dtype"] in (np.int8, np.int16):
         scale, zp = detail["quantization"]
         return (y.astype(np.float32) - zp) * scale

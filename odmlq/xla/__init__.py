@@ -7,6 +7,6 @@
 from odmlq.xla._lowering import Lowering
 from odmlq.xla._params import quantize_params
 from odmlq.xla._save import load_params, save_params
-from odmlq.xla.ptq import QuantizedModel, ptq
+from odmlq.xla.ptq import TARGET, QuantizedModel, ptq
 
-__all__ = ["ptq", "QuantizedModel", "Lowering", "quantize_params", "save_params", "load_params"]
+__all__ = ["Lowering", "QuantizedModel", "TARGET", "load_params", "ptq", "quantize_params", "save_params"]

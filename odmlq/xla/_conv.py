@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from odmlq._qarray_layout import param_to_blocks, to_blocks
+from odmlq.qarray import param_to_blocks, to_blocks
 from odmlq.qarray import QArray
 from odmlq.xla import _decode
 

@@ -3,7 +3,7 @@ or through a conversion (`Plan.conversions`) at the conversion's.
 
 Internal; `odmlq.xla._lowering` picks each op's kernel from the `Input` its
 matmul or convolution reads. Conversions are looked up with
-`odmlq._conversions.input_conversion_scales`, so XLA reads each converted input
+`odmlq.plan._conversions.input_conversion_scales`, so XLA reads each converted input
 at the very scale `simulate` does.
 """
 
@@ -12,9 +12,9 @@ from __future__ import annotations
 import dataclasses
 
 from odmlq.errors import PlanError
-from odmlq.quant_spec import QuantSpec
+from odmlq.plan import QuantSpec
 from odmlq.scales import TensorScale
-from odmlq._conversions import input_conversion_scales
+from odmlq.plan import input_conversion_scales
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,14 +35,14 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from odmlq import _qarray_kernels as qkernels
+from odmlq.qarray import kernels as qkernels
 from odmlq.errors import PlanError
+from odmlq.graph import MATMUL_KINDS
 from odmlq.qarray import QArray, compute_scale
 from odmlq.qtypes import qtype as lookup_qtype
 from odmlq.xla import _conv, _decode, _matmul
 from odmlq.xla._inputs import Input, converted_inputs
 
-ANCHOR_KINDS = ("dot_general", "conv", "einsum")
 _PRIMITIVES = ("dot_general", "conv_general_dilated")
 
 
@@ -70,7 +70,7 @@ def quantized_weight(plan, op) -> tuple[int, str] | None:
     """(operand index, param path) of the op's quantized weight, if it has exactly one."""
     specs = {w.param for w in plan.ops[op.id].weights if w.role == "weight" and w.spec is not None}
     found = [(i, o.param) for i, o in enumerate(op.operands) if o.role == "weight" and o.param in specs]
-    return found[0] if op.kind in ANCHOR_KINDS and len(found) == 1 else None
+    return found[0] if op.kind in MATMUL_KINDS and len(found) == 1 else None
 
 
 class Lowerer:
@@ -89,14 +89,10 @@ class Lowerer:
 
     def on_op(self, op_id: str, compute: Callable, *operands):
         op = self.ops[op_id]
+        # Converted inputs arrive on the conversion's grid (`odmlq.hooks`); an
+        # integer kernel below quantizes them again at that scale, which gives
+        # the same codes (rounding a value on the grid returns it).
         converted = self.converted.get(op_id, {})
-        if converted:
-            # Read as simulate reads them: on the conversion's grid. An integer
-            # kernel below quantizes them again at that scale, which gives the
-            # same codes (rounding a value on the grid returns it).
-            operands = list(operands)
-            for index, read in converted.items():
-                operands[index] = read.scale.fake_quant(operands[index])
         found = quantized_weight(self.plan, op)
         if found is None:
             return compute(*operands)

@@ -17,12 +17,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from odmlq import _program, _trace
+from odmlq.graph import param_path, params_tree
 from odmlq.errors import PlanError
 from odmlq.qarray import QArray, scale_shape
-from odmlq.scales import TensorScale, _weight_scale
+from odmlq.scales import TensorScale, weight_scale
 from odmlq.qtypes import qtype as lookup_qtype
-from odmlq._packing import packed_size
+from odmlq.qarray import packed_size
 
 __all__ = ["quantize_params", "weight_specs", "flat_leaves", "check_paths", "weight_scale_of"]
 
@@ -33,9 +33,9 @@ def is_leaf(x: Any) -> bool:
 
 def flat_leaves(params: Any) -> tuple[list[tuple[str, Any]], Any]:
     """``([(param path, leaf)], treedef)`` with QArrays as leaves."""
-    params = _program._params_of(params)
+    params = params_tree(params)
     leaves, tree = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_leaf)
-    return [(_trace._path_str(path), leaf) for path, leaf in leaves], tree
+    return [(param_path(path), leaf) for path, leaf in leaves], tree
 
 
 def weight_specs(plan) -> dict[str, Any]:
@@ -117,7 +117,7 @@ def quantize_params(params: Any, plan, *, prefix: str | None = None) -> Any:
         elif isinstance(leaf, jax.ShapeDtypeStruct):
             out.append(abstract_qarray(tuple(leaf.shape), spec))
         else:
-            out.append(_weight_scale(np.asarray(leaf, np.float32), spec).quantize(leaf))
+            out.append(weight_scale(np.asarray(leaf, np.float32), spec).quantize(leaf))
     return jax.tree_util.tree_unflatten(tree, out)
 
 

@@ -20,7 +20,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from odmlq._files import atomic_output
+from odmlq.files import atomic_output
 from odmlq.errors import PlanError
 from odmlq.qarray import QArray
 from odmlq.xla import _params

@@ -16,7 +16,7 @@ skipped one) reads it at the conversion's scale, as `simulate` does.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -24,16 +24,21 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from odmlq._edge_passes import dynamic_kernel_inputs
-from odmlq._model_run import GraphCache
+from odmlq.graph import GraphCache
 from odmlq.calibration import Calibration
+from odmlq.constraints import Target
 from odmlq.errors import PlanError
+from odmlq.hooks import FakeQuant, PlanHooks
 from odmlq.plan import Plan, plan as make_plan
 from odmlq.qarray import QArray
 from odmlq.scales import Scales, compute_scales, fake_quant_bias
 from odmlq.xla import _inputs, _lowering, _params
 
-__all__ = ["ptq", "QuantizedModel"]
+__all__ = ["ptq", "QuantizedModel", "TARGET"]
+
+# XLA's kernels put no constraint on scales: every static edge is calibrated,
+# and the quantized matmuls requantize to whatever scale the plan gives.
+TARGET = Target(name="xla")
 
 
 class QuantizedModel:
@@ -64,12 +69,6 @@ class QuantizedModel:
         traced, variables = _for_tracing(model, params)
         self._graphs = GraphCache(traced, plan, variables)
         self._dtypes = {p: np.dtype(d) for p, (_, d) in plan.graph.params.items()}
-        # A dynamic edge stays float: each matmul/conv that reads it quantizes
-        # it on the fly (simulate's semantics); kernels with a quantized weight
-        # do so themselves, others (activation x activation) here.
-        self._dynamic_inputs = {
-            op_id: inputs for op_id, inputs in dynamic_kernel_inputs(plan).items()
-            if _lowering.quantized_weight(plan, plan.graph.op(op_id)) is None}
         # Inputs read through a conversion (Plan.conversions), checked against
         # the scales before anything runs.
         self._converted = _inputs.converted_inputs(plan, scales)
@@ -99,39 +98,13 @@ class QuantizedModel:
         # elsewhere too, an emulated op); under jit the rest is never computed.
         view = jax.tree_util.tree_unflatten(tree, [
             q.dequantize(self._dtypes.get(p, np.float32)) if isinstance(q, QArray) else q for p, q in leaves])
-        captured: dict[str, Any] = {}
         lowerer = _lowering.Lowerer(graph, self.plan, self.scales, weights, self.lowerings, self._converted)
-        outputs = graph.evaluate(view, *inputs, on_edge=self._on_edge(captured, capture),
-                                 on_constant=self._on_constant, on_op=self._on_op(lowerer))
-        return (outputs, captured) if capture else outputs
+        hooks = PlanHooks(self.plan, self.scales, _Kernels(self.plan, lowerer), capture=capture)
+        outputs = hooks.evaluate(graph, view, *inputs)
+        return (outputs, hooks.captured) if capture else outputs
 
     def __call__(self, *inputs: Any, capture: bool = False) -> Any:
         return self._jitted(self.params, *inputs, capture=capture)
-
-    def _on_op(self, lowerer):
-        def on_op(op_id, compute, *operands):
-            if op_id in self._dynamic_inputs:
-                operands = list(operands)
-                for index, spec in self._dynamic_inputs[op_id]:
-                    operands[index] = _lowering.dynamic_fake_quant(operands[index], spec)
-            return lowerer.on_op(op_id, compute, *operands)
-
-        return on_op
-
-    def _on_edge(self, captured: dict, capture: bool):
-        def on_edge(edge_id, x):
-            ts = self.scales.edges.get(edge_id)
-            if ts is not None:
-                x = ts.fake_quant(x)
-            if capture:
-                captured[edge_id] = x
-            return x
-
-        return on_edge
-
-    def _on_constant(self, op_id, index, value):
-        ts = self.scales.constants.get((op_id, index))
-        return value if ts is None else ts.fake_quant(jnp.asarray(value, jnp.float32))
 
     def __str__(self) -> str:
         rows = [("op", "schema", "kernel", "emulated")]
@@ -142,8 +115,28 @@ class QuantizedModel:
         return "\n".join(lines + [f"params: {self.nbytes} bytes; float ops: {len(self.plan.float_ops)}"])
 
 
+class _Kernels(FakeQuant):
+    """The XLA materializer (`odmlq.hooks`): static edges, constants and
+    converted inputs rounded to their grid as `simulate` does; every quantized
+    matmul or convolution replaced by its quantized kernel (`Lowerer`), which
+    quantizes its dynamic input itself; other dynamic inputs (activation x
+    activation) quantized here."""
+
+    def __init__(self, plan, lowerer):
+        self.plan, self.lowerer = plan, lowerer
+
+    def dynamic_input(self, op, index, x, spec):
+        if _lowering.quantized_weight(self.plan, op) is not None:
+            return x
+        return _lowering.dynamic_fake_quant(x, spec)
+
+    def op(self, op, compute, operands):
+        return self.lowerer.on_op(op.id, compute, *operands)
+
+
 def ptq(model: Any, rules: Sequence | Plan, params: Any = None, calibration: Calibration | None = None, *,
-        example_inputs: Sequence[Any] | None = None, constraints: Mapping | None = None) -> QuantizedModel:
+        example_inputs: Sequence[Any] | None = None,
+        target: Target | Sequence[Target] = TARGET) -> QuantizedModel:
     """Quantizes `model` for XLA: QArray weights, integer (or fp8) matmuls.
 
     The schema follows from the rules, as for the LiteRT export: weights alone
@@ -161,9 +154,9 @@ def ptq(model: Any, rules: Sequence | Plan, params: Any = None, calibration: Cal
         `load_params`), or a mix.
       calibration: statistics for every static edge (`odmlq.calibrate`).
       example_inputs: inputs fixing the traced shapes (needed with rules).
-      constraints: scale constraints of a target (e.g.
-        ``odmlq.litert.spec.OP_SPEC``, to compute exactly what a LiteRT
-        export does).
+      target: the targets to plan for when given rules (a Plan carries its
+        own): XLA alone by default, whose kernels constrain no scale;
+        ``odmlq.ptq`` plans for XLA and LiteRT, so that both compute the same.
 
     Returns:
       A `QuantizedModel`; `print` it to see the kernel of every quantized op.
@@ -190,7 +183,7 @@ def ptq(model: Any, rules: Sequence | Plan, params: Any = None, calibration: Cal
             raise PlanError("ptq with rules needs example_inputs=(x, ...) to trace the model "
                             "(or pass a Plan made with odmlq.plan).")
         traced, variables = _for_tracing(model, params)
-        plan = make_plan(traced, rules, *example_inputs, variables=variables)
+        plan = make_plan(traced, rules, *example_inputs, variables=variables, target=target)
     leaves, _ = _params.flat_leaves(params)
     _params.check_paths(dict(leaves), plan, partial=False)
     qparams = _params.quantize_params(params, plan)
@@ -203,7 +196,7 @@ def ptq(model: Any, rules: Sequence | Plan, params: Any = None, calibration: Cal
                                 "pass its float value or use the plan the params were made with.")
             _params.check_qarray(path, leaf, specs[path])
     weight_scales = {p: _params.weight_scale_of(q) for p, q in leaves if isinstance(q, QArray)}
-    scales = compute_scales(plan, calibration, None, constraints, weight_scales=weight_scales)
+    scales = compute_scales(plan, calibration, None, weight_scales=weight_scales)
     qparams = jax.tree_util.tree_unflatten(tree, [
         fake_quant_bias(jnp.asarray(leaf), scales.biases[p]) if p in scales.biases else leaf
         for p, leaf in leaves])

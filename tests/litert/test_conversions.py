@@ -14,7 +14,6 @@ import pytest
 
 import odmlq
 from odmlq.errors import PlanError
-from odmlq.litert.spec import OP_SPEC
 
 R = odmlq.Rule
 
@@ -58,7 +57,7 @@ def test_simulate_reads_the_converted_value():
     plan = odmlq.plan(model, [R("b", weight_qtype="int8", act_qtype="int16"),
                               R(".*", weight_qtype="int8", act_qtype="int8")], X[:1], variables=variables)
     calibration = odmlq.calibrate(model, plan, BATCHES, variables=variables)
-    scales = odmlq.compute_scales(plan, calibration, variables, OP_SPEC)
+    scales = odmlq.compute_scales(plan, calibration, variables)
     ts = scales.conversions[("a/tanh", "int16")]
     assert ts.qtype == "int16" and ts.zero_point is None or not np.any(ts.zero_point)
     # The int16 matmul's bias scale is the converted input's scale times the weight's.

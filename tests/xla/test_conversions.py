@@ -24,7 +24,6 @@ import pytest
 
 import odmlq
 from odmlq.errors import PlanError
-from odmlq.litert.spec import OP_SPEC
 from odmlq.scales import compute_scales
 from odmlq.xla import QuantizedModel
 from tests.xla.test_cross_check import _litert
@@ -80,11 +79,11 @@ CASES.append(pytest.param("residual", "int16-add", id="residual-int16-add"))
 
 
 @functools.cache
-def _setup(model_name, rules_name):
+def _setup(model_name, rules_name, target="both"):
     cls, x = MODELS[model_name]
     model = cls()
     variables = model.init(jax.random.PRNGKey(0), x[:1])
-    plan = odmlq.plan(model, RULES[rules_name], x[:1], variables=variables)
+    plan = odmlq.plan(model, RULES[rules_name], x[:1], variables=variables, target=target)
     calibration = odmlq.calibrate(model, plan, [x[i:i + 16] for i in range(0, len(x), 16)], variables=variables)
     return model, variables, x, plan, calibration
 
@@ -98,14 +97,14 @@ def _equal_share(a, b) -> float:
     return float(np.mean(np.asarray(a) == np.asarray(b)))
 
 
-@pytest.mark.parametrize("constraints", [None, OP_SPEC], ids=["plain", "litert_constraints"])
+@pytest.mark.parametrize("target", ["xla", "both"])
 @pytest.mark.parametrize("model_name,rules_name", CASES)
-def test_every_static_edge_matches_simulate_within_one_lsb(model_name, rules_name, constraints):
-    model, variables, x, plan, calibration = _setup(model_name, rules_name)
+def test_every_static_edge_matches_simulate_within_one_lsb(model_name, rules_name, target):
+    model, variables, x, plan, calibration = _setup(model_name, rules_name, target)
     assert plan.conversions, "the rules make no conversion"
-    qmodel = odmlq.ptq(model, plan, variables, calibration, constraints=constraints)
+    qmodel = odmlq.ptq(model, plan, variables, calibration)
     y, edges = jax.jit(lambda p, x: qmodel.apply(p, x, capture=True))(qmodel.params, x)
-    scales = compute_scales(plan, calibration, variables, constraints)
+    scales = compute_scales(plan, calibration, variables)
     y_sim, edges_sim = odmlq.simulate(model, plan, scales, x, variables=variables, capture=True)
     assert set(scales.edges) >= set(plan.graph.outputs)
     for edge_id, ts in scales.edges.items():
@@ -143,7 +142,7 @@ def test_xla_agrees_with_the_litert_export(rules_name):
     with expected:
         export = odmlq.export_tflite(model, plan, batches, variables=variables, calibration=calibration,
                                      verify=False, allow_float_ops=bool(plan.float_ops))
-    qmodel = odmlq.ptq(model, plan, variables, calibration, constraints=OP_SPEC)
+    qmodel = odmlq.ptq(model, plan, variables, calibration)
     y_litert, y_xla = _litert(export.tflite, x), np.asarray(qmodel(x))
     lsb = float(np.asarray(qmodel.scales.edges[plan.graph.outputs[0]].scale).reshape(-1)[0])
     assert np.max(np.abs(y_litert - y_xla)) <= lsb * (1 + 1e-4)

@@ -1,7 +1,7 @@
 """The XLA path against the LiteRT export of the same plan and calibration.
 
-Both read one Plan and one Calibration; with LiteRT's scale constraints
-(`OP_SPEC`) they compute the same scales. Tolerances: full-integer outputs are
+Both read one Plan and one Calibration; the plan (made for both targets, the
+default) holds LiteRT's scale constraints, so they compute the same scales. Tolerances: full-integer outputs are
 on the output edge's grid in both and may differ by rounding only: 1 LSB
 (seen: 0 on all 100 images). Weight-only outputs differ by float32 noise
 (seen: 129-132 dB SQNR; floor 100 dB). Dynamic-range LiteRT kernels pick
@@ -14,7 +14,6 @@ import pytest
 
 import odmlq
 from odmlq import Rule
-from odmlq.litert.spec import OP_SPEC
 from samples.digits import batches, load_digits_splits
 from samples.models import SAMPLES
 
@@ -64,7 +63,7 @@ def test_xla_outputs_agree_with_the_litert_export(name, schema, digits):
         calibration = odmlq.calibrate(model, plan, representative, variables=variables)
     export = odmlq.export_tflite(model, plan, representative, variables=variables, calibration=calibration,
                                  verify=False)
-    qmodel = odmlq.ptq(model, plan, variables, calibration, constraints=OP_SPEC)
+    qmodel = odmlq.ptq(model, plan, variables, calibration)
     x = digits.x_test[:100]
     y_litert, y_xla = _litert(export.tflite, x), np.asarray(qmodel(x))
     np.testing.assert_array_equal(y_litert.argmax(-1), y_xla.argmax(-1))

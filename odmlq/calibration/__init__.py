@@ -1,0 +1,32 @@
+"""Calibration: streaming, mergeable statistics per edge and the methods that turn them into ranges.
+
+`calibrate(model, plan, rep_dataset)` observes every statically quantized edge;
+methods (`MinMax()`, `Percentile(99.99)`, `MSE()`, ...) are objects; a
+`Calibration` saves to .npz without pickle.
+"""
+
+from odmlq.calibration._calibrate import calibrate
+from odmlq.calibration._calibration import Calibration
+from odmlq.calibration._histogram import HISTOGRAM_BINS
+from odmlq.calibration._methods import (
+    CALIBRATION_METHODS,
+    MSE,
+    RMS,
+    AbsMax,
+    CalibrationMethod,
+    Entropy,
+    FixedRange,
+    MinMax,
+    MovingAverageMinMax,
+    Percentile,
+    calibration_method_from_dict,
+    parse_calibration_method,
+)
+from odmlq.calibration._statistics import Statistics, compute_range, merge, observe, range_of
+
+__all__ = [
+    "AbsMax", "CALIBRATION_METHODS", "Calibration", "CalibrationMethod", "Entropy", "FixedRange",
+    "HISTOGRAM_BINS", "MSE", "MinMax", "MovingAverageMinMax", "Percentile", "RMS", "Statistics",
+    "calibrate", "calibration_method_from_dict", "compute_range", "merge", "observe",
+    "parse_calibration_method", "range_of",
+]

@@ -1,0 +1,381 @@
+"""Calibration: streamed statistics of tensors, and the float ranges they give.
+
+A calibration *method* is a frozen dataclass (`MinMax()`, `Percentile(99.99)`,
+`MSE()`, ...). `observe` folds one batch of a tensor into `Statistics`;
+`merge` combines statistics from other batches or processes; `compute_range`
+turns them into the float range [lo, hi] to quantize with. `range_of` does
+all three at once, for weights. `Calibration` keeps one (method, Statistics)
+per edge of a model and saves it without pickle (`.npz` or JSON).
+
+Every range contains zero, because zero must be exactly representable
+(padding, ReLU outputs); TFLite and PyTorch observers widen ranges the same
+way. A symmetric range has lo == -hi.
+
+Example:
+  >>> import numpy as np
+  >>> x = np.array([-1.0, 0.5, 3.0], np.float32)
+  >>> range_of(MinMax(), x, 'int8', symmetric=False)
+  (array(-1., dtype=float32), array(3., dtype=float32))
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+import zlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from odmlq.calibration._methods import (
+    CALIBRATION_METHODS,
+    MSE,
+    RMS,
+    AbsMax,
+    CalibrationMethod,
+    Entropy,
+    FixedRange,
+    MinMax,
+    MovingAverageMinMax,
+    Percentile,
+    calibration_method_from_dict,
+    parse_calibration_method,
+)
+from odmlq.calibration._statistics import (
+    Statistics,
+    compute_range,
+    merge,
+    observe,
+    range_of,
+)
+from odmlq.files import atomic_output
+from odmlq.calibration._histogram import HISTOGRAM_BINS
+from odmlq.errors import CalibrationError
+from odmlq.qtypes import QType
+
+__all__ = [
+    "AbsMax", "MinMax", "MovingAverageMinMax", "RMS", "FixedRange", "Percentile",
+    "MSE", "Entropy", "CalibrationMethod", "CALIBRATION_METHODS", "HISTOGRAM_BINS",
+    "Statistics", "calibration_method_from_dict", "parse_calibration_method",
+    "observe", "merge", "compute_range", "range_of", "Calibration",
+]
+
+_FORMAT = "odmlq.calibration"
+_VERSION = 1
+# How each Statistics field is stored, and whether it may be absent.
+_FIELDS: dict[str, tuple[type, bool]] = {
+    "count": (np.int64, True),
+    "min": (np.float64, True),
+    "max": (np.float64, True),
+    "sum": (np.float64, True),
+    "sum_of_squares": (np.float64, True),
+    "batches": (np.int64, True),
+    "moving_min": (np.float64, False),
+    "moving_max": (np.float64, False),
+    "histogram": (np.int64, False),
+    "histogram_limit": (np.float64, False),
+}
+
+
+class Calibration(Mapping[str, tuple[CalibrationMethod, Statistics]]):
+    """Statistics per edge of a model: edge id -> (method, Statistics).
+
+    Observing mutates the calibration in place; `merge` returns a new one.
+
+    Example:
+      >>> cal = Calibration()
+      >>> for batch in [np.ones(3), -np.ones(3)]:
+      ...     cal.observe('dense/out', MinMax(), batch)
+      >>> cal.range('dense/out', 'int8', symmetric=False)
+      (array(-1., dtype=float32), array(1., dtype=float32))
+    """
+
+    def __init__(self, entries: Mapping[str, tuple[CalibrationMethod, Statistics]] | None = None):
+        self._entries: dict[str, tuple[CalibrationMethod, Statistics]] = {}
+        for edge_id, (method, stats) in (entries or {}).items():
+            self._entries[str(edge_id)] = (parse_calibration_method(method), stats)
+
+    def __getitem__(self, edge_id: str) -> tuple[CalibrationMethod, Statistics]:
+        if edge_id not in self._entries:
+            known = list(self._entries)[:5]
+            raise KeyError(
+                f"No calibration for edge {edge_id!r}; it has {len(self._entries)} "
+                f"edges, e.g. {known}. Observe the edge first."
+            )
+        return self._entries[edge_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, edge_id: object) -> bool:
+        return edge_id in self._entries
+
+    def __repr__(self) -> str:
+        parts = [f"{e!r}: {m!r}" for e, (m, _) in list(self._entries.items())[:3]]
+        more = ", ..." if len(self) > 3 else ""
+        return f"Calibration({len(self)} edges: {{{', '.join(parts)}{more}}})"
+
+    @property
+    def edges(self) -> tuple[str, ...]:
+        """Edge ids, in the order they were first observed."""
+        return tuple(self._entries)
+
+    def observe(
+        self,
+        edge_id: str,
+        method: CalibrationMethod | dict[str, Any] | str,
+        x: Any,
+        *,
+        keep_axes: Sequence[int] = (),
+        batch_index: int | None = None,
+    ) -> None:
+        """Folds one batch of edge `edge_id` into its statistics.
+
+        Args:
+          edge_id: the edge's stable id in the plan.
+          method: its calibration method; the same for every batch.
+          x: the batch (numpy or jax array).
+          keep_axes: axes kept per channel; the same for every batch.
+          batch_index: named in error messages when given.
+
+        Raises:
+          CalibrationError: as `observe`, naming the edge (and batch); or the
+            edge was observed before with another method.
+        """
+        method = parse_calibration_method(method)
+        where = f"edge {edge_id!r}" + ("" if batch_index is None else f", batch {batch_index}")
+        previous = self._entries.get(edge_id)
+        if previous is not None and previous[0] != method:
+            raise CalibrationError(
+                f"Calibration of {where}: observed with {previous[0]!r} before, now "
+                f"{method!r}; use one method per edge."
+            )
+        try:
+            stats = observe(method, None if previous is None else previous[1], x, keep_axes=keep_axes)
+        except CalibrationError as e:
+            raise CalibrationError(f"Calibration of {where}: {e}") from e
+        self._entries[edge_id] = (method, stats)
+
+    def merge(self, other: Calibration) -> Calibration:
+        """Combines two calibrations of the same edges (e.g. from two processes).
+
+        Raises:
+          CalibrationError: the edges or their methods differ.
+        """
+        if set(self._entries) != set(other._entries):
+            only = sorted(set(self._entries) ^ set(other._entries))
+            raise CalibrationError(
+                f"Cannot merge calibrations of different edges: edge {only[0]!r} is in "
+                f"only one of them ({len(only)} such edges); calibrate the same plan."
+            )
+        merged = {}
+        for edge_id, (method, stats) in self._entries.items():
+            other_method, other_stats = other._entries[edge_id]
+            if other_method != method:
+                raise CalibrationError(
+                    f"Cannot merge edge {edge_id!r}: calibrated with {method!r} and "
+                    f"{other_method!r}; calibrate both with the same rules."
+                )
+            try:
+                merged[edge_id] = (method, merge(method, stats, other_stats))
+            except CalibrationError as e:
+                raise CalibrationError(f"Cannot merge edge {edge_id!r}: {e}") from e
+        return Calibration(merged)
+
+    def range(self, edge_id: str, qtype: QType | str, *, symmetric: bool) -> tuple[np.ndarray, np.ndarray]:
+        """The (lo, hi) float32 range of an edge; see `compute_range`."""
+        if edge_id not in self._entries:
+            raise CalibrationError(
+                f"No calibration for edge {edge_id!r} ({len(self)} edges, e.g. "
+                f"{list(self._entries)[:5]}); run calibration over data that reaches it."
+            )
+        method, stats = self._entries[edge_id]
+        try:
+            return compute_range(method, stats, qtype, symmetric=symmetric)
+        except CalibrationError as e:
+            raise CalibrationError(f"Range of edge {edge_id!r}: {e}") from e
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes one `.npz` atomically (temp file, then rename), without pickle.
+
+        The file holds the arrays of every edge's statistics and a JSON string
+        (as uint8) of edge ids, methods and keep_axes. It is written to `path`
+        exactly, with no `.npz` appended.
+        """
+        path = os.fspath(path)
+        metadata, arrays = self._metadata(), {}
+        for i, (_, stats) in enumerate(self._entries.values()):
+            for field in _FIELDS:
+                if getattr(stats, field) is not None:
+                    arrays[f"edge{i}.{field}"] = np.asarray(getattr(stats, field))
+        arrays["metadata"] = np.frombuffer(json.dumps(metadata).encode(), np.uint8)
+        with atomic_output(path) as temporary:
+            with open(temporary, "wb") as f:
+                np.savez_compressed(f, **arrays)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Calibration:
+        """Reads a file written by `save` (never unpickling anything).
+
+        Raises:
+          CalibrationError: the file is not an odmlq calibration, or is corrupt.
+          FileNotFoundError: there is no such file.
+        """
+        path = os.fspath(path)
+        try:
+            loaded = np.load(path, allow_pickle=False)
+            if not isinstance(loaded, np.lib.npyio.NpzFile):
+                raise CalibrationError(f"{path!r} is a single .npy array, not a calibration.")
+            with loaded as data:
+                if "metadata" not in data.files:
+                    raise CalibrationError(f"{path!r} has no calibration metadata.")
+                metadata = json.loads(data["metadata"].tobytes().decode())
+                edges = _edge_entries(metadata, path)
+                arrays = [
+                    {f: data[f"edge{i}.{f}"] for f in _FIELDS if f"edge{i}.{f}" in data.files}
+                    for i in range(len(edges))
+                ]
+        except CalibrationError as e:
+            if path in str(e):
+                raise
+            raise CalibrationError(f"{path!r}: {e}") from e
+        except FileNotFoundError:
+            raise
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, zlib.error) as e:
+            raise CalibrationError(
+                f"{path!r} is not a readable odmlq calibration file ({type(e).__name__}: {e}); "
+                "write it with Calibration.save."
+            ) from e
+        return cls._build(edges, arrays, path)
+
+    def to_json(self) -> str:
+        """A JSON string of everything (arrays as lists); for small calibrations."""
+        metadata = self._metadata()
+        for entry, (_, stats) in zip(metadata["edges"], self._entries.values()):
+            entry["statistics"] = {
+                f: np.asarray(getattr(stats, f)).tolist()
+                for f in _FIELDS
+                if getattr(stats, f) is not None
+            }
+        return json.dumps(metadata)
+
+    @classmethod
+    def from_json(cls, text: str) -> Calibration:
+        """Inverse of `to_json`.
+
+        Raises:
+          CalibrationError: the text is not a calibration written by `to_json`.
+        """
+        where = "calibration JSON"
+        try:
+            metadata = json.loads(text)
+        except (TypeError, ValueError) as e:
+            raise CalibrationError(f"The {where} does not parse: {e}.") from e
+        edges = _edge_entries(metadata, where)
+        arrays = []
+        for entry in metadata["edges"]:
+            stats = entry.get("statistics")
+            if not isinstance(stats, dict):
+                raise CalibrationError(f"The {where} has no statistics for edge {entry['id']!r}.")
+            arrays.append(stats)
+        return cls._build(edges, arrays, where)
+
+    def _metadata(self) -> dict[str, Any]:
+        return {
+            "format": _FORMAT,
+            "version": _VERSION,
+            "edges": [
+                {"id": e, "method": m.to_dict(), "keep_axes": list(s.keep_axes)}
+                for e, (m, s) in self._entries.items()
+            ],
+        }
+
+    @classmethod
+    def _build(
+        cls, edges: list[tuple[str, CalibrationMethod, tuple[int, ...]]],
+        arrays: list[Mapping[str, Any]], where: str,
+    ) -> Calibration:
+        entries = {}
+        for (edge_id, method, keep_axes), fields in zip(edges, arrays):
+            entries[edge_id] = (method, _statistics(fields, keep_axes, f"{where}, edge {edge_id!r}"))
+        return cls(entries)
+
+
+def _edge_entries(metadata: Any, where: str) -> list[tuple[str, CalibrationMethod, tuple[int, ...]]]:
+    """(edge id, method, keep_axes) per edge, from validated metadata."""
+    if not isinstance(metadata, dict) or metadata.get("format") != _FORMAT:
+        raise CalibrationError(f"{where} is not an odmlq calibration (no format {_FORMAT!r}).")
+    if metadata.get("version") != _VERSION:
+        raise CalibrationError(
+            f"{where} has calibration format version {metadata.get('version')!r}; this "
+            f"odmlq reads version {_VERSION}."
+        )
+    edges = metadata.get("edges")
+    if not isinstance(edges, list):
+        raise CalibrationError(f"{where} has no list of edges.")
+    result = []
+    for entry in edges:
+        if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
+            raise CalibrationError(f"{where} has an edge entry without an id: {entry!r}.")
+        keep_axes = entry.get("keep_axes")
+        if not isinstance(keep_axes, list) or not all(type(a) is int for a in keep_axes):
+            raise CalibrationError(f"{where}, edge {entry['id']!r}: bad keep_axes {keep_axes!r}.")
+        method = parse_calibration_method(entry.get("method"))
+        result.append((entry["id"], method, tuple(keep_axes)))
+    if len({e[0] for e in result}) != len(result):
+        raise CalibrationError(f"{where} lists an edge id twice.")
+    return result
+
+
+def _statistics(fields: Mapping[str, Any], keep_axes: tuple[int, ...], where: str) -> Statistics:
+    """Statistics from stored arrays, checked for dtype, shape and finiteness."""
+    values = {}
+    for field, (dtype, required) in _FIELDS.items():
+        if field not in fields or fields[field] is None:
+            if required:
+                raise CalibrationError(f"{where}: statistics field {field!r} is missing.")
+            values[field] = None
+            continue
+        try:
+            value = np.asarray(fields[field])
+        except ValueError as e:  # ragged nested lists in JSON
+            raise CalibrationError(f"{where}: statistics field {field!r} is not an array ({e}).") from e
+        kind = np.dtype(dtype).kind
+        # Integers may stand in for floats (JSON writes 2.0 as 2.0, but be lenient).
+        if value.dtype.kind not in (kind, "i" if kind == "f" else kind):
+            raise CalibrationError(
+                f"{where}: statistics field {field!r} has dtype {value.dtype}, expected {np.dtype(dtype)}."
+            )
+        values[field] = value.astype(dtype)
+    shape = values["min"].shape
+    per_channel = ("min", "max", "sum", "sum_of_squares", "moving_min", "moving_max")
+    scalars = ("count", "batches", "histogram_limit")
+    if any(values[f] is not None and values[f].shape != shape for f in per_channel) or any(
+        values[f] is not None and values[f].shape != () for f in scalars
+    ):
+        raise CalibrationError(f"{where}: statistics arrays have inconsistent shapes.")
+    if (values["histogram"] is None) != (values["histogram_limit"] is None) or (
+        values["moving_min"] is None
+    ) != (values["moving_max"] is None):
+        raise CalibrationError(f"{where}: a histogram or moving average is half present.")
+    if values["histogram"] is not None and values["histogram"].shape != (HISTOGRAM_BINS,):
+        raise CalibrationError(
+            f"{where}: histogram has shape {values['histogram'].shape}, expected ({HISTOGRAM_BINS},)."
+        )
+    if not all(np.all(np.isfinite(v)) for v in values.values() if v is not None) or values["count"] < 1:
+        raise CalibrationError(f"{where}: statistics hold non-finite values or no elements.")
+    histogram, limit = values["histogram"], values["histogram_limit"]
+    # Exact merges rely on a power-of-two limit and on counts that add up.
+    if histogram is not None and (
+        np.frexp(limit)[0] != 0.5 or histogram.min() < 0 or histogram.sum() != values["count"]
+    ):
+        raise CalibrationError(
+            f"{where}: the histogram is inconsistent (its limit is not a power of two, or "
+            "its counts do not add up to the element count)."
+        )
+    return Statistics(**values, keep_axes=keep_axes)

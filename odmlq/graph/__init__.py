@@ -1,0 +1,16 @@
+"""The traced model: ops with module paths, tensor edges, weights tied to parameter paths.
+
+`trace(model, *example_inputs)` turns a Linen module, an NNX module or a plain
+function into a `Graph` (see `_trace`, `_program`, `_grouping`, `_patterns`);
+`GraphCache` re-traces it for other input shapes with the same op ids.
+"""
+
+from odmlq.graph._graph import MATMUL_KINDS, MAX_CONSTANT_SIZE, Edge, Graph, Op, Operand
+from odmlq.graph._trace import trace
+from odmlq.graph._params import flat_params, param_path, params_tree, replace_params
+from odmlq.graph._run import GraphCache, check_inputs, params_for
+
+__all__ = [
+    "Edge", "Graph", "GraphCache", "MATMUL_KINDS", "MAX_CONSTANT_SIZE", "Op", "Operand", "check_inputs",
+    "flat_params", "param_path", "params_for", "params_tree", "replace_params", "trace",
+]

@@ -1,0 +1,54 @@
+"""Parameter paths: the names plans give weights ('conv1/kernel', 'layers/0/kernel')."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+
+__all__ = ["flat_params", "param_path", "params_tree", "replace_params"]
+
+
+def param_path(path) -> str:
+    """A pytree key path as the plan names it: Linen's 'params' collection and
+    NNX's '.value' are dropped, keys joined with '/'."""
+    parts = []
+    for key in path:
+        if isinstance(key, jax.tree_util.DictKey):
+            parts.append(str(key.key))
+        elif isinstance(key, jax.tree_util.GetAttrKey):
+            parts.append(key.name)
+        elif isinstance(key, jax.tree_util.SequenceKey):
+            parts.append(str(key.idx))
+        elif isinstance(key, jax.tree_util.FlattenedIndexKey):
+            parts.append(str(key.key))
+        else:
+            parts.append(str(key))
+    if parts and parts[-1] == "value":  # nnx.Variable leaves
+        parts = parts[:-1]
+    if len(parts) > 1 and parts[0] == "params":  # Linen's params collection
+        parts = parts[1:]
+    return "/".join(parts)
+
+
+def params_tree(params: Any) -> Any:
+    """The params pytree of Linen variables, NNX state or an NNX module."""
+    from flax import nnx
+
+    if isinstance(params, nnx.Module):
+        return nnx.split(params)[1]
+    return params
+
+
+def flat_params(params: Any) -> dict[str, Any]:
+    """Parameter path ('conv1/kernel') -> array, the paths plans use."""
+    leaves = jax.tree_util.tree_flatten_with_path(params_tree(params))[0]
+    return {param_path(path): leaf for path, leaf in leaves}
+
+
+def replace_params(params: Any, new: Mapping[str, Any]) -> Any:
+    """`params` with the leaves named in `new` replaced."""
+    leaves, tree = jax.tree_util.tree_flatten_with_path(params_tree(params))
+    out = [new.get(param_path(path), leaf) for path, leaf in leaves]
+    return jax.tree_util.tree_unflatten(tree, out)

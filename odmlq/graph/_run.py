@@ -1,0 +1,75 @@
+"""Running a planned model on real inputs (internal).
+
+A plan is traced for its example inputs' shapes. Batches of other sizes are
+traced again (cached per shape); the op and edge ids must come out the same,
+which they do for models whose structure does not depend on the batch size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+
+from odmlq.errors import CalibrationError, PlanError
+from odmlq.graph._graph import Graph
+from odmlq.graph._trace import trace
+
+
+def params_for(model: Any, variables: Any, what: str) -> Any:
+    if isinstance(model, nn.Module):
+        if variables is None:
+            raise PlanError(
+                f"{what} runs the Linen model {type(model).__name__} and needs its variables: "
+                "pass variables=..."
+            )
+        return variables
+    return model if variables is None else variables
+
+
+def check_inputs(graph: Graph, inputs: tuple, where: str) -> tuple:
+    """Checks inputs against the traced example inputs (any batch size)."""
+    leaves = jax.tree_util.tree_leaves(inputs)
+    if len(leaves) != len(graph.inputs):
+        raise CalibrationError(
+            f"{where}: got {len(leaves)} input array(s), the model takes {len(graph.inputs)} "
+            f"({', '.join(graph.inputs)})."
+        )
+    for i, (x, edge_id) in enumerate(zip(leaves, graph.inputs)):
+        edge = graph.edges[edge_id]
+        shape, dtype = tuple(np.shape(x)), str(np.asarray(x).dtype) if not hasattr(x, "dtype") else str(x.dtype)
+        if shape[1:] != edge.shape[1:] or len(shape) != len(edge.shape) or dtype != edge.dtype:
+            raise CalibrationError(
+                f"{where}, input {i}: shape {shape} {dtype} does not match the example input "
+                f"{edge.shape} {edge.dtype} (only the batch size may differ)."
+            )
+    return inputs
+
+
+class GraphCache:
+    """Graphs of one model for each input shape, with the plan's ids."""
+
+    def __init__(self, model: Any, plan, variables: Any):
+        self.model, self.plan, self.variables = model, plan, variables
+        self._graphs: dict[tuple, Graph] = {}
+        if plan.graph.program is not None:
+            self._graphs[self._key(plan.graph)] = plan.graph
+
+    @staticmethod
+    def _key(graph: Graph) -> tuple:
+        return tuple((graph.edges[e].shape, graph.edges[e].dtype) for e in graph.inputs)
+
+    def graph_for(self, inputs: tuple) -> Graph:
+        key = tuple((tuple(np.shape(x)), str(x.dtype)) for x in jax.tree_util.tree_leaves(inputs))
+        if key not in self._graphs:
+            shapes = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in inputs]
+            graph = trace(self.model, *shapes, variables=self.variables)
+            if [o.id for o in graph.ops] != [o.id for o in self.plan.graph.ops]:
+                raise PlanError(
+                    f"Tracing {graph.model_name} for input shapes {[s.shape for s in shapes]} gives "
+                    "other ops than the plan's; plan with inputs of this shape instead."
+                )
+            self._graphs[key] = graph
+        return self._graphs[key]

@@ -1,0 +1,116 @@
+"""trace: a model's jaxpr walked into a Graph of ops with module paths.
+
+`jax.make_jaxpr` of the model's apply function gives the equations; the
+walker (`_walk`) inlines calls and follows weights to their parameters, and
+the grouping (`_grouping`) turns equations into ops and edges.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from odmlq.errors import TraceError
+from odmlq.graph import _grouping
+from odmlq.graph._graph import Graph
+from odmlq.graph._params import param_path
+from odmlq.graph._program import _Program, _TopProgram
+from odmlq.graph._walk import _W, _identity, _Walker
+
+__all__ = ["trace"]
+
+
+def trace(model: Any, *example_inputs: Any, variables: Any = None,
+          method: str | Callable | None = None) -> Graph:
+    """Traces `model` on `example_inputs` (arrays or jax.ShapeDtypeStruct).
+
+    Args:
+      model: a Linen module (pass `variables`, or they are made abstractly
+        with `jax.eval_shape(model.init, ...)`), an NNX module, or a function
+        ``fn(params, *inputs)`` (pass the params as `variables`).
+      *example_inputs: inputs with the shapes and dtypes the model will see.
+      variables: Linen variables, or the params of a plain function.
+      method: for Linen, the method to apply (default ``__call__``).
+
+    Raises:
+      TraceError: naming the call that failed and the input shapes.
+    """
+    return _trace(model, example_inputs, variables=variables, method=method)
+
+
+
+def _trace(model: Any, example_inputs: tuple, *, variables: Any = None, method: Any = None) -> Graph:
+
+    fn, params, framework, model_name = _apply_fn(model, example_inputs, variables, method)
+    try:
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(params, *example_inputs)
+    except Exception as e:
+        shapes = ", ".join(
+            f"{tuple(np.shape(x))} {getattr(x, 'dtype', type(x).__name__)}"
+            for x in jax.tree_util.tree_leaves(example_inputs)
+        )
+        raise TraceError(
+            f"Tracing {model_name} failed with example inputs of shapes [{shapes}]: "
+            f"{type(e).__name__}: {e}. Check that the inputs have the shapes and dtypes "
+            "the model expects (and that variables match the model)."
+        ) from e
+    leaves_with_paths, in_tree = jax.tree_util.tree_flatten_with_path((params, *example_inputs))
+    num_params = len(jax.tree_util.tree_leaves(params))
+    walker = _Walker()
+    env, invars, param_info = {}, [], {}
+    for i, (var, (path, leaf)) in enumerate(zip(closed.jaxpr.invars, leaves_with_paths)):
+        v = walker.new(var.aval)
+        env[var] = v
+        invars.append(v)
+        if i < num_params:
+            name = param_path(path[1:])
+            walker.weights[v] = _W((name,), _identity(len(var.aval.shape)))
+            param_info[name] = (tuple(var.aval.shape), str(var.aval.dtype))
+    steps: list = []
+    walker.walk(closed.jaxpr, closed.consts, env, "", steps)
+    outvars = [walker.ref(env, o) for o in closed.jaxpr.outvars]
+    body = _Program(invars, steps, outvars)
+    out_tree = jax.tree_util.tree_structure(out_shape)
+    graph_parts = _grouping.build(walker, body, num_params, framework)
+    return Graph(
+        ops=graph_parts.ops, edges=graph_parts.edges, inputs=graph_parts.inputs,
+        outputs=graph_parts.outputs, params=param_info, framework=framework,
+        model_name=model_name, program=_TopProgram(body, in_tree, out_tree, num_params),
+    )
+
+
+def _apply_fn(model, example_inputs, variables, method):
+    import flax.linen as nn
+    from flax import nnx
+
+    if isinstance(model, nn.Module):
+        name = type(model).__name__
+        if variables is None:
+            variables = jax.eval_shape(model.init, jax.random.key(0), *example_inputs)
+
+        def fn(v, *xs):
+            return model.apply(v, *xs, method=method)
+
+        return fn, variables, "linen", name
+    if isinstance(model, nnx.Module):
+        graphdef, state = nnx.split(model)
+
+        def fn(s, *xs):
+            m = nnx.merge(graphdef, s)
+            return (getattr(m, method) if isinstance(method, str) else m)(*xs)
+
+        return fn, state, "nnx", type(model).__name__
+    if callable(model):
+        if variables is None:
+            raise TraceError(
+                f"{getattr(model, '__name__', model)!r} is a plain function; pass its params "
+                "as variables=... (it is called as fn(params, *inputs))."
+            )
+        return model, variables, "function", getattr(model, "__name__", type(model).__name__)
+    raise TraceError(
+        f"Cannot trace {type(model).__name__}: pass a flax.linen Module, a flax.nnx Module, "
+        "or a function fn(params, *inputs)."
+    )

@@ -1,0 +1,204 @@
+"""Tracing: a model's jaxpr turned into a `Graph` and an evaluable program.
+
+Internal. The public entry is `odmlq.graph.trace`. See graph.py for what the
+graph contains; this module only walks jaxprs (`_program` runs them,
+`_grouping` groups their steps into ops).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+from jax.extend import core as jcore
+
+from odmlq.graph._program import _eval_eqn, _inline_call, _Lit, _Program, _Region, _Step
+
+# jax.nn functions JAX keeps as named calls (`jit[name=...]`); each is one op.
+NAMED_FUNCTIONS = frozenset({
+    "relu", "relu6", "silu", "swish", "hard_sigmoid", "hard_silu", "hard_swish",
+    "hard_tanh", "elu", "selu", "celu", "leaky_relu", "softplus", "soft_sign",
+    "log_sigmoid", "sigmoid", "gelu", "glu", "log_softmax", "softmax",
+    "squareplus", "mish", "sparse_plus",
+})
+# Primitives whose kind gets a shorter name in plans and rules.
+KIND_NAMES = {"conv_general_dilated": "conv", "reduce_window_max": "max_pool"}
+# Named calls whose kind is the name users know (jax.nn.hard_swish is hard_silu).
+NAMED_KINDS = {"hard_silu": "hard_swish"}
+ANCHORS = ("dot_general", "conv_general_dilated")
+_SAME_AXES = frozenset({"convert_element_type", "copy", "copy_p", "reduce_precision"})
+_INLINE_CALLS = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "closed_call", "remat2",
+                 "core_call", "remat", "checkpoint")
+
+
+@dataclasses.dataclass(frozen=True)
+class _W:
+    """What a weight-derived value is: its parameters and axis mapping."""
+
+    params: tuple[str, ...]
+    axis_map: tuple[int | None, ...] | None  # value axis -> parameter axis
+    stacked: tuple[int, ...] = ()
+
+
+def _subjaxpr(eqn, name):
+    value = eqn.params[name]
+    if isinstance(value, jcore.ClosedJaxpr):
+        return value.jaxpr, list(value.consts)
+    return value, []
+
+
+class _Walker:
+    """Walks a jaxpr into steps; values get global integer ids."""
+
+    def __init__(self):
+        self.next_id = 0
+        self.avals: dict[int, Any] = {}
+        self.weights: dict[int, _W] = {}
+        # Values computed from literals and closed-over arrays alone, folded at
+        # trace time (what a constant operand of an op holds).
+        self.constants: dict[int, np.ndarray] = {}
+
+    def new(self, aval) -> int:
+        self.next_id += 1
+        self.avals[self.next_id] = aval
+        return self.next_id
+
+    def ref(self, env, atom):
+        if isinstance(atom, jcore.Literal):
+            return _Lit(atom.val)
+        return env[atom]
+
+    def is_weight(self, r) -> bool:
+        return isinstance(r, _Lit) or r in self.weights
+
+    def walk(self, jaxpr, consts, env, prefix: str, steps: list) -> None:
+        for var, c in zip(jaxpr.constvars, consts):
+            v = self.new(var.aval)
+            self.weights[v] = _W((), _identity(np.ndim(c)))
+            self.constants[v] = np.asarray(c)
+            steps.append(_Step(eqn=None, ins=[], outs=[v], fn=(lambda c=c: [c]), kind="constant"))
+            env[var] = v
+        for eqn in jaxpr.eqns:
+            self.walk_eqn(eqn, env, prefix, steps)
+
+    def walk_eqn(self, eqn, env, prefix: str, steps: list) -> None:
+        name = eqn.primitive.name
+        stack = _join(prefix, str(eqn.source_info.name_stack))
+        ins = [self.ref(env, a) for a in eqn.invars]
+        if name in ("jit", "pjit") and eqn.params.get("name") not in NAMED_FUNCTIONS:
+            return self.inline(eqn, "jaxpr", ins, env, stack, steps)
+        if name in _INLINE_CALLS:
+            key = next(k for k in ("call_jaxpr", "fun_jaxpr", "jaxpr") if k in eqn.params)
+            return self.inline(eqn, key, ins, env, stack, steps)
+        outs = [self.new(o.aval) for o in eqn.outvars]
+        for o, v in zip(eqn.outvars, outs):
+            env[o] = v
+        if name == "scan" and not all(self.is_weight(r) for r in ins):
+            steps.append(self.scan_region(eqn, ins, outs, stack))
+            return
+        step = _Step(eqn=eqn, ins=ins, outs=outs, stack=stack, kind=KIND_NAMES.get(name, name))
+        if name in ("jit", "pjit"):
+            step.kind = NAMED_KINDS.get(eqn.params["name"], eqn.params["name"])
+            step.fn = _inline_call(eqn.params["jaxpr"])
+        step.einsum = _einsum_of(stack)
+        if all(self.is_weight(r) for r in ins):
+            for v in outs:
+                self.weights[v] = _propagate(eqn, [self.weights.get(r) for r in ins if not isinstance(r, _Lit)],
+                                             ins, self)
+            self.fold_constant(step)
+        steps.append(step)
+
+    def fold_constant(self, step: _Step) -> None:
+        if step.fn is not None or any(isinstance(p, (jcore.ClosedJaxpr, jcore.Jaxpr))
+                                      for p in step.eqn.params.values()):
+            return
+        values = []
+        for r in step.ins:
+            if isinstance(r, _Lit):
+                values.append(r.value)
+            elif r in self.constants:
+                values.append(self.constants[r])
+            else:
+                return
+        for v, x in zip(step.outs, _eval_eqn(step.eqn, values)):
+            self.constants[v] = np.asarray(x)
+
+    def inline(self, eqn, key, ins, env, stack, steps):
+        inner, consts = _subjaxpr(eqn, key)
+        inner_env = {}
+        n_in = len(inner.invars)
+        for var, r in zip(inner.invars, ins[len(ins) - n_in:]):
+            inner_env[var] = r
+        self.walk(inner, consts, inner_env, stack, steps)
+        for o, inner_o in zip(eqn.outvars, inner.outvars):
+            env[o] = self.ref(inner_env, inner_o)
+
+    def scan_region(self, eqn, ins, outs, stack) -> _Region:
+        body_jaxpr, consts = _subjaxpr(eqn, "jaxpr")
+        nc, ncarry = eqn.params["num_consts"], eqn.params["num_carry"]
+        env, invars = {}, []
+        for i, (var, r) in enumerate(zip(body_jaxpr.invars, ins)):
+            v = self.new(var.aval)
+            env[var] = v
+            invars.append(v)
+            w = None if isinstance(r, _Lit) else self.weights.get(r)
+            if isinstance(r, _Lit) or (w is not None and i < nc):
+                self.weights[v] = w if w is not None else _W((), None)
+            elif w is not None and i >= nc + ncarry:  # a stacked weight, sliced per iteration
+                am = w.axis_map
+                stacked = w.stacked + ((am[0],) if am and am[0] is not None else ())
+                self.weights[v] = _W(w.params, am[1:] if am else None, stacked)
+        body_steps: list = []
+        self.walk(body_jaxpr, consts, env, stack, body_steps)
+        outvars = [self.ref(env, o) for o in body_jaxpr.outvars]
+        return _Region(eqn=eqn, ins=ins, outs=outs, body=_Program(invars, body_steps, outvars), stack=stack)
+
+
+def _join(prefix: str, stack: str) -> str:
+    return "/".join(p for p in (prefix, stack) if p)
+
+
+def _einsum_of(stack: str) -> str | None:
+    for part in stack.split("/"):
+        if "->" in part:
+            return part
+    return None
+
+
+def _identity(ndim: int) -> tuple[int, ...]:
+    return tuple(range(ndim))
+
+
+def _propagate(eqn, in_ws: list, ins, walker) -> _W:
+    """The parameters and axis map of a value computed from weights only."""
+    params = tuple(dict.fromkeys(p for w in in_ws if w is not None for p in w.params))
+    stacked = tuple(dict.fromkeys(a for w in in_ws if w is not None for a in w.stacked))
+    first = in_ws[0] if in_ws else None
+    am = first.axis_map if first is not None and len(in_ws) == 1 else None
+    return _W(params, _map_axes(eqn, am), stacked)
+
+
+def _map_axes(eqn, am):
+    if am is None:
+        return None
+    name, p = eqn.primitive.name, eqn.params
+    out_shape = eqn.outvars[0].aval.shape
+    in_shape = eqn.invars[0].aval.shape
+    if name in _SAME_AXES:
+        return am
+    if name == "transpose":
+        return tuple(am[i] for i in p["permutation"])
+    if name == "broadcast_in_dim":
+        out = [None] * len(out_shape)
+        for j, d in enumerate(p["broadcast_dimensions"]):
+            if in_shape[j] == out_shape[d]:
+                out[d] = am[j]
+        return tuple(out)
+    if name in ("reshape", "squeeze"):
+        kept_in = [a for a, s in zip(am, in_shape) if s != 1]
+        if [s for s in in_shape if s != 1] != [s for s in out_shape if s != 1]:
+            return None
+        it = iter(kept_in)
+        return tuple(next(it) if s != 1 else None for s in out_shape)
+    return None

@@ -1,0 +1,125 @@
+"""One hook set: what a resolved Plan and its Scales do to a graph as it runs.
+
+`Graph.evaluate` calls a hook on every edge, every constant operand and every
+op. `PlanHooks(plan, scales, materializer)` decides, once for every backend,
+*where* quantization happens:
+
+- each statically quantized edge, as it is produced (`Scales.edges`);
+- each quantized constant operand, where its op reads it (`Scales.constants`);
+- each input an op reads in its own activation qtype (`Plan.conversions`);
+- each dynamic input a matmul/convolution kernel quantizes at run time;
+
+and a `Materializer` says *how*: `simulate` fake-quantizes in float
+(`FakeQuant`, the reference semantics), the LiteRT backend wraps the same
+values in `quant.fake_quant` composites, the XLA backend runs quantized
+kernels in `op`. None of them re-derives which edge or input is quantized.
+
+Example:
+  >>> hooks = PlanHooks(plan, scales, FakeQuant(), capture=True)
+  >>> outputs = hooks.evaluate(graph, qparams, x)
+  >>> hooks.captured["conv1/relu"]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from odmlq.plan import QuantSpec, dynamic_kernel_inputs, input_conversion_scales
+from odmlq.qarray import compute_scale, fake_quant
+from odmlq.scales import Scales, TensorScale
+
+__all__ = ["FakeQuant", "Materializer", "PlanHooks", "dynamic_fake_quant"]
+
+
+class Materializer(Protocol):
+    """How a backend materializes each kind of quantization the plan places."""
+
+    def edge(self, edge_id: str, x: jax.Array, ts: TensorScale) -> jax.Array: ...
+
+    def constant(self, op, index: int, value: Any, ts: TensorScale) -> jax.Array: ...
+
+    def converted_input(self, op, index: int, x: jax.Array, ts: TensorScale) -> jax.Array: ...
+
+    def dynamic_input(self, op, index: int, x: jax.Array, spec: QuantSpec) -> jax.Array: ...
+
+    def op(self, op, compute: Callable, operands: list) -> list: ...
+
+
+class FakeQuant:
+    """The reference semantics: quantize then dequantize, in float."""
+
+    def edge(self, edge_id: str, x: jax.Array, ts: TensorScale) -> jax.Array:
+        return ts.fake_quant(x)
+
+    def constant(self, op, index: int, value: Any, ts: TensorScale) -> jax.Array:
+        return ts.fake_quant(jnp.asarray(value, jnp.float32))
+
+    def converted_input(self, op, index: int, x: jax.Array, ts: TensorScale) -> jax.Array:
+        return ts.fake_quant(x)
+
+    def dynamic_input(self, op, index: int, x: jax.Array, spec: QuantSpec) -> jax.Array:
+        return dynamic_fake_quant(x, spec)
+
+    def op(self, op, compute: Callable, operands: list) -> list:
+        return compute(*operands)
+
+
+class PlanHooks:
+    """`Graph.evaluate`'s hooks for one resolved Plan and its Scales.
+
+    Args:
+      materializer: how each quantization is made (`FakeQuant` by default).
+      capture: keep every edge's value (after quantization) in `captured`.
+      feed: edge id -> a value that replaces the edge after it is captured, so
+        each op can be fed another run's tensors.
+    """
+
+    def __init__(self, plan, scales: Scales, materializer: Materializer | None = None, *,
+                 capture: bool = False, feed: Mapping[str, Any] | None = None):
+        self.plan, self.scales = plan, scales
+        self.materializer = FakeQuant() if materializer is None else materializer
+        self.capture, self.feed = capture, dict(feed or {})
+        self.captured: dict[str, Any] = {}
+        self.graph = plan.graph
+        self.converted = input_conversion_scales(plan, scales)
+        self.dynamic = dynamic_kernel_inputs(plan)
+
+    def on_edge(self, edge_id: str, x: Any) -> Any:
+        ts = self.scales.edges.get(edge_id)
+        if ts is not None:
+            x = self.materializer.edge(edge_id, x, ts)
+        if self.capture:
+            self.captured[edge_id] = x
+        return self.feed.get(edge_id, x)
+
+    def on_constant(self, op_id: str, index: int, value: Any) -> Any:
+        ts = self.scales.constants.get((op_id, index))
+        return value if ts is None else self.materializer.constant(self.graph.op(op_id), index, value, ts)
+
+    def on_op(self, op_id: str, compute: Callable, *operands) -> list:
+        op = self.graph.op(op_id)
+        operands = list(operands)
+        for index, ts in self.converted.get(op_id, ()):
+            operands[index] = self.materializer.converted_input(op, index, operands[index], ts)
+        for index, spec in self.dynamic.get(op_id, ()):
+            operands[index] = self.materializer.dynamic_input(op, index, operands[index], spec)
+        return self.materializer.op(op, compute, operands)
+
+    def evaluate(self, graph, params: Any, *inputs: Any) -> Any:
+        """`graph.evaluate` with these hooks (the graph may be a re-trace of
+        the plan's for other input shapes: same op and edge ids)."""
+        self.graph = graph
+        return graph.evaluate(params, *inputs, on_edge=self.on_edge, on_constant=self.on_constant,
+                              on_op=self.on_op)
+
+
+def dynamic_fake_quant(x: jax.Array, spec: QuantSpec) -> jax.Array:
+    """Run-time range: the tensor's own min/max (per tensor or per channel)."""
+    axes = tuple(a for a in range(x.ndim) if a not in spec.scale_axes)
+    lo, hi = jnp.min(x, axis=axes, keepdims=True), jnp.max(x, axis=axes, keepdims=True)
+    scale, zero_point = compute_scale(lo, hi, spec.qtype, symmetric=spec.symmetric)
+    return fake_quant(x, spec.qtype, scale=scale, zero_point=zero_point, scale_axes=spec.scale_axes)

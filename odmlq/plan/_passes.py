@@ -1,0 +1,86 @@
+"""Plan passes over edges: what the targets' kernels do to each edge (internal).
+
+- A target whose matmul, convolution or elementwise kernel applies a
+  following activation (relu, relu6) before requantizing its result fuses
+  it: the tensor between them is never materialized, so it is not quantized
+  (`EdgePlan.fused_into`).
+- Run-time (dynamic) quantization happens inside matmul/conv kernels on
+  every backend, so a dynamic edge that feeds anything else stays float.
+- Each quantized edge gets the constraint its producer's kernel puts on its
+  scale (`EdgePlan.constraint`), from the targets' tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from odmlq.graph import MATMUL_KINDS, Graph
+
+
+def fuse_activations(graph: Graph, by_edge: dict, constraints) -> None:
+    """Marks the output of an op whose kernel applies the activation that
+    alone consumes it (`constraints(op, qtype)` lists the fused kinds)."""
+    for op in graph.ops:
+        if len(op.outputs) != 1:
+            continue
+        edge = graph.edges[op.outputs[0]]
+        plan = by_edge.get(edge.id)
+        if edge.is_output or len(edge.consumers) != 1 or plan is None or plan.spec is None:
+            continue
+        consumer = graph.op(edge.consumers[0])
+        if by_edge[consumer.outputs[0]].spec is None:
+            continue
+        _, fuses = constraints(op, plan.spec.qtype)
+        if consumer.kind in fuses:
+            by_edge[edge.id] = dataclasses.replace(plan, spec=None, reason=f"fused into {consumer.id}",
+                                                   fused_into=consumer.id)
+
+
+def resolve_output_constraints(graph: Graph, by_edge: dict, constraints) -> None:
+    """Gives each statically quantized, per-tensor edge its producer's constraint."""
+    for edge in graph.edges.values():
+        plan = by_edge.get(edge.id)
+        if (plan is None or plan.spec is None or plan.spec.dynamic or plan.spec.scale_axes
+                or edge.producer is None):
+            continue
+        constraint, _ = constraints(graph.op(edge.producer), plan.spec.qtype)
+        if constraint is not None:
+            by_edge[edge.id] = dataclasses.replace(plan, constraint=constraint)
+
+
+def dynamic_only_into_kernels(graph: Graph, by_edge: dict) -> None:
+    """Run-time quantization happens inside matmul/conv kernels (dynamic-range
+    kernels quantize their input per call): a dynamic edge is quantized where
+    a kernel reads it (`dynamic_kernel_inputs`), and read in float by anything
+    else; an edge no kernel reads stays float."""
+    for edge in graph.edges.values():
+        plan = by_edge.get(edge.id)
+        if plan is None or plan.spec is None or not plan.spec.dynamic:
+            continue
+        if not any(graph.op(c).kind in MATMUL_KINDS for c in edge.consumers):
+            by_edge[edge.id] = dataclasses.replace(
+                plan, spec=None, reason="dynamic: only inputs of matmul/conv are quantized at run time")
+
+
+def dynamic_kernel_inputs(plan) -> dict[str, list]:
+    """op id -> [(operand index, spec)]: the dynamic edges each matmul/conv
+    kernel quantizes at run time (other consumers read them in float)."""
+    out: dict[str, list] = {}
+    for op in plan.graph.ops:
+        if op.kind not in MATMUL_KINDS:
+            continue
+        own = plan.ops[op.id].dynamic_input
+        for index, operand in enumerate(op.operands):
+            if operand.role != "input":
+                continue
+            edge_id = plan.graph.resolve(operand.edge)
+            edge_plan = plan.edges[edge_id]
+            spec = edge_plan.spec
+            if spec is None and own is not None and plan.graph.edges[edge_id].is_float \
+                    and not edge_plan.fused:
+                # A float edge (from an op kept in float) read by a dynamic
+                # kernel: the kernel quantizes it, as its rule says.
+                spec = own
+            if spec is not None and spec.dynamic:
+                out.setdefault(op.id, []).append((index, spec))
+    return out

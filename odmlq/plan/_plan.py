@@ -1,0 +1,446 @@
+"""The Plan: what every tensor edge and weight of a traced model becomes.
+
+`plan(model, rules, *example_inputs)` traces the model once and applies the
+rules: each op gets the first rule that matches it, its weights and output
+edges get resolved `QuantSpec`s, activation inputs take their producer's spec
+and model inputs their first consumer's. The Plan is the single source of
+truth: backends and reports read it and never re-decide.
+
+Example:
+  >>> p = plan(model, [Rule('.*', weight_qtype='int8', act_qtype='int8')], x, variables=v)
+  >>> print(p)            # an aligned table of ops and edges
+  >>> Plan.from_json(p.to_json()) == p
+  True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from odmlq.constraints import Constraint, Target, combine_targets, constraint_from_dict
+from odmlq.errors import GranularityError, PlanError, RuleError
+from odmlq.granularity import PerBlock, PerChannel, PerTensor
+from odmlq.graph import MATMUL_KINDS, Edge, Graph, Op, Operand, trace
+from odmlq.plan._passes import dynamic_only_into_kernels, fuse_activations, resolve_output_constraints
+from odmlq.plan._spec import QuantSpec, spec_or_none as _spec_or_none
+from odmlq.qtypes import qtype as lookup_qtype
+from odmlq.rules import Rule, rules_from_dicts, rules_to_dicts, warn_unmatched
+
+__all__ = ["EdgePlan", "OpPlan", "Plan", "QuantSpec", "WeightPlan", "check_rules", "plan", "plan_graph"]
+
+PLAN_FORMAT_VERSION = 2
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WeightPlan:
+    """The plan for one weight operand of an op (`spec` None: float)."""
+
+    param: str
+    role: str
+    spec: QuantSpec | None
+    note: str = ""
+
+    def to_dict(self) -> dict:
+        return {"param": self.param, "role": self.role, "note": self.note,
+                "spec": None if self.spec is None else self.spec.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "WeightPlan":
+        return cls(param=d["param"], role=d["role"], note=d.get("note", ""),
+                   spec=_spec_or_none(d["spec"]))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OpPlan:
+    """The rule that decided an op (None: no rule matched, float), its weights,
+    and its constant operands (one spec or None per `Op.constants`, in order).
+
+    Attributes:
+      skip: a skip rule keeps the op in float.
+      dynamic_input: the spec a matmul/conv kernel quantizes its float inputs
+        with at run time (a dynamic rule), or None.
+    """
+
+    op: str
+    rule: int | None
+    weights: tuple[WeightPlan, ...] = ()
+    constants: tuple[QuantSpec | None, ...] = ()
+    skip: bool = False
+    dynamic_input: QuantSpec | None = None
+
+    def to_dict(self) -> dict:
+        return {"op": self.op, "rule": self.rule, "weights": [w.to_dict() for w in self.weights],
+                "constants": [None if c is None else c.to_dict() for c in self.constants],
+                "skip": self.skip,
+                "dynamic_input": None if self.dynamic_input is None else self.dynamic_input.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "OpPlan":
+        return cls(op=d["op"], rule=d["rule"],
+                   weights=tuple(WeightPlan.from_dict(w) for w in d["weights"]),
+                   constants=tuple(_spec_or_none(c) for c in d.get("constants", ())),
+                   skip=bool(d.get("skip", False)), dynamic_input=_spec_or_none(d.get("dynamic_input")))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EdgePlan:
+    """The spec of one activation edge, where it came from, and what the
+    plan's targets require of its scale.
+
+    Attributes:
+      constraint: the target's requirement on this edge's scale
+        (`odmlq.constraints`: same as the input's, shared with the consuming
+        op's inputs, or fixed), resolved when the plan was made; None: the
+        scale comes from calibration.
+      fused_into: the activation op this edge is fused into (the kernel
+        applies it before requantizing: the edge is never materialized).
+    """
+
+    edge: str
+    spec: QuantSpec | None
+    rule: int | None
+    reason: str
+    constraint: Constraint | None = None
+    fused_into: str | None = None
+
+    @property
+    def fused(self) -> bool:
+        """Not materialized: fused into the activation that consumes it."""
+        return self.fused_into is not None
+
+    def to_dict(self) -> dict:
+        return {"edge": self.edge, "rule": self.rule, "reason": self.reason,
+                "spec": None if self.spec is None else self.spec.to_dict(),
+                "constraint": None if self.constraint is None else self.constraint.to_dict(),
+                "fused_into": self.fused_into}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EdgePlan":
+        return cls(edge=d["edge"], rule=d["rule"], reason=d["reason"], spec=_spec_or_none(d["spec"]),
+                   constraint=constraint_from_dict(d.get("constraint")), fused_into=d.get("fused_into"))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Plan:
+    """A traced graph with a decision for every op, weight and edge."""
+
+    graph: Graph
+    rules: tuple[Rule, ...]
+    ops: dict[str, OpPlan]
+    edges: dict[str, EdgePlan]
+    unmatched_rules: tuple[int, ...] = ()
+    # The targets whose constraints are resolved into the edges, by name, and
+    # their tables (to plan the same graph again; not serialized).
+    targets: tuple[str, ...] = ()
+    target_tables: tuple[Target, ...] = dataclasses.field(default=(), compare=False, repr=False)
+
+    @property
+    def float_ops(self) -> tuple[str, ...]:
+        """Ops that no rule matched (or that a skip rule kept in float)."""
+        return tuple(
+            o.id for o in self.graph.ops
+            if o.kind != "scan"
+            if self.ops[o.id].rule is None or self.ops[o.id].skip
+        )
+
+    def edge_spec(self, edge_id: str) -> QuantSpec | None:
+        return self.edges[edge_id].spec
+
+    @functools.cached_property
+    def conversions(self) -> dict:
+        """``(edge id, qtype) -> Conversion``: inputs an op reads in its own
+        activation qtype, requantized from the edge's (see `odmlq.plan._conversions`)."""
+        from odmlq.plan._conversions import input_conversions
+
+        return input_conversions(self)
+
+    def weight_specs(self) -> dict[str, QuantSpec]:
+        """Parameter path -> the spec the plan gives it (quantized weights only).
+
+        Raises:
+          PlanError: two ops give one parameter two different specs.
+        """
+        specs: dict[str, QuantSpec] = {}
+        for op_plan in self.ops.values():
+            for w in op_plan.weights:
+                if w.spec is None:
+                    continue
+                if w.param in specs and specs[w.param] != w.spec:
+                    raise PlanError(
+                        f"Parameter {w.param!r} is used by several ops with different specs "
+                        f"({specs[w.param].describe()} vs {w.spec.describe()} at op {op_plan.op!r}); "
+                        "give those ops one rule.")
+                specs[w.param] = w.spec
+        return specs
+
+    def replan(self, rules: Sequence[Rule] | Rule) -> "Plan":
+        """The same graph planned with other rules, for the same targets.
+
+        Raises:
+          PlanError: the plan was read from JSON, which names its targets
+            but does not hold their tables.
+        """
+        if len(self.target_tables) != len(self.targets):
+            raise PlanError(
+                f"This plan was read from JSON: it names its targets {list(self.targets)} but does not "
+                "hold their constraint tables; plan again with odmlq.plan(model, rules, x, target=...).")
+        return plan_graph(self.graph, rules, self.target_tables)
+
+    def to_json(self, indent: int | None = 1) -> str:
+        return json.dumps({
+            "format": "odmlq.plan", "version": PLAN_FORMAT_VERSION, "targets": list(self.targets),
+            "graph": self.graph.to_dict(), "rules": rules_to_dicts(self.rules),
+            "ops": [o.to_dict() for o in self.ops.values()],
+            "edges": [e.to_dict() for e in self.edges.values()],
+            "unmatched_rules": list(self.unmatched_rules),
+        }, indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError(f"Not a plan: JSON error at line {e.lineno}: {e.msg}.") from None
+        if not isinstance(d, dict) or d.get("format") != "odmlq.plan":
+            raise PlanError("Not an odmlq plan (no 'format': 'odmlq.plan' field).")
+        if d.get("version") != PLAN_FORMAT_VERSION:
+            raise PlanError(
+                f"Plan format version {d.get('version')!r} is not supported (this odmlq "
+                f"reads version {PLAN_FORMAT_VERSION}); re-create the plan with odmlq.plan()."
+            )
+        return cls(
+            graph=Graph.from_dict(d["graph"]),
+            rules=tuple(rules_from_dicts(d["rules"], source="plan")),
+            ops={o["op"]: OpPlan.from_dict(o) for o in d["ops"]},
+            edges={e["edge"]: EdgePlan.from_dict(e) for e in d["edges"]},
+            unmatched_rules=tuple(d["unmatched_rules"]), targets=tuple(d.get("targets", ())),
+        )
+
+    def __str__(self) -> str:
+        from odmlq.plan import _table as _plan_table
+
+        return _plan_table.render(self)
+
+
+def plan(model: Any, rules: Sequence[Rule] | Rule, *example_inputs: Any,
+         variables: Any = None, method: Any = None, target: Target | Sequence[Target] = ()) -> Plan:
+    """Traces `model` and decides how every op, weight and edge is quantized.
+
+    Args:
+      model: a Linen module, an NNX module, or ``fn(params, *inputs)``.
+      rules: rules in priority order (first match wins).
+      *example_inputs: arrays or `jax.ShapeDtypeStruct`s as the model sees them.
+      variables: Linen variables (optional: shapes are enough to plan), or
+        the params of a plain function.
+      method: Linen method / NNX method name to trace (default: call).
+      target: the `odmlq.constraints.Target`s the plan must hold on (each
+        backend has one: ``odmlq.litert.TARGET``, ``odmlq.xla.TARGET``; the
+        face's ``odmlq.plan`` takes their names). Their scale constraints are
+        resolved into the edges. None given: every scale is free.
+
+    Returns:
+      The Plan. Rules that matched nothing are listed in
+      `plan.unmatched_rules` and warned about (`UnmatchedRuleWarning`).
+
+    Example:
+      >>> p = odmlq.plan(model, [odmlq.Rule('.*', weight_qtype='int8', act_qtype='int8')], x)
+      >>> print(p)
+    """
+    rules = check_rules(rules)
+    graph = trace(model, *example_inputs, variables=variables, method=method)
+    return plan_graph(graph, rules, target)
+
+
+def check_rules(rules) -> tuple[Rule, ...]:
+    if isinstance(rules, Rule):
+        rules = [rules]
+    rules = tuple(rules)
+    for i, r in enumerate(rules):
+        if not isinstance(r, Rule):
+            raise RuleError(f"rules[{i}] is a {type(r).__name__}, not an odmlq.Rule: {r!r}.")
+    return rules
+
+
+def plan_graph(graph: Graph, rules: Sequence[Rule], target: Target | Sequence[Target] = ()) -> Plan:
+    """Applies `rules` to an already traced graph, for `target`."""
+    rules = check_rules(rules)
+    targets = (target,) if isinstance(target, Target) else tuple(target)
+    for i, t in enumerate(targets):
+        if not isinstance(t, Target):
+            raise PlanError(f"target[{i}] is {t!r}, not an odmlq.constraints.Target; name targets "
+                            "('litert', 'xla', 'both') through odmlq.plan, or pass odmlq.litert.TARGET.")
+    op_plans: dict[str, OpPlan] = {}
+    matched: set[int] = set()
+    for op in graph.ops:
+        index = None
+        if op.kind != "scan":
+            index = next((i for i, r in enumerate(rules) if r.matches(op.module_path, op.kind)), None)
+        if index is not None:
+            matched.add(index)
+        rule = rules[index] if index is not None else None
+        op_plans[op.id] = OpPlan(op=op.id, rule=index, weights=_weight_plans(op, rule, index),
+                                 constants=_constant_specs(op, rule), skip=rule is not None and rule.skip,
+                                 dynamic_input=_dynamic_input_spec(op, rule))
+    edge_plans = _edge_plans(graph, rules, op_plans, combine_targets(targets))
+    unmatched = warn_unmatched(rules, matched)
+    return Plan(graph=graph, rules=rules, ops=op_plans, edges=edge_plans,
+                unmatched_rules=tuple(unmatched), targets=tuple(t.name for t in targets),
+                target_tables=targets)
+
+
+def _weight_plans(op: Op, rule: Rule | None, index: int | None) -> tuple[WeightPlan, ...]:
+    out = []
+    quantized = rule is not None and not rule.skip and rule.weight_qtype is not None
+    for operand in op.weights:
+        if not quantized:
+            out.append(WeightPlan(param=operand.param, role=operand.role, spec=None))
+        elif operand.role == "bias" and op.kind in MATMUL_KINDS:
+            out.append(WeightPlan(
+                param=operand.param, role="bias", spec=None,
+                note="int32, scale = input scale x weight scale (derived by the backend)"))
+        elif not operand.dtype.startswith(("float", "bfloat")):
+            out.append(WeightPlan(param=operand.param, role=operand.role, spec=None,
+                                  note=f"{operand.dtype}: not a float weight"))
+        else:
+            out.append(WeightPlan(param=operand.param, role=operand.role,
+                                  spec=_weight_spec(op, operand, rule, index)))
+    return tuple(out)
+
+
+# Elementwise ops whose constant operands (x * 0.5, x + c, max(x, c)) are
+# tensors an integer kernel reads like a second activation: they are quantized
+# with the op's activation qtype, per tensor and symmetric, the scale taken
+# from their value (see `odmlq.scales`).
+CONSTANT_OPERAND_KINDS = frozenset({"add", "sub", "mul", "div", "max", "min"})
+
+
+def _constant_specs(op: Op, rule: Rule | None) -> tuple[QuantSpec | None, ...]:
+    constants = op.constants
+    quantized = (rule is not None and not rule.skip and rule.act_qtype is not None
+                 and not rule.act_dynamic and op.kind in CONSTANT_OPERAND_KINDS)
+    if not quantized:
+        return (None,) * len(constants)
+    qt = lookup_qtype(rule.act_qtype)
+    return tuple(
+        QuantSpec(qtype=qt.name, symmetric=True)
+        if c.value is not None and c.dtype.startswith(("float", "bfloat")) and qt.is_integer else None
+        for c in constants)
+
+
+def _dynamic_input_spec(op: Op, rule: Rule | None) -> QuantSpec | None:
+    """What a dynamic-range matmul/conv kernel quantizes its float inputs to."""
+    if (op.kind not in MATMUL_KINDS or rule is None or rule.skip or not rule.act_dynamic
+            or rule.act_qtype is None):
+        return None
+    return QuantSpec(qtype=lookup_qtype(rule.act_qtype).name, symmetric=rule.resolved("act_symmetric"),
+                     dynamic=True)
+
+
+def _weight_spec(op: Op, operand: Operand, rule: Rule, index: int) -> QuantSpec:
+    qt = lookup_qtype(rule.weight_qtype)
+    granularity = rule.resolved("weight_granularity")
+    symmetric = rule.resolved("weight_symmetric")
+    where = f"op {op.id!r} (rules[{index}]), weight {operand.param!r} of shape {operand.shape}"
+    ndim = len(operand.shape)
+    stacked = tuple(operand.stacked_axes)
+    block_axis = block_size = None
+    if isinstance(granularity, PerTensor):
+        axes = ()
+    elif isinstance(granularity, PerChannel) and granularity.axis is not None:
+        axes = (_normalize_axis(granularity.axis, ndim, where),)
+    else:
+        if operand.channel_axes is None:
+            raise GranularityError(
+                f"{where}: its output-channel axes cannot be traced back to the parameter's "
+                "layout; give the axis explicitly, e.g. PerChannel(axis=-1), or use PerTensor()."
+            )
+        axes = tuple(operand.channel_axes)
+        if isinstance(granularity, PerBlock):
+            block_size = granularity.size
+            if granularity.axis is not None:
+                block_axis = _normalize_axis(granularity.axis, ndim, where)
+            elif operand.contraction_axes is not None and len(operand.contraction_axes) == 1:
+                block_axis = operand.contraction_axes[0]
+            else:
+                raise GranularityError(
+                    f"{where}: PerBlock needs one contraction axis, found "
+                    f"{operand.contraction_axes}; give it: PerBlock({block_size}, axis=...)."
+                )
+            size = operand.shape[block_axis]
+            if size % block_size:
+                divisors = [d for d in range(1, size + 1) if size % d == 0 and d <= 256]
+                raise GranularityError(
+                    f"{where}: block size {block_size} does not divide axis {block_axis} of "
+                    f"size {size}; choose a divisor such as {divisors[-4:]}."
+                )
+            axes = tuple(a for a in axes if a != block_axis)
+    return QuantSpec(
+        qtype=qt.name, scale_axes=tuple(sorted(set(stacked + axes))), block_axis=block_axis,
+        block_size=block_size, symmetric=symmetric, narrow_range=symmetric and qt.is_integer,
+        calibration=rule.resolved("weight_calibration"),
+    )
+
+
+def _normalize_axis(axis: int, ndim: int, where: str) -> int:
+    if not -ndim <= axis < ndim:
+        raise GranularityError(f"{where}: axis {axis} is out of range for a {ndim}-d tensor.")
+    return axis % ndim
+
+
+def _act_spec(edge: Edge, rule: Rule, index: int) -> QuantSpec:
+    qt = lookup_qtype(rule.act_qtype)
+    granularity = rule.resolved("act_granularity")
+    axes: tuple[int, ...] = ()
+    if isinstance(granularity, PerChannel):
+        where = f"edge {edge.id!r} (rules[{index}]) of shape {edge.shape}"
+        axis = -1 if granularity.axis is None else granularity.axis
+        axes = (_normalize_axis(axis, len(edge.shape), where),)
+    symmetric = rule.resolved("act_symmetric")
+    return QuantSpec(
+        qtype=qt.name, scale_axes=axes, symmetric=symmetric, narrow_range=False,
+        calibration=None if rule.act_dynamic else rule.resolved("act_calibration"),
+        dynamic=rule.act_dynamic,
+    )
+
+
+def _edge_plans(graph: Graph, rules, op_plans, constraints) -> dict[str, EdgePlan]:
+    by_edge: dict[str, EdgePlan] = {}
+    for edge in graph.edges.values():
+        if edge.alias is not None:
+            continue
+        if not edge.is_float:
+            by_edge[edge.id] = EdgePlan(edge=edge.id, spec=None, rule=None,
+                                        reason=f"{edge.dtype}: not a float tensor")
+            continue
+        if edge.is_input:
+            if not edge.consumers:
+                by_edge[edge.id] = EdgePlan(edge=edge.id, spec=None, rule=None, reason="unused input")
+                continue
+            op_id, how = edge.consumers[0], f"first consumer {edge.consumers[0]}"
+        else:
+            op_id, how = edge.producer, "producer"
+        index = op_plans[op_id].rule
+        rule = rules[index] if index is not None else None
+        if rule is None:
+            by_edge[edge.id] = EdgePlan(edge=edge.id, spec=None, rule=None, reason=f"no rule ({how})")
+        elif rule.skip or rule.act_qtype is None:
+            why = "skip" if rule.skip else "no act_qtype"
+            by_edge[edge.id] = EdgePlan(edge=edge.id, spec=None, rule=index, reason=f"{why} ({how})")
+        else:
+            by_edge[edge.id] = EdgePlan(edge=edge.id, spec=_act_spec(edge, rule, index),
+                                        rule=index, reason=how)
+    fuse_activations(graph, by_edge, constraints)
+    dynamic_only_into_kernels(graph, by_edge)
+    resolve_output_constraints(graph, by_edge, constraints)
+    for edge in graph.edges.values():
+        if edge.alias is not None:
+            target = graph.resolve(edge.id)
+            base = by_edge[target]
+            by_edge[edge.id] = EdgePlan(edge=edge.id, spec=base.spec, rule=base.rule,
+                                        reason=f"alias of {target}", constraint=base.constraint,
+                                        fused_into=base.fused_into)
+    return {e: by_edge[e] for e in graph.edges}

@@ -1,0 +1,136 @@
+"""The array math behind `odmlq.qarray`, whose docstring states the semantics.
+
+Private. The public functions validate, then call these. The entry points
+are jitted so that an eager call (quantizing a checkpoint weight by weight)
+dispatches one fused computation, not one per primitive; under an outer jit
+they are inlined. They are keyed by `Kernel`, not by the qtype, and take the
+qtype's range as an argument, so that int3..int8 (all stored in int8) share
+compiled code.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from odmlq.qarray._packing import pack, unpack
+from odmlq.qarray._layout import blocked_axis, param_to_blocks, scale_shape, to_blocks
+from odmlq.qtypes import NF4_LEVELS, QType
+
+# Decision points of nf4 rounding: a value above midpoint k goes to level k+1.
+_NF4_MIDPOINTS = (NF4_LEVELS[:-1] + NF4_LEVELS[1:]) / np.float32(2)
+
+
+class Kernel(NamedTuple):
+    """What compiled code depends on (a static argument of every kernel)."""
+
+    kind: str  # 'int', 'float' or 'lut'
+    storage: str  # numpy dtype name of one unpacked value
+    packed_as: str | None  # the qtype name for packed types, else None
+
+
+def kernel_for(qt: QType) -> Kernel:
+    """The kernel of a qtype; every int width stored in int8 gets the same one."""
+    return Kernel(qt.kind, np.dtype(qt.storage_dtype).name, qt.name if qt.values_per_byte > 1 else None)
+
+
+def qrange(qt: QType, narrow_range: bool) -> np.ndarray:
+    """``[qmin, qmax]`` as float32, passed to kernels as a (traced) argument."""
+    return np.array(qt.range(narrow_range), np.float32)
+
+
+_STATIC = ("kernel", "block_axis", "block_size")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def quantize_and_pack(x, scale, zero_point, bounds, kernel, block_axis, block_size):
+    """What `QArray.qvalue` stores for `x`."""
+    values = quantize_values(x, scale, zero_point, bounds, kernel, block_axis, block_size)
+    return values if kernel.packed_as is None else pack(values, kernel.packed_as)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("dtype",))
+def fake_quant(x, scale, zero_point, bounds, kernel, block_axis, block_size, dtype):
+    """Quantize then dequantize, skipping the packing in between."""
+    values = quantize_values(x, scale, zero_point, bounds, kernel, block_axis, block_size)
+    return dequantize_values(values, scale, zero_point, kernel, block_axis, block_size).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("shape", "dtype"))
+def dequantize_stored(qvalue, scale, zero_point, kernel, block_axis, block_size, shape, dtype):
+    """The float tensor of a QArray's stored leaves."""
+    if kernel.packed_as is None:
+        values = qvalue.reshape(shape)
+    else:
+        values = unpack(qvalue, kernel.packed_as, shape)
+    return dequantize_values(values, scale, zero_point, kernel, block_axis, block_size).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("layout",))
+def reduce_range(x, layout):
+    """float32 ``(min, max)`` of `x` in the scale shape of a normalized layout."""
+    axes, block_axis, block_size = layout
+    blocks = to_blocks(x.astype(jnp.float32), block_axis, block_size)
+    keep = {blocked_axis(a, block_axis) for a in axes} | ({block_axis} - {None})
+    reduce = tuple(i for i in range(blocks.ndim) if i not in keep)
+    target = scale_shape(x.shape, *layout)
+    lo = jnp.min(blocks, axis=reduce, keepdims=True).reshape(target)
+    hi = jnp.max(blocks, axis=reduce, keepdims=True).reshape(target)
+    return lo, hi
+
+
+@functools.partial(jax.jit, static_argnames=("symmetric",))
+def scale_from_range(lo, hi, bounds, symmetric):
+    """``(scale, zero_point or None)``; see `odmlq.qarray.compute_scale`."""
+    lo, hi = jnp.broadcast_arrays(lo.astype(jnp.float32), hi.astype(jnp.float32))
+    qmin, qmax = bounds[0], bounds[1]
+    if symmetric:
+        # qmax does not change with narrow_range, so neither does this scale.
+        return nonzero_scale(jnp.maximum(jnp.abs(lo), jnp.abs(hi)) / qmax), None
+    lo, hi = jnp.minimum(lo, 0.0), jnp.maximum(hi, 0.0)
+    scale = nonzero_scale((hi - lo) / (qmax - qmin))
+    zero_point = jnp.clip(jnp.round(qmin - lo / scale), qmin, qmax).astype(jnp.int32)
+    return scale, zero_point
+
+
+def quantize_values(x, scale, zero_point, bounds, kernel, block_axis, block_size):
+    """Unpacked codes / fp8 values / nf4 indices of `x` (in float32), shape kept."""
+    ratio = to_blocks(x.astype(jnp.float32), block_axis, block_size) / param_to_blocks(scale, block_axis)
+    if kernel.kind == "int":
+        codes = jnp.round(ratio)
+        if zero_point is not None:
+            # Adding an integer after rounding equals rounding after adding it.
+            codes = codes + param_to_blocks(zero_point, block_axis).astype(jnp.float32)
+        out = jnp.clip(codes, bounds[0], bounds[1]).astype(kernel.storage)
+    elif kernel.kind == "float":
+        # Clip first: the float8 cast of an out-of-range value is NaN (e4m3fn)
+        # or inf (e5m2), and saturation is what a quantizer must do.
+        out = jnp.clip(ratio, bounds[0], bounds[1]).astype(kernel.storage)
+    else:
+        # side='left' counts midpoints strictly below the value, so a value on
+        # a midpoint takes the lower index.
+        out = jnp.searchsorted(jnp.asarray(_NF4_MIDPOINTS), ratio, side="left").astype(jnp.uint8)
+    return out.reshape(x.shape)
+
+
+def dequantize_values(values, scale, zero_point, kernel, block_axis, block_size):
+    """float32 tensor from unpacked values."""
+    blocks = to_blocks(values, block_axis, block_size)
+    if kernel.kind == "lut":
+        floats = jnp.asarray(NF4_LEVELS)[blocks.astype(jnp.int32)]
+    elif zero_point is not None:
+        # The difference is exact in int32 (both operands are small integers).
+        floats = (blocks.astype(jnp.int32) - param_to_blocks(zero_point, block_axis)).astype(jnp.float32)
+    else:
+        floats = blocks.astype(jnp.float32)
+    return (floats * param_to_blocks(scale, block_axis)).reshape(values.shape)
+
+
+def nonzero_scale(scale: jax.Array) -> jax.Array:
+    """1.0 where `scale` is 0 (a zero range, or one that underflows float32)."""
+    # A zero scale would divide by zero when quantizing, and LiteRT rejects it.
+    return jnp.where(scale > 0, scale, jnp.float32(1.0))

@@ -1,0 +1,155 @@
+"""The runs a report lines up, each captured by plan edge id (internal).
+
+- float: the traced graph evaluated as it is;
+- simulate / local: `Simulator` with and without float inputs fed to each op;
+- xla: a `QuantizedModel` (odmlq.ptq) with ``capture=True``;
+- litert: the LiteRT interpreter with every tensor kept, tensors mapped to
+  edges by name as verification maps them (`odmlq.litert.verify.map_tensors`);
+- device: a dump of the same .tflite's tensors made on a device
+  (`samples/dump_tensors.py`), mapped like litert.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from odmlq.errors import OdmlqError, PlanError
+
+
+def leaves(tree: Any) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
+
+
+def float_run(graph, params, inputs: tuple) -> tuple[list[np.ndarray], dict[str, np.ndarray]]:
+    """Outputs and every edge of the model in float."""
+    captured: dict[str, Any] = {}
+    out = graph.evaluate(params, *inputs, on_edge=lambda e, x: captured.setdefault(e, x))
+    return leaves(out), {k: np.asarray(v) for k, v in captured.items()}
+
+
+def check_xla(qmodel, plan) -> None:
+    """Raises PlanError when `qmodel` is not a QuantizedModel of a plan with `plan`'s ops."""
+    from odmlq.xla.ptq import QuantizedModel
+
+    if not isinstance(qmodel, QuantizedModel):
+        raise PlanError(f"compare(xla=...) takes a QuantizedModel (odmlq.ptq(model, plan, ...)), "
+                        f"not a {type(qmodel).__name__}.")
+    theirs = [o.id for o in qmodel.plan.graph.ops]
+    if theirs != [o.id for o in plan.graph.ops]:
+        raise PlanError(
+            "compare(xla=...): the QuantizedModel was made from a plan with other ops "
+            f"({len(theirs)} ops, e.g. {theirs[:3]}) than the one compared; pass "
+            "odmlq.ptq(model, plan, ...) of this plan.")
+
+
+def xla_run(qmodel, inputs: tuple) -> tuple[list[np.ndarray], dict[str, np.ndarray]]:
+    """Outputs and every edge as the XLA backend computes them."""
+    out, captured = qmodel(*inputs, capture=True)
+    return leaves(out), {k: np.asarray(v) for k, v in captured.items()}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LiteRTRun:
+    """LiteRT's (host) and optionally a device's tensors, per edge and output."""
+
+    edges: dict[str, np.ndarray]
+    outputs: list[np.ndarray]
+    unmapped: tuple[str, ...]
+    mismatched_scales: tuple[str, ...] = ()
+    device_edges: dict[str, np.ndarray] | None = None
+    device_outputs: list[np.ndarray | None] | None = None  # None: not in the dump
+    device_missing: tuple[str, ...] = ()
+
+
+def check_litert_inputs(interpreter, inputs: Sequence[np.ndarray], names: Sequence[str] | None = None,
+                        *, whole: bool = False) -> None:
+    """Inputs fit the .tflite: as many as it takes, its shape but for the batch
+    (exactly its shape with `whole`: one invocation).
+
+    Raises:
+      OdmlqError: naming the input, its shape and the shape the model takes.
+    """
+    details = interpreter.get_input_details()
+    if len(inputs) != len(details):
+        raise OdmlqError(
+            f"The .tflite takes {len(details)} input(s) ({', '.join(d['name'] for d in details)}); "
+            f"got {len(inputs)}. Give one array per model input, in order.")
+    for i, (d, x) in enumerate(zip(details, inputs)):
+        want, got = tuple(int(s) for s in d["shape"]), tuple(np.shape(x))
+        name = names[i] if names else f"input {i}"
+        fits = got == want if whole else (len(got) == len(want) and got[1:] == want[1:]
+                                          and got[0] % max(want[0], 1) == 0)
+        if not fits:
+            batch = "" if whole else f" (or a multiple of its batch size {want[0]})"
+            raise OdmlqError(
+                f"Input {name!r} has shape {got}, but the .tflite's input {d['name']!r} takes "
+                f"{want}{batch}; give inputs of that shape.")
+
+
+def litert_run(tflite: bytes, plan, scales, inputs: tuple,
+               device: Mapping[str, np.ndarray] | None = None) -> LiteRTRun:
+    """LiteRT's dequantized tensors per edge and its outputs, the batch stitched
+    back together; with `device`, the dump's tensors likewise (one invocation).
+
+    Raises:
+      OdmlqError: inputs that do not fit the model; a dumped tensor of another shape.
+    """
+    from odmlq.litert.verify import (dequantize_tensor, from_output, params_match, sample_rows, to_input, map_tensors,
+                                     preserving_interpreter, produced_tensors)
+
+    interpreter = preserving_interpreter(tflite)
+    check_litert_inputs(interpreter, inputs, whole=device is not None)
+    details = {d["index"]: d for d in interpreter.get_tensor_details()}
+    produced = set(produced_tensors(interpreter))
+    mapping = map_tensors(list(details.values()), produced, plan, scales)
+    outputs_detail = interpreter.get_output_details()
+    values: dict[str, list] = {e: [] for e in mapping}
+    outs: list[list] = [[] for _ in outputs_detail]
+    for row in sample_rows([tuple(inputs)], interpreter):
+        for d, x in zip(interpreter.get_input_details(), row):
+            interpreter.set_tensor(d["index"], to_input(x, d))
+        interpreter.invoke()
+        for e, i in mapping.items():
+            values[e].append(dequantize_tensor(interpreter.get_tensor(i), details[i]))
+        for k, d in enumerate(outputs_detail):
+            outs[k].append(from_output(interpreter.get_tensor(d["index"]), d))
+    unmapped = tuple(details[i]["name"] for i in sorted(produced)
+                     if i not in mapping.values() and details[i]["dtype"] in (np.int8, np.int16))
+    mismatched = tuple(e for e, i in mapping.items() if not params_match(details[i], scales.edges[e]))
+    run = LiteRTRun(edges={e: np.concatenate(v) for e, v in values.items() if v},
+                    outputs=[np.concatenate(o) for o in outs], unmapped=unmapped,
+                    mismatched_scales=mismatched)
+    if device is None:
+        return run
+    device_edges, missing = {}, []
+    for e, i in mapping.items():
+        got = _dumped(device, details[i], run.edges[e].shape)
+        if got is None:
+            missing.append(details[i]["name"])
+        else:
+            device_edges[e] = dequantize_tensor(got, details[i])
+    device_outputs = []
+    for d, host in zip(outputs_detail, run.outputs):
+        got = _dumped(device, details[d["index"]], host.shape)
+        if got is None:
+            missing.append(d["name"])
+        device_outputs.append(None if got is None else from_output(got, d))
+    return dataclasses.replace(run, device_edges=device_edges, device_outputs=device_outputs,
+                               device_missing=tuple(dict.fromkeys(missing)))
+
+
+def _dumped(dump: Mapping[str, np.ndarray], detail: dict, shape: tuple) -> np.ndarray | None:
+    """The dumped value of one tensor (by name, or ``t<index>``), or None if absent."""
+    key = detail["name"] if detail["name"] in dump else f"t{detail['index']}"
+    if key not in dump:
+        return None
+    got = np.asarray(dump[key])
+    if got.shape != tuple(shape):
+        raise OdmlqError(f"Tensor {detail['name']!r} is {got.shape} in the device dump but {tuple(shape)} "
+                         "in the model; was the dump made from this .tflite on these inputs?")
+    return got

@@ -1,0 +1,79 @@
+"""Calibration methods as objects: dict round trips, defaults, errors."""
+
+import json
+
+import pytest
+
+from odmlq import calibration as cal
+from odmlq.calibration import (
+    MSE, RMS, AbsMax, Entropy, FixedRange, MinMax, MovingAverageMinMax,
+    Percentile,
+)
+from odmlq.errors import CalibrationError
+from tests.calibration._common import (
+    ALL_METHODS,
+)
+
+
+# ------------------------------------------------------------------- methods
+
+
+@pytest.mark.parametrize("method", ALL_METHODS.values(), ids=ALL_METHODS.keys())
+def test_method_dict_round_trip(method):
+    d = method.to_dict()
+    assert json.loads(json.dumps(d)) == d
+    assert cal.calibration_method_from_dict(d) == method
+    assert cal.parse_calibration_method(d) == method
+    assert cal.parse_calibration_method(method) is method
+    assert method.needs_histogram == isinstance(method, (Percentile, MSE, Entropy))
+
+
+def test_to_dict_shape():
+    assert Percentile(99.99).to_dict() == {"method": "percentile", "percentile": 99.99}
+    assert AbsMax().to_dict() == {"method": "absmax", "clip_ratio": 1.0}
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [("minmax", MinMax()), ("absmax", AbsMax()), ("mse", MSE()), ("percentile", Percentile()),
+     ("moving_average_minmax", MovingAverageMinMax()), ("rms", RMS()), ("entropy", Entropy())],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_parse_bare_name_uses_defaults(name, expected):
+    assert cal.parse_calibration_method(name) == expected
+
+
+def test_unknown_method_name_lists_valid_names():
+    with pytest.raises(CalibrationError, match=r"Unknown calibration method 'absmax,0.8'; choose one of \['absmax'"):
+        cal.parse_calibration_method("absmax,0.8")
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: Percentile(101), r"Percentile\(percentile=101\): percentile must be a number in \(50, 100\]"),
+        (lambda: Percentile("99"), r"Percentile\(percentile='99'\)"),
+        (lambda: AbsMax(clip_ratio=0), r"AbsMax\(clip_ratio=0\): clip_ratio must be a finite number > 0"),
+        (lambda: AbsMax(clip_ratio=True), r"AbsMax\(clip_ratio=True\)"),
+        (lambda: FixedRange(1, 0), r"FixedRange\(min=1.0, max=0.0\): min must be less than max"),
+        (lambda: FixedRange(0, float("inf")), r"FixedRange\(max=inf\): max must be a finite number"),
+        (lambda: MovingAverageMinMax(momentum=1.0), r"momentum must be a number in \[0, 1\)"),
+        (lambda: RMS(multiplier=-2), r"RMS\(multiplier=-2\): multiplier must be a finite number > 0"),
+    ],
+    ids=["percentile_101", "percentile_str", "clip_ratio_0", "clip_ratio_bool", "fixed_reversed",
+         "fixed_inf", "momentum_1", "rms_negative"],
+)
+def test_bad_field_values(make, match):
+    with pytest.raises(CalibrationError, match=match):
+        make()
+
+
+def test_method_dict_errors():
+    with pytest.raises(CalibrationError, match=r"'percentile' has no field\(s\) \['p'\]; its fields are \['percentile'\]"):
+        cal.calibration_method_from_dict({"method": "percentile", "p": 99})
+    with pytest.raises(CalibrationError, match=r"is incomplete: its fields are \['max', 'min'\]"):
+        cal.parse_calibration_method("fixed_range")
+    with pytest.raises(CalibrationError, match=r"needs a 'method' key"):
+        cal.calibration_method_from_dict({"percentile": 99})
+    with pytest.raises(CalibrationError, match=r"a method object .* got 3"):
+        cal.parse_calibration_method(3)
