@@ -41,9 +41,13 @@ NF4_LEVELS = np.array(
 )
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class QType:
     """A quantized number format.
+
+    A QType is equal to (and hashes like) its canonical name, so
+    ``spec.qtype == 'int8'`` and a table keyed by names both work; it prints
+    as its name.
 
     Attributes:
       name: canonical name, e.g. ``'int8'``, ``'fp8_e4m3'``, ``'nf4'``.
@@ -85,6 +89,19 @@ class QType:
 
     def __str__(self) -> str:
         return self.name
+
+    def __repr__(self) -> str:
+        return f"QType({self.name!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, QType):
+            return self.name == other.name
+        if isinstance(other, str):
+            return self.name == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.name)
 
 
 def _int(bits: int, native: tuple[str, ...] = ()) -> QType:

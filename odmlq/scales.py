@@ -30,7 +30,7 @@ from odmlq.calibration._calibration import Calibration, range_of
 from odmlq.constraints import FixedScale, SameAsInput, SharedWithInputs
 from odmlq.errors import CalibrationError, PlanError
 from odmlq.qarray._array import QArray, compute_scale, fake_quant, quantize, scale_shape
-from odmlq.qtypes import qtype as lookup_qtype
+from odmlq.qtypes import QType, qtype as lookup_qtype
 
 __all__ = ["TensorScale", "Scales", "compute_scales", "constant_scale", "flat_params"]
 
@@ -41,7 +41,7 @@ _INT32_MAX = 2**31 - 1
 class TensorScale:
     """How one tensor is quantized, with numbers: see `odmlq.qarray` for the shapes."""
 
-    qtype: str
+    qtype: QType
     scale: np.ndarray
     zero_point: np.ndarray | None = None
     scale_axes: tuple[int, ...] = ()
@@ -53,6 +53,9 @@ class TensorScale:
     # float value is snapped back onto that grid before rounding, so float32
     # noise cannot move a tie.
     divisor: int = 1
+
+    def __post_init__(self):
+        object.__setattr__(self, "qtype", lookup_qtype(self.qtype))
 
     def _kwargs(self) -> dict:
         return dict(scale=self.scale, zero_point=self.zero_point, scale_axes=self.scale_axes,
@@ -218,7 +221,7 @@ def _conversion_scale(plan, key, edges, calibration, conversions) -> TensorScale
         if source is None or source.scale_axes:
             conversions[key] = _calibrated_scale(edge, conversion.spec, calibration)
         else:
-            qt = lookup_qtype(source.qtype)
+            qt = source.qtype
             s = np.asarray(source.scale, np.float64).reshape(())
             zp = 0.0 if source.zero_point is None else float(np.asarray(source.zero_point).reshape(()))
             lo = np.float32((qt.qmin + (1 if source.narrow_range else 0) - zp) * s)
@@ -317,7 +320,7 @@ def _fake_quant_of_sum(x: jax.Array, ts: TensorScale) -> jax.Array:
     'half_even' rounds ``x / scale`` half to even, then adds the zero point,
     as requantizing kernels (a depthwise convolution) do.
     """
-    qt = lookup_qtype(ts.qtype)
+    qt = ts.qtype
     s = jnp.asarray(ts.scale)
     zp = 0.0 if ts.zero_point is None else jnp.asarray(ts.zero_point, jnp.float32)
     v = jnp.round(x / s * ts.divisor) / ts.divisor
@@ -351,7 +354,7 @@ def _bias_scales(plan, scales: Scales, weights) -> dict[str, np.ndarray]:
         source = scales.input_scale(plan, op, op.inputs[0])
         if source is None or source.scale_axes or kernels[0].spec.block_size:
             continue
-        if lookup_qtype(kernels[0].spec.qtype).kind != "int":
+        if kernels[0].spec.qtype.kind != "int":
             continue
         kernel = weights[kernels[0].param]
         if len(kernel.scale_axes) > 1:  # stacked layers: biases stay float for now

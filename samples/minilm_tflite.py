@@ -68,7 +68,7 @@ from pathlib import Path
 import numpy as np
 
 import odmlq
-from odmlq.calibration._calibration import MSE
+from odmlq.calibration import MSE
 
 HERE = Path(__file__).parent
 SEQ_LEN = 64

@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 
 import odmlq
 from odmlq import PerBlock, PerChannel, PerTensor, Rule, RuleError, load_rules
-from odmlq.calibration._calibration import MinMax, Percentile
+from odmlq.calibration import MinMax, Percentile
 
 
 def test_short_form_and_defaults():
@@ -63,7 +63,7 @@ def test_op_filter():
        st.sampled_from(["a", "b", "a/b", "c/d/e", "", "x"]))
 def test_first_match_wins(patterns, path):
     """The plan's rule for an op is the first whose regex full-matches its path."""
-    from odmlq.plan._plan import check_rules
+    from odmlq.plan import check_rules
 
     rules = check_rules([Rule(re.escape(p), weight_qtype="int8") for p in patterns])
     chosen = next((i for i, r in enumerate(rules) if r.matches(path, "dot_general")), None)

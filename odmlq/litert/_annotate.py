@@ -27,7 +27,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from odmlq.errors import OdmlqError
-from odmlq.qtypes import qtype as lookup_qtype
 from odmlq.litert.spec import pool_as_depthwise
 from odmlq.graph import flat_params, replace_params
 from odmlq.scales import Scales, TensorScale, fake_quant_bias
@@ -55,7 +54,7 @@ def _fake_quant_decomposition(x, *, dtype, scale, zero_point, narrow_range,
 
 def fake_quant_composite(x: jax.Array, ts: TensorScale, quantization_dimension: int | None = None):
     """`x` wrapped in a `quant.fake_quant` composite for `ts`."""
-    qt = lookup_qtype(ts.qtype)
+    qt = ts.qtype
     attrs = dict(
         dtype=_DTYPES[qt.name],
         scale=np.asarray(ts.scale, np.float32).reshape(-1),

@@ -22,12 +22,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from odmlq.constraints import Constraint, Target, combine_targets, constraint_from_dict
-from odmlq.errors import GranularityError, PlanError, RuleError
-from odmlq.granularity import PerBlock, PerChannel, PerTensor
-from odmlq.graph import MATMUL_KINDS, Edge, Graph, Op, Operand, trace
+from odmlq.errors import PlanError, RuleError
+from odmlq.graph import MATMUL_KINDS, Graph, Op, trace
 from odmlq.plan._passes import dynamic_only_into_kernels, fuse_activations, resolve_output_constraints
 from odmlq.plan._spec import QuantSpec, spec_or_none as _spec_or_none
-from odmlq.qtypes import qtype as lookup_qtype
+from odmlq.plan._specs_of import act_spec, constant_specs, dynamic_input_spec, weight_spec
 from odmlq.rules import Rule, rules_from_dicts, rules_to_dicts, warn_unmatched
 
 __all__ = ["EdgePlan", "OpPlan", "Plan", "QuantSpec", "WeightPlan", "check_rules", "plan", "plan_graph"]
@@ -283,8 +282,8 @@ def plan_graph(graph: Graph, rules: Sequence[Rule], target: Target | Sequence[Ta
             matched.add(index)
         rule = rules[index] if index is not None else None
         op_plans[op.id] = OpPlan(op=op.id, rule=index, weights=_weight_plans(op, rule, index),
-                                 constants=_constant_specs(op, rule), skip=rule is not None and rule.skip,
-                                 dynamic_input=_dynamic_input_spec(op, rule))
+                                 constants=constant_specs(op, rule), skip=rule is not None and rule.skip,
+                                 dynamic_input=dynamic_input_spec(op, rule))
     edge_plans = _edge_plans(graph, rules, op_plans, combine_targets(targets))
     unmatched = warn_unmatched(rules, matched)
     return Plan(graph=graph, rules=rules, ops=op_plans, edges=edge_plans,
@@ -307,104 +306,8 @@ def _weight_plans(op: Op, rule: Rule | None, index: int | None) -> tuple[WeightP
                                   note=f"{operand.dtype}: not a float weight"))
         else:
             out.append(WeightPlan(param=operand.param, role=operand.role,
-                                  spec=_weight_spec(op, operand, rule, index)))
+                                  spec=weight_spec(op, operand, rule, index)))
     return tuple(out)
-
-
-# Elementwise ops whose constant operands (x * 0.5, x + c, max(x, c)) are
-# tensors an integer kernel reads like a second activation: they are quantized
-# with the op's activation qtype, per tensor and symmetric, the scale taken
-# from their value (see `odmlq.scales`).
-CONSTANT_OPERAND_KINDS = frozenset({"add", "sub", "mul", "div", "max", "min"})
-
-
-def _constant_specs(op: Op, rule: Rule | None) -> tuple[QuantSpec | None, ...]:
-    constants = op.constants
-    quantized = (rule is not None and not rule.skip and rule.act_qtype is not None
-                 and not rule.act_dynamic and op.kind in CONSTANT_OPERAND_KINDS)
-    if not quantized:
-        return (None,) * len(constants)
-    qt = lookup_qtype(rule.act_qtype)
-    return tuple(
-        QuantSpec(qtype=qt.name, symmetric=True)
-        if c.value is not None and c.dtype.startswith(("float", "bfloat")) and qt.is_integer else None
-        for c in constants)
-
-
-def _dynamic_input_spec(op: Op, rule: Rule | None) -> QuantSpec | None:
-    """What a dynamic-range matmul/conv kernel quantizes its float inputs to."""
-    if (op.kind not in MATMUL_KINDS or rule is None or rule.skip or not rule.act_dynamic
-            or rule.act_qtype is None):
-        return None
-    return QuantSpec(qtype=lookup_qtype(rule.act_qtype).name, symmetric=rule.resolved("act_symmetric"),
-                     dynamic=True)
-
-
-def _weight_spec(op: Op, operand: Operand, rule: Rule, index: int) -> QuantSpec:
-    qt = lookup_qtype(rule.weight_qtype)
-    granularity = rule.resolved("weight_granularity")
-    symmetric = rule.resolved("weight_symmetric")
-    where = f"op {op.id!r} (rules[{index}]), weight {operand.param!r} of shape {operand.shape}"
-    ndim = len(operand.shape)
-    stacked = tuple(operand.stacked_axes)
-    block_axis = block_size = None
-    if isinstance(granularity, PerTensor):
-        axes = ()
-    elif isinstance(granularity, PerChannel) and granularity.axis is not None:
-        axes = (_normalize_axis(granularity.axis, ndim, where),)
-    else:
-        if operand.channel_axes is None:
-            raise GranularityError(
-                f"{where}: its output-channel axes cannot be traced back to the parameter's "
-                "layout; give the axis explicitly, e.g. PerChannel(axis=-1), or use PerTensor()."
-            )
-        axes = tuple(operand.channel_axes)
-        if isinstance(granularity, PerBlock):
-            block_size = granularity.size
-            if granularity.axis is not None:
-                block_axis = _normalize_axis(granularity.axis, ndim, where)
-            elif operand.contraction_axes is not None and len(operand.contraction_axes) == 1:
-                block_axis = operand.contraction_axes[0]
-            else:
-                raise GranularityError(
-                    f"{where}: PerBlock needs one contraction axis, found "
-                    f"{operand.contraction_axes}; give it: PerBlock({block_size}, axis=...)."
-                )
-            size = operand.shape[block_axis]
-            if size % block_size:
-                divisors = [d for d in range(1, size + 1) if size % d == 0 and d <= 256]
-                raise GranularityError(
-                    f"{where}: block size {block_size} does not divide axis {block_axis} of "
-                    f"size {size}; choose a divisor such as {divisors[-4:]}."
-                )
-            axes = tuple(a for a in axes if a != block_axis)
-    return QuantSpec(
-        qtype=qt.name, scale_axes=tuple(sorted(set(stacked + axes))), block_axis=block_axis,
-        block_size=block_size, symmetric=symmetric, narrow_range=symmetric and qt.is_integer,
-        calibration=rule.resolved("weight_calibration"),
-    )
-
-
-def _normalize_axis(axis: int, ndim: int, where: str) -> int:
-    if not -ndim <= axis < ndim:
-        raise GranularityError(f"{where}: axis {axis} is out of range for a {ndim}-d tensor.")
-    return axis % ndim
-
-
-def _act_spec(edge: Edge, rule: Rule, index: int) -> QuantSpec:
-    qt = lookup_qtype(rule.act_qtype)
-    granularity = rule.resolved("act_granularity")
-    axes: tuple[int, ...] = ()
-    if isinstance(granularity, PerChannel):
-        where = f"edge {edge.id!r} (rules[{index}]) of shape {edge.shape}"
-        axis = -1 if granularity.axis is None else granularity.axis
-        axes = (_normalize_axis(axis, len(edge.shape), where),)
-    symmetric = rule.resolved("act_symmetric")
-    return QuantSpec(
-        qtype=qt.name, scale_axes=axes, symmetric=symmetric, narrow_range=False,
-        calibration=None if rule.act_dynamic else rule.resolved("act_calibration"),
-        dynamic=rule.act_dynamic,
-    )
 
 
 def _edge_plans(graph: Graph, rules, op_plans, constraints) -> dict[str, EdgePlan]:
@@ -431,7 +334,7 @@ def _edge_plans(graph: Graph, rules, op_plans, constraints) -> dict[str, EdgePla
             why = "skip" if rule.skip else "no act_qtype"
             by_edge[edge.id] = EdgePlan(edge=edge.id, spec=None, rule=index, reason=f"{why} ({how})")
         else:
-            by_edge[edge.id] = EdgePlan(edge=edge.id, spec=_act_spec(edge, rule, index),
+            by_edge[edge.id] = EdgePlan(edge=edge.id, spec=act_spec(edge, rule, index),
                                         rule=index, reason=how)
     fuse_activations(graph, by_edge, constraints)
     dynamic_only_into_kernels(graph, by_edge)

@@ -10,7 +10,7 @@ import dataclasses
 from typing import Any
 
 from odmlq import calibration as calibration_lib
-from odmlq.qtypes import BACKENDS, qtype as lookup_qtype
+from odmlq.qtypes import BACKENDS, QType, qtype as lookup_qtype
 
 __all__ = ["QuantSpec", "spec_or_none"]
 
@@ -20,7 +20,7 @@ class QuantSpec:
     """How one tensor is quantized, fully resolved against its shape.
 
     Attributes:
-      qtype: canonical qtype name.
+      qtype: the `QType` (a name is looked up).
       scale_axes: axes along which the scale varies (() is per-tensor).
       block_axis, block_size: blockwise scales along `block_axis`.
       symmetric: no zero point.
@@ -29,7 +29,7 @@ class QuantSpec:
       dynamic: the range is taken from the tensor itself at run time.
     """
 
-    qtype: str
+    qtype: QType
     scale_axes: tuple[int, ...] = ()
     block_axis: int | None = None
     block_size: int | None = None
@@ -37,6 +37,9 @@ class QuantSpec:
     narrow_range: bool = False
     calibration: Any = None
     dynamic: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "qtype", lookup_qtype(self.qtype))
 
     def describe(self) -> str:
         if self.block_size is not None:
@@ -47,20 +50,21 @@ class QuantSpec:
             gran = f"per-channel{list(self.scale_axes)}"
         else:
             gran = "per-tensor"
-        parts = [self.qtype, gran, "sym" if self.symmetric else "asym"]
+        parts = [self.qtype.name, gran, "sym" if self.symmetric else "asym"]
         if self.narrow_range:
             parts.append("narrow")
         if self.dynamic:
             parts.append("dynamic")
         elif self.calibration is not None:
             parts.append(_method_str(self.calibration))
-        emulated = [b for b in BACKENDS if not lookup_qtype(self.qtype).runs_natively_on(b)]
+        emulated = [b for b in BACKENDS if not self.qtype.runs_natively_on(b)]
         if emulated:
             parts.append(f"(emulated on {'/'.join(emulated)})")
         return " ".join(parts)
 
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["qtype"] = self.qtype.name
         d["scale_axes"] = list(self.scale_axes)
         d["calibration"] = None if self.calibration is None else self.calibration.to_dict()
         return d

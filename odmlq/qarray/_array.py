@@ -75,7 +75,7 @@ class QArray:
         nf4) packed uint8 bytes, 1-D. Use `values()` for the logical view.
       scale: float32, see the module docstring for its shape.
       zero_point: int32 of the scale's shape, or None (symmetric).
-      qtype: canonical qtype name, e.g. ``'int8'``.
+      qtype: the `QType` (given by its canonical name, e.g. ``'int8'``, or as one).
       shape: the logical shape.
       scale_axes: sorted non-negative axes the scale varies along.
       block_axis: the axis split into blocks of ``block_size``, or None.
@@ -86,7 +86,7 @@ class QArray:
     qvalue: jax.Array
     scale: jax.Array
     zero_point: jax.Array | None = None
-    qtype: str
+    qtype: QType
     shape: tuple[int, ...]
     scale_axes: tuple[int, ...] = ()
     block_axis: int | None = None
@@ -97,8 +97,9 @@ class QArray:
         # Only static fields are checked: jax rebuilds QArrays with arbitrary
         # leaves (tracers, sentinels) while transforming them.
         qt = _lookup(self.qtype)
-        if qt.name != self.qtype:
+        if isinstance(self.qtype, str) and qt.name != self.qtype:
             raise QTypeError(f"QArray.qtype must be a canonical name; use {qt.name!r}, not {self.qtype!r}.")
+        object.__setattr__(self, "qtype", qt)
         if not isinstance(self.shape, tuple):
             raise GranularityError(f"QArray.shape must be a tuple of ints, got {self.shape!r}.")
         layout = normalize_layout(self.shape, self.scale_axes, self.block_axis, self.block_size)
@@ -111,8 +112,8 @@ class QArray:
 
     @property
     def qtype_info(self) -> QType:
-        """The `QType` object (range, bits, storage) of ``qtype``."""
-        return _lookup(self.qtype)
+        """The `QType` (range, bits, storage): ``qtype`` itself."""
+        return self.qtype
 
     @property
     def ndim(self) -> int:
@@ -151,7 +152,7 @@ class QArray:
         )
 
     def __repr__(self) -> str:
-        parts = [self.qtype, f"shape={self.shape}"]
+        parts = [self.qtype.name, f"shape={self.shape}"]
         if self.scale_axes:
             parts.append(f"scale_axes={self.scale_axes}")
         if self.block_axis is not None:

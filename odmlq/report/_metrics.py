@@ -13,7 +13,6 @@ import math
 
 import numpy as np
 
-from odmlq.qtypes import qtype as lookup_qtype
 
 HISTOGRAM_BINS = 41  # odd: one bin centred on zero error
 _HALF = HISTOGRAM_BINS // 2
@@ -142,7 +141,7 @@ def edge_metrics(reference: np.ndarray, value: np.ndarray, scale=None,
     if scale is not None:
         steps = _steps(scale, err.shape)
         lsb = float(np.max(np.abs(err) / steps, initial=0.0))
-        qt = lookup_qtype(scale.qtype)
+        qt = scale.qtype
         s = np.asarray(scale.scale, np.float64)
         zp = 0.0 if scale.zero_point is None else np.asarray(scale.zero_point, np.float64)
         qmin = qt.qmin + (1 if scale.narrow_range else 0)

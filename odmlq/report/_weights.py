@@ -19,7 +19,6 @@ import dataclasses
 
 import numpy as np
 
-from odmlq.qtypes import qtype as lookup_qtype
 from odmlq.scales import flat_params
 
 OUTLIER_RATIO = 4.0
@@ -121,7 +120,7 @@ def weight_ranges(plan, params, scales=None) -> tuple[WeightRange, ...]:
         absmax = np.maximum(np.abs(lo), np.abs(hi))
         median = float(np.median(absmax))
         outliers = tuple(int(c) for c in np.flatnonzero(absmax > OUTLIER_RATIO * median)) if median > 0 else ()
-        qt = lookup_qtype(spec.qtype)
+        qt = spec.qtype
         levels = median_levels = None
         if qt.kind == "int":
             levels = int(qt.qmax)

@@ -39,7 +39,6 @@ from odmlq.qarray import kernels as qkernels
 from odmlq.errors import PlanError
 from odmlq.graph import MATMUL_KINDS
 from odmlq.qarray import QArray, compute_scale
-from odmlq.qtypes import qtype as lookup_qtype
 from odmlq.xla import _conv, _decode, _matmul
 from odmlq.xla._inputs import Input, converted_inputs
 
@@ -174,7 +173,7 @@ class Lowerer:
             return "the weight scale varies along several contracted axes"
         blocks = f"{w.blocks} block{'s' if w.blocks > 1 else ''} of {w.rows} rows"
         moved = ", unpacked/transposed per call" if w.moved else ""
-        native_w = lookup_qtype(q.qtype).runs_natively_on("xla")
+        native_w = q.qtype.runs_natively_on("xla")
         out_dtype = eqn.outvars[0].aval.dtype
         if read is None:
             self._record(op, schema, f"{q.qtype} weight-only dot: decode per block, f32 dot, scale ({blocks}{moved})",
@@ -182,7 +181,7 @@ class Lowerer:
             return lambda e, ins: [
                 layout.output(_matmul.dot_float(layout.x_matrix(ins[1 - side]), w)).astype(out_dtype)]
         spec, ts = read.spec, read.scale
-        act = lookup_qtype(spec.qtype)
+        act = spec.qtype
         if act.kind == "int" and not (act.runs_natively_on("xla") and act.bits <= 8):
             return f"{act.name} activations are not native on XLA"
         if act.kind == "int" and not (q.qtype_info.kind == "int" and q.qtype_info.bits <= 8 and native_w):
@@ -216,13 +215,13 @@ class Lowerer:
             return "the weight is the convolution's input"
         if operand.contraction_axes is not None and (dn.rhs_spec[1],) != tuple(operand.contraction_axes):
             return "the weight is transposed before the op"
-        native_w = lookup_qtype(q.qtype).runs_natively_on("xla")
+        native_w = q.qtype.runs_natively_on("xla")
         if read is None:
             self._record(op, schema, f"{q.qtype} weight-only conv: kernel dequantized in one fused pass",
                          None if native_w else f"{q.qtype} is not native on XLA")
             return lambda e, ins: [_conv.conv_float(ins[0], q, params).astype(out_dtype)]
         spec, ts = read.spec, read.scale
-        act = lookup_qtype(spec.qtype)
+        act = spec.qtype
         if act.kind != "int" or not act.runs_natively_on("xla") or act.bits > 8:
             return f"no native {act.name}-activation convolution on XLA"
         if not (q.qtype_info.kind == "int" and q.qtype_info.bits <= 8 and native_w and q.symmetric):
@@ -287,7 +286,7 @@ def _quantize_activation(x, spec, ts):
     else:
         scale = jnp.asarray(ts.scale)
         zero_point = None if ts.zero_point is None else jnp.asarray(ts.zero_point)
-    qt = lookup_qtype(spec.qtype)
+    qt = spec.qtype
     codes = qkernels.quantize_values(x, scale, zero_point, qkernels.qrange(qt, False),
                                      qkernels.kernel_for(qt), None, None)
     return codes, scale, zero_point
@@ -296,7 +295,7 @@ def _quantize_activation(x, spec, ts):
 def dynamic_fake_quant(x, spec):
     """What `simulate` makes of a dynamically quantized edge."""
     codes, scale, zero_point = _quantize_activation(x, spec, None)
-    qt = lookup_qtype(spec.qtype)
+    qt = spec.qtype
     values = qkernels.dequantize_values(codes, scale, zero_point, qkernels.kernel_for(qt), None, None)
     return values.astype(x.dtype)
 

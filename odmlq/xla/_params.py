@@ -21,7 +21,6 @@ from odmlq.graph import param_path, params_tree
 from odmlq.errors import PlanError
 from odmlq.qarray import QArray, scale_shape
 from odmlq.scales import TensorScale, weight_scale
-from odmlq.qtypes import qtype as lookup_qtype
 from odmlq.qarray import packed_size
 
 __all__ = ["quantize_params", "weight_specs", "flat_leaves", "check_paths", "weight_scale_of"]
@@ -123,7 +122,7 @@ def quantize_params(params: Any, plan, *, prefix: str | None = None) -> Any:
 
 def abstract_qarray(shape: tuple[int, ...], spec) -> QArray:
     """The QArray `spec` makes of a tensor of `shape`, with `ShapeDtypeStruct` leaves."""
-    qt = lookup_qtype(spec.qtype)
+    qt = spec.qtype
     stored = (packed_size(math.prod(shape), qt),) if qt.values_per_byte > 1 else shape
     s_shape = scale_shape(shape, spec.scale_axes, spec.block_axis, spec.block_size)
     zero_point = None if spec.symmetric else jax.ShapeDtypeStruct(s_shape, np.int32)
@@ -145,7 +144,7 @@ def weight_scale_of(q: QArray) -> TensorScale:
 def check_qarray(path: str, q: QArray, spec) -> None:
     """Refuses a QArray quantized otherwise than the plan says (a stale file, another plan)."""
     layout = (q.qtype, q.scale_axes, q.block_axis, q.block_size, q.narrow_range, q.symmetric)
-    wanted = (lookup_qtype(spec.qtype).name, spec.scale_axes, spec.block_axis, spec.block_size,
+    wanted = (spec.qtype.name, spec.scale_axes, spec.block_axis, spec.block_size,
               spec.narrow_range, spec.symmetric)
     if layout != wanted:
         raise PlanError(

@@ -68,7 +68,7 @@ def save_params(path: str | os.PathLike, params: Any, plan) -> str:
     layout: dict[str, dict] = {}
     for name, leaf in flat.items():
         if isinstance(leaf, QArray):
-            layout[name] = {"qtype": leaf.qtype, "shape": list(leaf.shape), "scale_axes": list(leaf.scale_axes),
+            layout[name] = {"qtype": leaf.qtype.name, "shape": list(leaf.shape), "scale_axes": list(leaf.scale_axes),
                             "block_axis": leaf.block_axis, "block_size": leaf.block_size,
                             "narrow_range": leaf.narrow_range, "dtypes": {}}
             parts = {"qvalue": leaf.qvalue, "scale": leaf.scale, "zero_point": leaf.zero_point}

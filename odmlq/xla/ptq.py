@@ -16,7 +16,7 @@ skipped one) reads it at the conversion's scale, as `simulate` does.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -84,12 +84,18 @@ class QuantizedModel:
         leaves, _ = _params.flat_leaves(self.params)
         return sum(q.nbytes if isinstance(q, QArray) else int(np.asarray(q).nbytes) for _, q in leaves)
 
-    def apply(self, params: Any, *inputs: Any, capture: bool = False) -> Any:
+    def apply(self, params: Any, *inputs: Any, capture: bool = False,
+              feed: Mapping[str, Any] | None = None) -> Any:
         """Runs the model on `params` (as `self.params`). Pure and jittable.
 
+        Args:
+          capture: also return every edge as the XLA path computes it.
+          feed: edge id -> a value that replaces the edge after it is
+            captured, so that each op runs on another run's tensors (an
+            export's, say): the captured edges are then each op's own result.
+
         Returns:
-          The model's outputs, or ``(outputs, {edge_id: value})`` with
-          `capture` (every edge as the XLA path computes it).
+          The model's outputs, or ``(outputs, {edge_id: value})`` with `capture`.
         """
         graph = self._graphs.graph_for(inputs)
         leaves, tree = _params.flat_leaves(params)
@@ -99,12 +105,13 @@ class QuantizedModel:
         view = jax.tree_util.tree_unflatten(tree, [
             q.dequantize(self._dtypes.get(p, np.float32)) if isinstance(q, QArray) else q for p, q in leaves])
         lowerer = _lowering.Lowerer(graph, self.plan, self.scales, weights, self.lowerings, self._converted)
-        hooks = PlanHooks(self.plan, self.scales, _Kernels(self.plan, lowerer), capture=capture)
+        hooks = PlanHooks(self.plan, self.scales, _Kernels(self.plan, lowerer), capture=capture, feed=feed)
         outputs = hooks.evaluate(graph, view, *inputs)
         return (outputs, hooks.captured) if capture else outputs
 
-    def __call__(self, *inputs: Any, capture: bool = False) -> Any:
-        return self._jitted(self.params, *inputs, capture=capture)
+    def __call__(self, *inputs: Any, capture: bool = False, feed: Mapping[str, Any] | None = None) -> Any:
+        feed = None if feed is None else {k: jnp.asarray(v) for k, v in feed.items()}
+        return self._jitted(self.params, *inputs, capture=capture, feed=feed)
 
     def __str__(self) -> str:
         rows = [("op", "schema", "kernel", "emulated")]

@@ -7,8 +7,8 @@ from hypothesis import given, settings, strategies as st
 
 import odmlq
 from odmlq import GranularityError, PerBlock, PerChannel, PerTensor, Plan, Rule, plan
-from odmlq.calibration._calibration import AbsMax, MinMax, MSE, Percentile
-from odmlq.plan._plan import plan_graph
+from odmlq.calibration import AbsMax, MinMax, MSE, Percentile
+from odmlq.plan import plan_graph
 from samples.models import SAMPLES
 
 INT8 = [Rule(".*", weight_qtype="int8", act_qtype="int8")]

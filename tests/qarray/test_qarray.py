@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from odmlq.errors import CalibrationError, GranularityError, QTypeError
-from odmlq.qarray._array import (
+from odmlq.qarray import (
     QArray, compute_scale, fake_quant, pack, quantize, quantize_tensor, reduce_range, scale_shape, unpack,
 )
 from odmlq.qtypes import NF4_LEVELS, qtype

@@ -17,7 +17,7 @@ import odmlq
 from odmlq import cli
 from odmlq.report._model_explorer import SQNR_CAP_DB, THRESHOLDS, _graph_id
 from odmlq.litert.inspect import inspect
-from odmlq.report._report import EdgeMetrics
+from odmlq.report import EdgeMetrics
 from samples.digits import batches
 from tests.report.test_report import planted_fault, trained_cnn
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import odmlq
-from odmlq.calibration._calibration import FixedRange
-from odmlq.report._report import Report, ReportError, edge_metrics
+from odmlq.calibration import FixedRange
+from odmlq.report import Report, ReportError, edge_metrics
 from odmlq.scales import TensorScale
 from samples.digits import batches, load_digits_splits, train
 

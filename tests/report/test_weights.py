@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import odmlq
-from odmlq.report._report import OUTLIER_RATIO, Report
+from odmlq.report import OUTLIER_RATIO, Report
 from samples.models import mlp
 
 PER_TENSOR = [odmlq.Rule(".*", weight_qtype="int8", weight_granularity=odmlq.PerTensor())]

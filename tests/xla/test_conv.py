@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from odmlq.qarray._array import quantize_tensor
+from odmlq.qarray import quantize_tensor
 from odmlq.xla import _conv
 
 RNG = np.random.default_rng(0)

@@ -5,7 +5,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from odmlq.qarray._array import pack, unpack
+from odmlq.qarray import pack, unpack
 from odmlq.qtypes import NF4_LEVELS
 from odmlq.xla import _decode
 

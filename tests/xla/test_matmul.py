@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from odmlq.qarray._array import quantize, quantize_tensor
+from odmlq.qarray import quantize, quantize_tensor
 from odmlq.xla import _matmul
 
 RNG = np.random.default_rng(0)

@@ -1,0 +1,108 @@
+"""How a matched rule becomes specs: weights, constant operands, activations (internal)."""
+
+from __future__ import annotations
+
+from odmlq.errors import GranularityError
+from odmlq.granularity import PerBlock, PerChannel, PerTensor
+from odmlq.graph import MATMUL_KINDS, Edge, Op, Operand
+from odmlq.plan._spec import QuantSpec
+from odmlq.qtypes import qtype as lookup_qtype
+from odmlq.rules import Rule
+
+__all__ = ["CONSTANT_OPERAND_KINDS", "act_spec", "constant_specs", "dynamic_input_spec", "weight_spec"]
+
+
+# Elementwise ops whose constant operands (x * 0.5, x + c, max(x, c)) are
+# tensors an integer kernel reads like a second activation: they are quantized
+# with the op's activation qtype, per tensor and symmetric, the scale taken
+# from their value (see `odmlq.scales`).
+CONSTANT_OPERAND_KINDS = frozenset({"add", "sub", "mul", "div", "max", "min"})
+
+
+def constant_specs(op: Op, rule: Rule | None) -> tuple[QuantSpec | None, ...]:
+    constants = op.constants
+    quantized = (rule is not None and not rule.skip and rule.act_qtype is not None
+                 and not rule.act_dynamic and op.kind in CONSTANT_OPERAND_KINDS)
+    if not quantized:
+        return (None,) * len(constants)
+    qt = lookup_qtype(rule.act_qtype)
+    return tuple(
+        QuantSpec(qtype=qt.name, symmetric=True)
+        if c.value is not None and c.dtype.startswith(("float", "bfloat")) and qt.is_integer else None
+        for c in constants)
+
+
+def dynamic_input_spec(op: Op, rule: Rule | None) -> QuantSpec | None:
+    """What a dynamic-range matmul/conv kernel quantizes its float inputs to."""
+    if (op.kind not in MATMUL_KINDS or rule is None or rule.skip or not rule.act_dynamic
+            or rule.act_qtype is None):
+        return None
+    return QuantSpec(qtype=lookup_qtype(rule.act_qtype).name, symmetric=rule.resolved("act_symmetric"),
+                     dynamic=True)
+
+
+def weight_spec(op: Op, operand: Operand, rule: Rule, index: int) -> QuantSpec:
+    qt = lookup_qtype(rule.weight_qtype)
+    granularity = rule.resolved("weight_granularity")
+    symmetric = rule.resolved("weight_symmetric")
+    where = f"op {op.id!r} (rules[{index}]), weight {operand.param!r} of shape {operand.shape}"
+    ndim = len(operand.shape)
+    stacked = tuple(operand.stacked_axes)
+    block_axis = block_size = None
+    if isinstance(granularity, PerTensor):
+        axes = ()
+    elif isinstance(granularity, PerChannel) and granularity.axis is not None:
+        axes = (_normalize_axis(granularity.axis, ndim, where),)
+    else:
+        if operand.channel_axes is None:
+            raise GranularityError(
+                f"{where}: its output-channel axes cannot be traced back to the parameter's "
+                "layout; give the axis explicitly, e.g. PerChannel(axis=-1), or use PerTensor()."
+            )
+        axes = tuple(operand.channel_axes)
+        if isinstance(granularity, PerBlock):
+            block_size = granularity.size
+            if granularity.axis is not None:
+                block_axis = _normalize_axis(granularity.axis, ndim, where)
+            elif operand.contraction_axes is not None and len(operand.contraction_axes) == 1:
+                block_axis = operand.contraction_axes[0]
+            else:
+                raise GranularityError(
+                    f"{where}: PerBlock needs one contraction axis, found "
+                    f"{operand.contraction_axes}; give it: PerBlock({block_size}, axis=...)."
+                )
+            size = operand.shape[block_axis]
+            if size % block_size:
+                divisors = [d for d in range(1, size + 1) if size % d == 0 and d <= 256]
+                raise GranularityError(
+                    f"{where}: block size {block_size} does not divide axis {block_axis} of "
+                    f"size {size}; choose a divisor such as {divisors[-4:]}."
+                )
+            axes = tuple(a for a in axes if a != block_axis)
+    return QuantSpec(
+        qtype=qt.name, scale_axes=tuple(sorted(set(stacked + axes))), block_axis=block_axis,
+        block_size=block_size, symmetric=symmetric, narrow_range=symmetric and qt.is_integer,
+        calibration=rule.resolved("weight_calibration"),
+    )
+
+
+def _normalize_axis(axis: int, ndim: int, where: str) -> int:
+    if not -ndim <= axis < ndim:
+        raise GranularityError(f"{where}: axis {axis} is out of range for a {ndim}-d tensor.")
+    return axis % ndim
+
+
+def act_spec(edge: Edge, rule: Rule, index: int) -> QuantSpec:
+    qt = lookup_qtype(rule.act_qtype)
+    granularity = rule.resolved("act_granularity")
+    axes: tuple[int, ...] = ()
+    if isinstance(granularity, PerChannel):
+        where = f"edge {edge.id!r} (rules[{index}]) of shape {edge.shape}"
+        axis = -1 if granularity.axis is None else granularity.axis
+        axes = (_normalize_axis(axis, len(edge.shape), where),)
+    symmetric = rule.resolved("act_symmetric")
+    return QuantSpec(
+        qtype=qt.name, scale_axes=axes, symmetric=symmetric, narrow_range=False,
+        calibration=None if rule.act_dynamic else rule.resolved("act_calibration"),
+        dynamic=rule.act_dynamic,
+    )

@@ -1,0 +1,558 @@
+"""A zoo of models odmlq was not designed or tuned on.
+
+Each entry of `ZOO` builds a small, randomly initialized model (fixed seed, no
+download) and returns a `ZooModel`: the module, its variables (Linen) or None
+(NNX: the module holds its state), batch-1 example inputs and a generator of
+realistic input batches (images in [0, 1] or normalized as the model's
+processor would, token ids in the vocabulary with padded attention masks).
+
+- ``resnet18_linen``: ResNet-18 written as Flax's examples/imagenet does it
+  (Conv without bias + BatchNorm + ReLU, residual blocks with 1x1 projections,
+  7x7 stem and max pool, global mean, Dense head), 16 base filters, 32x32x3.
+- ``cnn_nnx``: an NNX CNN with Conv, BatchNorm, Dropout and an ``nnx.Rngs``
+  attribute (``self.rngs``), in eval mode.
+- ``transformer_lm_linen``: a decoder-only TransformerLM as Flax's
+  examples/lm1b writes it (shift right, nn.Embed, sinusoidal positions, causal +
+  padding mask, pre-LayerNorm MultiHeadDotProductAttention and ReLU MLP), every
+  kernel and the embedding boxed by ``nn.with_logical_partitioning`` (the
+  variables are kept boxed, as ``init`` returns them).
+- ``hf_bert``, ``hf_vit``, ``hf_resnet``, ``hf_gpt2``: transformers' Flax
+  models (4.x; transformers 5 has no Flax) from small configs. A
+  ``FlaxPreTrainedModel`` is not a Linen module; its ``.module`` is, with
+  ``.params`` its variables. Thin Linen wrappers take the model's public
+  inputs, build what ``FlaxPreTrainedModel.__call__`` builds (position and
+  token type ids; NCHW -> NHWC for images) and call the inner module with
+  ``deterministic=True``. ``head_mask`` is left None (the pretrained model's
+  ``__call__`` passes ones, which only multiplies attention weights by 1).
+
+Every BatchNorm gets trained-looking statistics and affine parameters (mean
+normal * U(0.1, 0.5), var U(0.5, 2), scale 1 + 0.2 * normal, bias 0.1 * normal)
+instead of the identity init, so that folding BatchNorm is exercised.
+
+transformers is imported only inside the ``hf_*`` factories.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+SEED = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ZooModel:
+    """One zoo model, ready to run: ``model.apply(variables, *inputs)`` (Linen)
+    or ``model(*inputs)`` (NNX, variables None)."""
+
+    name: str
+    model: Any
+    variables: Any
+    example_inputs: tuple[np.ndarray, ...]
+    make_batches: Callable[[int, int, int], list[tuple[np.ndarray, ...]]]
+    family: str  # 'cnn' or 'transformer'
+
+    def apply(self, *inputs):
+        """The float model's output on `inputs`."""
+        if self.variables is None:
+            return self.model(*inputs)
+        return self.model.apply(self.variables, *inputs)
+
+    @property
+    def num_params(self) -> int:
+        if self.variables is None:
+            state = nnx.state(self.model, nnx.Param)
+        else:
+            state = nn.unbox(self.variables).get("params", {})
+        return int(sum(np.size(x) for x in jax.tree_util.tree_leaves(state)))
+
+
+# ---------------------------------------------------------------------------
+# Inputs
+
+
+def _images(rng: np.random.Generator, n: int, h: int, w: int, c: int) -> np.ndarray:
+    """Image-like NHWC float32 in [0, 1]: smooth blobs (4x4 cells) plus fine noise."""
+    coarse = rng.uniform(0.0, 1.0, (n, 4, 4, c))
+    smooth = np.repeat(np.repeat(coarse, -(-h // 4), axis=1), -(-w // 4), axis=2)[:, :h, :w]
+    return np.clip(smooth + 0.08 * rng.standard_normal((n, h, w, c)), 0.0, 1.0).astype(np.float32)
+
+
+def _image_batches(h: int, w: int, c: int, *, nchw: bool = False, mean=None, std=None):
+    def make(n_batches: int, batch_size: int, seed: int) -> list[tuple[np.ndarray, ...]]:
+        rng = np.random.default_rng(seed)
+        out = []
+        for _ in range(n_batches):
+            x = _images(rng, batch_size, h, w, c)
+            if mean is not None:
+                x = (x - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
+            if nchw:
+                x = np.transpose(x, (0, 3, 1, 2))
+            out.append((np.ascontiguousarray(x, np.float32),))
+        return out
+    return make
+
+
+def _tokens(rng: np.random.Generator, n: int, seq: int, vocab: int, *, min_len: int,
+            lengths: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Right-padded token ids in [1, vocab) (0 is padding) and their 0/1 mask."""
+    if lengths is None:
+        lengths = rng.integers(min_len, seq + 1, n)
+    mask = (np.arange(seq)[None, :] < np.asarray(lengths)[:, None]).astype(np.int32)
+    ids = rng.integers(1, vocab, (n, seq)).astype(np.int32) * mask
+    return ids.astype(np.int32), mask
+
+
+def _token_batches(seq: int, vocab: int, *, with_mask: bool):
+    def make(n_batches: int, batch_size: int, seed: int) -> list[tuple[np.ndarray, ...]]:
+        rng = np.random.default_rng(seed)
+        out = []
+        for _ in range(n_batches):
+            ids, mask = _tokens(rng, batch_size, seq, vocab, min_len=seq // 2)
+            out.append((ids, mask) if with_mask else (ids,))
+        return out
+    return make
+
+
+def _token_example(seq: int, vocab: int, *, with_mask: bool) -> tuple[np.ndarray, ...]:
+    """Batch 1, with 4 padding positions at the end."""
+    ids, mask = _tokens(np.random.default_rng(SEED + 1), 1, seq, vocab, min_len=seq, lengths=[seq - 4])
+    return (ids, mask) if with_mask else (ids,)
+
+
+# ---------------------------------------------------------------------------
+# Realistic BatchNorm values
+
+
+def _bn_values(rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
+    return {
+        "mean": (rng.standard_normal(n) * rng.uniform(0.1, 0.5, n)).astype(np.float32),
+        "var": rng.uniform(0.5, 2.0, n).astype(np.float32),
+        "scale": (1.0 + 0.2 * rng.standard_normal(n)).astype(np.float32),
+        "bias": (0.1 * rng.standard_normal(n)).astype(np.float32),
+    }
+
+
+def randomize_batchnorm_linen(variables: Any, seed: int = SEED) -> dict:
+    """Linen variables with every BatchNorm's running mean/var (``batch_stats``)
+    and scale/bias (``params``, same module path) set to trained-looking values."""
+    rng = np.random.default_rng(seed)
+    variables = flax.core.unfreeze(variables)
+    count = 0
+
+    def walk(stats: dict, params: dict | None) -> None:
+        nonlocal count
+        if "mean" in stats and "var" in stats and not isinstance(stats["mean"], dict):
+            values = _bn_values(rng, int(np.shape(stats["mean"])[-1]))
+            stats["mean"] = jnp.asarray(values["mean"].reshape(np.shape(stats["mean"])))
+            stats["var"] = jnp.asarray(values["var"].reshape(np.shape(stats["var"])))
+            if params is not None:
+                for key in ("scale", "bias"):
+                    if key in params:
+                        params[key] = jnp.asarray(values[key].reshape(np.shape(params[key])))
+            count += 1
+            return
+        for key, child in stats.items():
+            if isinstance(child, dict):
+                walk(child, None if params is None else params.get(key))
+
+    walk(variables.get("batch_stats", {}), variables.get("params"))
+    if count == 0:
+        raise ValueError("no BatchNorm statistics found in the variables")
+    return variables
+
+
+def randomize_batchnorm_nnx(model: nnx.Module, seed: int = SEED) -> int:
+    """Sets every nnx.BatchNorm of `model` to trained-looking values; returns how many."""
+    rng = np.random.default_rng(seed)
+    count = 0
+    for _, module in model.iter_modules() if hasattr(model, "iter_modules") else nnx.iter_graph(model):
+        if isinstance(module, nnx.BatchNorm):
+            values = _bn_values(rng, module.num_features)
+            module.mean.value = jnp.asarray(values["mean"])
+            module.var.value = jnp.asarray(values["var"])
+            module.scale.value = jnp.asarray(values["scale"])
+            module.bias.value = jnp.asarray(values["bias"])
+            count += 1
+    return count
+
+
+# ---------------------------------------------------------------------------
+# ResNet-18, Linen (as flax/examples/imagenet/models.py)
+
+ModuleDef = Any
+
+
+class ResNetBlock(nn.Module):
+    """ResNet block."""
+
+    filters: int
+    conv: ModuleDef
+    norm: ModuleDef
+    act: Callable
+    strides: tuple[int, int] = (1, 1)
+
+    @nn.compact
+    def __call__(self, x):
+        residual = x
+        y = self.conv(self.filters, (3, 3), self.strides)(x)
+        y = self.norm()(y)
+        y = self.act(y)
+        y = self.conv(self.filters, (3, 3))(y)
+        y = self.norm(scale_init=nn.initializers.zeros_init())(y)
+        if residual.shape != y.shape:
+            residual = self.conv(self.filters, (1, 1), self.strides, name="conv_proj")(residual)
+            residual = self.norm(name="norm_proj")(residual)
+        return self.act(residual + y)
+
+
+class ResNet(nn.Module):
+    """ResNetV1.5, as in Flax's ImageNet example. ``train`` defaults to False
+    here (the example's default is True): odmlq calls ``__call__`` with the
+    inputs alone, so inference must be the default."""
+
+    stage_sizes: Sequence[int]
+    block_cls: ModuleDef
+    num_classes: int
+    num_filters: int = 64
+    dtype: Any = jnp.float32
+    act: Callable = nn.relu
+    conv: ModuleDef = nn.Conv
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        conv = functools.partial(self.conv, use_bias=False, dtype=self.dtype)
+        norm = functools.partial(nn.BatchNorm, use_running_average=not train, momentum=0.9,
+                                 epsilon=1e-5, dtype=self.dtype)
+        x = conv(self.num_filters, (7, 7), (2, 2), padding=[(3, 3), (3, 3)], name="conv_init")(x)
+        x = norm(name="bn_init")(x)
+        x = nn.relu(x)
+        x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
+        for i, block_size in enumerate(self.stage_sizes):
+            for j in range(block_size):
+                strides = (2, 2) if i > 0 and j == 0 else (1, 1)
+                x = self.block_cls(self.num_filters * 2**i, strides=strides, conv=conv, norm=norm,
+                                   act=self.act)(x)
+        x = jnp.mean(x, axis=(1, 2))
+        x = nn.Dense(self.num_classes, dtype=self.dtype)(x)
+        return jnp.asarray(x, self.dtype)
+
+
+ResNet18 = functools.partial(ResNet, stage_sizes=[2, 2, 2, 2], block_cls=ResNetBlock)
+
+
+def resnet18_linen() -> ZooModel:
+    model = ResNet18(num_classes=10, num_filters=16)
+    make = _image_batches(32, 32, 3)
+    example = make(1, 1, SEED + 1)[0]
+    variables = jax.jit(functools.partial(model.init, train=False))(jax.random.key(SEED), example[0])
+    variables = randomize_batchnorm_linen(variables)
+    return ZooModel("resnet18_linen", model, variables, example, make, "cnn")
+
+
+# ---------------------------------------------------------------------------
+# NNX CNN with BatchNorm, Dropout and an Rngs attribute
+
+
+class NnxBnCNN(nnx.Module):
+    def __init__(self, num_classes: int = 10, *, rngs: nnx.Rngs):
+        self.conv1 = nnx.Conv(3, 16, (3, 3), rngs=rngs)
+        self.bn1 = nnx.BatchNorm(16, rngs=rngs)
+        self.conv2 = nnx.Conv(16, 32, (3, 3), rngs=rngs)
+        self.bn2 = nnx.BatchNorm(32, rngs=rngs)
+        self.conv3 = nnx.Conv(32, 64, (3, 3), strides=(2, 2), rngs=rngs)
+        self.bn3 = nnx.BatchNorm(64, rngs=rngs)
+        self.dropout = nnx.Dropout(0.25)
+        self.linear1 = nnx.Linear(64, 64, rngs=rngs)
+        self.linear2 = nnx.Linear(64, num_classes, rngs=rngs)
+        self.rngs = rngs  # kept for the dropout masks at training time
+
+    def __call__(self, x):
+        x = nnx.relu(self.bn1(self.conv1(x)))
+        x = nnx.avg_pool(x, (2, 2), strides=(2, 2))
+        x = nnx.relu(self.bn2(self.conv2(x)))
+        x = nnx.max_pool(x, (2, 2), strides=(2, 2))
+        x = nnx.relu(self.bn3(self.conv3(x)))
+        x = jnp.mean(x, axis=(1, 2))
+        x = self.dropout(x, rngs=self.rngs)
+        x = nnx.relu(self.linear1(x))
+        x = self.dropout(x, rngs=self.rngs)
+        return self.linear2(x)
+
+
+def cnn_nnx() -> ZooModel:
+    model = NnxBnCNN(rngs=nnx.Rngs(params=SEED, dropout=SEED + 1))
+    if randomize_batchnorm_nnx(model) != 3:
+        raise AssertionError("expected 3 BatchNorms")
+    model.eval()
+    make = _image_batches(32, 32, 3)
+    return ZooModel("cnn_nnx", model, None, make(1, 1, SEED + 1)[0], make, "cnn")
+
+
+# ---------------------------------------------------------------------------
+# TransformerLM, Linen (as flax/examples/lm1b/models.py)
+
+
+@flax.struct.dataclass
+class TransformerConfig:
+    vocab_size: int = 1000
+    output_vocab_size: int = 1000
+    logits_via_embedding: bool = False
+    dtype: Any = jnp.float32
+    emb_dim: int = 64
+    num_heads: int = 4
+    num_layers: int = 2
+    qkv_dim: int = 64
+    mlp_dim: int = 256
+    max_len: int = 64
+    dropout_rate: float = 0.1
+    attention_dropout_rate: float = 0.1
+    deterministic: bool = True
+    decode: bool = False
+    kernel_init: Callable = nn.initializers.xavier_uniform()
+    bias_init: Callable = nn.initializers.normal(stddev=1e-6)
+
+
+def shift_right(x, axis=1):
+    """Shift the input to the right by padding and slicing on axis."""
+    pad_widths = [(0, 0)] * len(x.shape)
+    pad_widths[axis] = (1, 0)
+    padded = jnp.pad(x, pad_widths, mode="constant", constant_values=x.dtype.type(0))
+    return jax.lax.dynamic_slice_in_dim(padded, 0, padded.shape[axis] - 1, axis)
+
+
+def sinusoidal_init(max_len=2048, min_scale=1.0, max_scale=10000.0):
+    def init(key, shape, dtype=np.float32):
+        del key, dtype
+        d_feature = shape[-1]
+        pe = np.zeros((max_len, d_feature), dtype=np.float32)
+        position = np.arange(0, max_len)[:, np.newaxis]
+        scale_factor = -np.log(max_scale / min_scale) / (d_feature // 2 - 1)
+        div_term = min_scale * np.exp(np.arange(0, d_feature // 2) * scale_factor)
+        pe[:, : d_feature // 2] = np.sin(position * div_term)
+        pe[:, d_feature // 2: 2 * (d_feature // 2)] = np.cos(position * div_term)
+        return jnp.array(pe[np.newaxis, :, :])
+    return init
+
+
+class AddPositionEmbs(nn.Module):
+    """Adds (fixed sinusoidal) positional embeddings to the inputs."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, inputs):
+        length = inputs.shape[1]
+        pos_emb_shape = (1, self.config.max_len, inputs.shape[-1])
+        pos_embedding = sinusoidal_init(max_len=self.config.max_len)(None, pos_emb_shape, None)
+        return inputs + pos_embedding[:, :length, :]
+
+
+class MlpBlock(nn.Module):
+    config: TransformerConfig
+    out_dim: int | None = None
+
+    @nn.compact
+    def __call__(self, inputs):
+        config = self.config
+        actual_out_dim = inputs.shape[-1] if self.out_dim is None else self.out_dim
+        x = nn.Dense(config.mlp_dim, dtype=config.dtype,
+                     kernel_init=nn.with_logical_partitioning(config.kernel_init, ("embed", "mlp")),
+                     bias_init=nn.with_logical_partitioning(config.bias_init, ("mlp",)))(inputs)
+        x = nn.relu(x)
+        x = nn.Dropout(rate=config.dropout_rate)(x, deterministic=config.deterministic)
+        output = nn.Dense(actual_out_dim, dtype=config.dtype,
+                          kernel_init=nn.with_logical_partitioning(config.kernel_init, ("mlp", "embed")),
+                          bias_init=nn.with_logical_partitioning(config.bias_init, ("embed",)))(x)
+        return nn.Dropout(rate=config.dropout_rate)(output, deterministic=config.deterministic)
+
+
+class EncoderDecoder1DBlock(nn.Module):
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, inputs, decoder_mask=None):
+        config = self.config
+        x = nn.LayerNorm(dtype=config.dtype)(inputs)
+        x = nn.MultiHeadDotProductAttention(
+            num_heads=config.num_heads, dtype=config.dtype, qkv_features=config.qkv_dim,
+            kernel_init=nn.with_logical_partitioning(config.kernel_init, ("embed", "kv")),
+            bias_init=nn.with_logical_partitioning(config.bias_init, ("embed",)),
+            use_bias=False, broadcast_dropout=False, dropout_rate=config.attention_dropout_rate,
+            deterministic=config.deterministic, decode=config.decode)(x, mask=decoder_mask)
+        x = nn.Dropout(rate=config.dropout_rate)(x, deterministic=config.deterministic)
+        x = x + inputs
+        z = nn.LayerNorm(dtype=config.dtype)(x)
+        z = MlpBlock(config=config)(z)
+        return x + z
+
+
+class Decoder(nn.Module):
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, inputs, decoder_mask=None):
+        config = self.config
+        y = inputs.astype("int32")
+        if not config.decode:
+            y = shift_right(y)
+        output_embed = nn.Embed(
+            num_embeddings=config.output_vocab_size, features=config.emb_dim,
+            embedding_init=nn.with_logical_partitioning(nn.initializers.normal(stddev=1.0),
+                                                        ("vocab", "embed")),
+            name="embed")
+        y = output_embed(y)
+        y = AddPositionEmbs(config=config, name="posembed_output")(y)
+        y = nn.Dropout(rate=config.dropout_rate)(y, deterministic=config.deterministic)
+        y = y.astype(config.dtype)
+        for lyr in range(config.num_layers):
+            y = EncoderDecoder1DBlock(config=config, name=f"encoderdecoderblock_{lyr}")(y, decoder_mask)
+        y = nn.LayerNorm(dtype=config.dtype, name="encoderdecoder_norm")(y)
+        if config.logits_via_embedding:
+            logits = output_embed.attend(y.astype(jnp.float32))
+            logits = logits / jnp.sqrt(y.shape[-1])
+        else:
+            logits = nn.Dense(config.output_vocab_size, dtype=config.dtype,
+                              kernel_init=nn.with_logical_partitioning(config.kernel_init, ("embed", "vocab")),
+                              bias_init=nn.with_logical_partitioning(config.bias_init, ("vocab",)),
+                              name="logitdense")(y)
+        return logits
+
+
+class TransformerLM(nn.Module):
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, inputs):
+        config = self.config
+        if config.decode:
+            decoder_mask = None
+        else:
+            decoder_mask = nn.combine_masks(
+                nn.make_attention_mask(inputs > 0, inputs > 0, dtype=config.dtype),
+                nn.make_causal_mask(inputs, dtype=config.dtype))
+        return Decoder(config=config, name="decoder")(inputs, decoder_mask=decoder_mask)
+
+
+def transformer_lm_linen() -> ZooModel:
+    config = TransformerConfig()
+    model = TransformerLM(config)
+    seq = 16
+    example = _token_example(seq, config.vocab_size, with_mask=False)
+    variables = jax.jit(model.init)(jax.random.key(SEED), example[0])  # kept boxed (LogicallyPartitioned)
+    make = _token_batches(seq, config.vocab_size, with_mask=False)
+    return ZooModel("transformer_lm_linen", model, variables, example, make, "transformer")
+
+
+# ---------------------------------------------------------------------------
+# transformers' Flax models (lazy import)
+
+
+class HFTextModel(nn.Module):
+    """(input_ids, attention_mask) -> the inner module's first output."""
+
+    inner: nn.Module
+    token_type_ids: bool = True  # BERT takes them; GPT-2 does not
+
+    def __call__(self, input_ids, attention_mask):
+        position_ids = jnp.broadcast_to(jnp.arange(input_ids.shape[-1]), input_ids.shape)
+        if self.token_type_ids:
+            out = self.inner(input_ids, attention_mask, jnp.zeros_like(input_ids), position_ids,
+                             deterministic=True, return_dict=False)
+        else:
+            out = self.inner(input_ids, attention_mask, position_ids, deterministic=True,
+                             return_dict=False)
+        return out[0]
+
+
+class HFImageModel(nn.Module):
+    """pixel_values (NCHW, as transformers' Flax vision models take them) -> logits."""
+
+    inner: nn.Module
+
+    def __call__(self, pixel_values):
+        x = jnp.transpose(pixel_values, (0, 2, 3, 1))
+        return self.inner(x, deterministic=True, return_dict=False)[0]
+
+
+def _hf_init(model_cls, config, **kwargs):
+    """`model_cls(config)` without its eager init, and its variables (init jitted)."""
+    hf = model_cls(config, _do_init=False, **kwargs)
+    params = jax.jit(hf.init_weights, static_argnums=1)(jax.random.PRNGKey(SEED), hf.input_shape)
+    return hf, params
+
+
+def _hf_variables(params) -> dict:
+    """{'params': {'inner': ...}} (and batch_stats) for a wrapper around the HF module."""
+    params = flax.core.unfreeze(params)
+    if "batch_stats" in params:  # FlaxResNet keeps both collections in .params
+        return {"params": {"inner": params["params"]}, "batch_stats": {"inner": params["batch_stats"]}}
+    return {"params": {"inner": params}}
+
+
+def hf_bert() -> ZooModel:
+    from transformers import BertConfig, FlaxBertModel
+
+    config = BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=128, max_position_embeddings=64, type_vocab_size=2)
+    hf, params = _hf_init(FlaxBertModel, config)
+    model = HFTextModel(hf.module, token_type_ids=True)
+    seq = 16
+    return ZooModel("hf_bert", model, _hf_variables(params), _token_example(seq, 1000, with_mask=True),
+                    _token_batches(seq, 1000, with_mask=True), "transformer")
+
+
+def hf_gpt2() -> ZooModel:
+    from transformers import FlaxGPT2LMHeadModel, GPT2Config
+
+    config = GPT2Config(vocab_size=1000, n_positions=64, n_embd=64, n_layer=2, n_head=2)
+    hf, params = _hf_init(FlaxGPT2LMHeadModel, config)
+    model = HFTextModel(hf.module, token_type_ids=False)
+    seq = 16
+    return ZooModel("hf_gpt2", model, _hf_variables(params), _token_example(seq, 1000, with_mask=True),
+                    _token_batches(seq, 1000, with_mask=True), "transformer")
+
+
+def hf_vit() -> ZooModel:
+    from transformers import FlaxViTForImageClassification, ViTConfig
+
+    config = ViTConfig(image_size=32, patch_size=8, num_channels=3, hidden_size=64,
+                       num_hidden_layers=2, num_attention_heads=2, intermediate_size=128, num_labels=10)
+    hf, params = _hf_init(FlaxViTForImageClassification, config)
+    model = HFImageModel(hf.module)
+    make = _image_batches(32, 32, 3, nchw=True, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
+    return ZooModel("hf_vit", model, _hf_variables(params), make(1, 1, SEED + 1)[0], make, "transformer")
+
+
+def hf_resnet() -> ZooModel:
+    from transformers import FlaxResNetForImageClassification, ResNetConfig
+
+    config = ResNetConfig(num_channels=3, embedding_size=16, hidden_sizes=[16, 32, 64, 128],
+                          depths=[1, 1, 1, 1], layer_type="basic", num_labels=10)
+    hf, params = _hf_init(FlaxResNetForImageClassification, config, input_shape=(1, 32, 32, 3))
+    model = HFImageModel(hf.module)
+    variables = randomize_batchnorm_linen(_hf_variables(params))
+    make = _image_batches(32, 32, 3, nchw=True, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
+    return ZooModel("hf_resnet", model, variables, make(1, 1, SEED + 1)[0], make, "cnn")
+
+
+ZOO: dict[str, Callable[[], ZooModel]] = {
+    "resnet18_linen": resnet18_linen,
+    "cnn_nnx": cnn_nnx,
+    "transformer_lm_linen": transformer_lm_linen,
+    "hf_bert": hf_bert,
+    "hf_vit": hf_vit,
+    "hf_resnet": hf_resnet,
+    "hf_gpt2": hf_gpt2,
+}
+
+NEEDS_TRANSFORMERS = frozenset(name for name in ZOO if name.startswith("hf_"))
