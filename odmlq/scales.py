@@ -26,10 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from odmlq.graph import flat_params, replace_params
-from odmlq.calibration._calibration import Calibration, range_of
+from odmlq.plan import op_qtype
+from odmlq.calibration import Calibration, range_of
 from odmlq.constraints import FixedScale, SameAsInput, SharedWithInputs
 from odmlq.errors import CalibrationError, PlanError
-from odmlq.qarray._array import QArray, compute_scale, fake_quant, quantize, scale_shape
+from odmlq.qarray import QArray, compute_scale, fake_quant, quantize, scale_shape
 from odmlq.qtypes import QType, qtype as lookup_qtype
 
 __all__ = ["TensorScale", "Scales", "compute_scales", "constant_scale", "flat_params"]
@@ -90,8 +91,6 @@ class Scales:
 
     def input_scale(self, plan, op, edge_id: str) -> TensorScale | None:
         """The scale `op` reads input `edge_id` at: a conversion's, or the edge's."""
-        from odmlq.plan._conversions import op_qtype
-
         edge_id = plan.graph.resolve(edge_id)
         target = op_qtype(plan, op)
         if target is not None and (edge_id, target.qtype) in self.conversions:

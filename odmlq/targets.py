@@ -44,22 +44,9 @@ def targets_of(target: str | Target | Sequence[Target]) -> tuple[Target, ...]:
 
 def plan(model: Any, rules, *example_inputs: Any, variables: Any = None, method: Any = None,
          target: str | Target | Sequence[Target] = "both") -> Plan:
-    """Traces `model` and decides how every op, weight and edge is quantized.
-
-    Args:
-      model: a Linen module, an NNX module, or ``fn(params, *inputs)``.
-      rules: rules in priority order (first match wins).
-      *example_inputs: arrays or `jax.ShapeDtypeStruct`s as the model sees them.
-      variables: Linen variables (optional: shapes are enough to plan), or
-        the params of a plain function.
-      method: Linen method / NNX method name to trace (default: call).
-      target: 'both' (default: `ptq` and `export_tflite` compute the same
-        scales), 'litert' or 'xla' (every scale calibrated; such a plan is
-        refused by the LiteRT export).
-
-    Returns:
-      The Plan. Rules that matched nothing are listed in
-      `plan.unmatched_rules` and warned about (`UnmatchedRuleWarning`).
+    """`odmlq.plan.plan` for targets given by name: 'both' (default: `ptq` and
+    `export_tflite` compute the same scales), 'litert', or 'xla' (every scale
+    calibrated; such a plan is refused by the LiteRT export).
 
     Example:
       >>> p = odmlq.plan(model, [odmlq.Rule('.*', weight_qtype='int8', act_qtype='int8')], x)

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from odmlq.graph._run import GraphCache, check_inputs, params_for
+from odmlq.graph import GraphCache, check_inputs, params_for
 from odmlq.calibration._calibration import Calibration
 from odmlq.errors import CalibrationError
 

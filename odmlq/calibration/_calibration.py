@@ -29,38 +29,14 @@ from typing import Any
 
 import numpy as np
 
-from odmlq.calibration._methods import (
-    CALIBRATION_METHODS,
-    MSE,
-    RMS,
-    AbsMax,
-    CalibrationMethod,
-    Entropy,
-    FixedRange,
-    MinMax,
-    MovingAverageMinMax,
-    Percentile,
-    calibration_method_from_dict,
-    parse_calibration_method,
-)
-from odmlq.calibration._statistics import (
-    Statistics,
-    compute_range,
-    merge,
-    observe,
-    range_of,
-)
-from odmlq.files import atomic_output
 from odmlq.calibration._histogram import HISTOGRAM_BINS
+from odmlq.calibration._methods import CalibrationMethod, parse_calibration_method
+from odmlq.calibration._statistics import Statistics, compute_range, merge, observe
 from odmlq.errors import CalibrationError
+from odmlq.files import atomic_output
 from odmlq.qtypes import QType
 
-__all__ = [
-    "AbsMax", "MinMax", "MovingAverageMinMax", "RMS", "FixedRange", "Percentile",
-    "MSE", "Entropy", "CalibrationMethod", "CALIBRATION_METHODS", "HISTOGRAM_BINS",
-    "Statistics", "calibration_method_from_dict", "parse_calibration_method",
-    "observe", "merge", "compute_range", "range_of", "Calibration",
-]
+__all__ = ["Calibration"]
 
 _FORMAT = "odmlq.calibration"
 _VERSION = 1

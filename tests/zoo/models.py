@@ -175,13 +175,11 @@ def randomize_batchnorm_nnx(model: nnx.Module, seed: int = SEED) -> int:
     """Sets every nnx.BatchNorm of `model` to trained-looking values; returns how many."""
     rng = np.random.default_rng(seed)
     count = 0
-    for _, module in model.iter_modules() if hasattr(model, "iter_modules") else nnx.iter_graph(model):
+    for _, module in nnx.iter_modules(model):
         if isinstance(module, nnx.BatchNorm):
             values = _bn_values(rng, module.num_features)
-            module.mean.value = jnp.asarray(values["mean"])
-            module.var.value = jnp.asarray(values["var"])
-            module.scale.value = jnp.asarray(values["scale"])
-            module.bias.value = jnp.asarray(values["bias"])
+            for key in ("mean", "var", "scale", "bias"):
+                getattr(module, key)[...] = jnp.asarray(values[key])
             count += 1
     return count
 
