@@ -91,7 +91,8 @@ class QType:
         return self.name
 
     def __repr__(self) -> str:
-        return f"QType({self.name!r})"
+        # As its name: reprs of specs and messages read qtype='int8'.
+        return repr(self.name)
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, QType):

@@ -107,7 +107,8 @@ def compute_scales(plan, calibration: Calibration | None, params: Any, *,
         quantized params, see `odmlq.quantize_params`); `params` is then not read.
 
     Raises:
-      CalibrationError: a static edge has no statistics in `calibration`.
+      CalibrationError: a static edge has no statistics in `calibration`, or
+        its scale is not finite, zero, or absurd (over `MAX_EDGE_SCALE`).
       PlanError: one parameter is given two different specs by two ops.
     """
     if weight_scales is None:
@@ -116,6 +117,7 @@ def compute_scales(plan, calibration: Calibration | None, params: Any, *,
         weights = dict(weight_scales)
     conversions: dict[tuple[str, str], TensorScale] = {}
     edges = _edge_scales(plan, calibration, conversions)
+    _check_edge_scales(plan, edges, conversions)
     scales = Scales(edges=edges, weights=weights, biases={}, constants={}, conversions=conversions)
     biases = _bias_scales(plan, scales, weights)
     constants = _constant_scales(plan, edges)
@@ -186,6 +188,44 @@ def _edge_scales(plan, calibration, conversions) -> dict[str, TensorScale]:
         if edge.alias is not None and target in out:
             out[edge_id] = out[target]
     return out
+
+
+# An activation scale over this is no tensor's range but a sentinel's: an
+# attention mask's finfo(float32).min (-3.4e38) or -1e9 reaching a calibrated
+# edge. Every real value on that edge rounds to zero, and LiteRT kernels can
+# overflow their fixed-point multipliers on it (seen: an abort while
+# allocating a SOFTMAX whose input scale was 1.3e36).
+MAX_EDGE_SCALE = 1e6
+
+
+def _check_edge_scales(plan, edges: Mapping[str, TensorScale], conversions) -> None:
+    graph = plan.graph
+    found = [(edge_id, ts) for edge_id, ts in edges.items() if graph.edges[edge_id].alias is None]
+    found += [(edge_id, ts) for (edge_id, _), ts in conversions.items()]
+    for edge_id, ts in found:
+        scale = np.asarray(ts.scale, np.float64)
+        if np.all(np.isfinite(scale)) and np.all(scale > 0) and np.all(scale <= MAX_EDGE_SCALE):
+            continue
+        edge = graph.edges[edge_id]
+        if edge.producer is not None:
+            where = f"edge {edge_id!r} (op {edge.producer!r}, module {graph.op(edge.producer).module_path!r})"
+        else:
+            reader = edge.consumers[0] if edge.consumers else None
+            where = f"edge {edge_id!r} (a model input" + ("" if reader is None else
+                     f", read by op {reader!r}, module {graph.op(reader).module_path!r}") + ")"
+        value = float(np.max(scale)) if np.all(np.isfinite(scale)) else "not finite"
+        if isinstance(value, float) and value > MAX_EDGE_SCALE:
+            raise CalibrationError(
+                f"{where} gets the {ts.qtype} scale {value:.3g}: its calibrated range is dominated by a "
+                "huge constant, such as an attention mask's finfo(float32).min or -1e9, and every real "
+                "value would round to zero. Give the mask a finite bias (e.g. -30 where the scores "
+                "are small), keep the op that adds it in float with a skip rule, or calibrate the edge "
+                "with act_calibration=odmlq.FixedRange(lo, hi).")
+        raise CalibrationError(
+            f"{where} gets a {ts.qtype} scale that is {value if isinstance(value, str) else 'zero or negative'}; "
+            "its calibration statistics are not usable (NaN or infinite values reached it, or a "
+            "FixedRange is empty). Check the representative data, or calibrate the edge with "
+            "act_calibration=odmlq.FixedRange(lo, hi).")
 
 
 def _read_input_scale(plan, edge, spec, constraint, out, calibration, conversions) -> TensorScale | None:

@@ -69,3 +69,33 @@ def test_inputs_of_a_concatenation_take_its_scale(shared_input):
     else:
         assert scales.edges["b/mul"].scale == out.scale
         np.testing.assert_array_equal(scales.edges["b/mul"].zero_point, out.zero_point)
+
+
+def _softmax_model():
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return jax.nn.softmax(nn.Dense(8, name="d")(x), axis=-1)
+
+    x = np.random.RandomState(0).rand(4, 8).astype(np.float32)
+    model = Net()
+    return model, model.init(jax.random.PRNGKey(0), x), x
+
+
+@pytest.mark.parametrize("lo,hi,match", [
+    (-3.4e38, 3.0, r"edge 'input_0' \(a model input, read by op 'd/dot_general', module 'd'\) gets the int8 "
+                   r"scale 1.33e\+36: .*attention mask's finfo\(float32\).min"),
+    (-3.4e38, 3.4e38, r"edge 'input_0' .* gets a int8 scale that is not finite"),
+], ids=["finfo_min_mask", "overflow"])
+def test_an_absurd_edge_scale_is_refused_before_any_backend(lo, hi, match):
+    """The BERT mask case: finfo(float32).min calibrated as data (a SOFTMAX input
+    scale of 1.3e36 aborted LiteRT's allocate_tensors, killing the process)."""
+    model, variables, x = _softmax_model()
+    rules = [odmlq.Rule("d", weight_qtype="int8", act_qtype="int8", act_calibration=odmlq.FixedRange(lo, hi)),
+             odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
+    plan = odmlq.plan(model, rules, x[:1], variables=variables)
+    calibration = odmlq.calibrate(model, plan, [x], variables=variables)
+    with pytest.raises(odmlq.CalibrationError, match=match):
+        odmlq.compute_scales(plan, calibration, variables)
+    with pytest.raises(odmlq.CalibrationError, match=match):
+        odmlq.export_tflite(model, plan, [x], variables=variables, calibration=calibration)

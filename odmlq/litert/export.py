@@ -17,12 +17,13 @@ from odmlq.files import atomic_output
 from odmlq.graph import params_for
 from odmlq.calibration import Calibration
 from odmlq.errors import OdmlqError, PlanError
-from odmlq.litert import _annotate, _convert
+from odmlq.litert import _annotate, _convert, _repair
+from odmlq.litert._probe import LiteRTCrashError, probe
 from odmlq.litert.inspect import ModelSummary, inspect
 from odmlq.constraints import SharedWithInputs
-from odmlq.litert.spec import OP_SPEC, TARGET
+from odmlq.litert.spec import OP_SPEC, TARGET, pool_as_depthwise
 from odmlq.litert.verify import VerificationReport, verify as verify_model
-from odmlq.plan import Plan, op_qtype, plan as make_plan
+from odmlq.plan import Plan, plan as make_plan
 from odmlq.scales import Scales, compute_scales
 
 __all__ = ["export_tflite", "Export", "FloatOpsError", "check_plan"]
@@ -119,13 +120,6 @@ def check_plan(plan: Plan, *, allow_float_ops: bool = False) -> list[str]:
             if spec.block_size is not None or len(spec.scale_axes) > 1:
                 raise PlanError(f"{where}: weight {w.param!r} has {spec.describe()}; LiteRT takes one "
                                 "scale per tensor or per output channel. Use PerChannel() or PerTensor().")
-        if _int16_conv(plan, op):
-            # DESIGN.md: litert-converter emits an int32 bias for 16x8 CONV_2D
-            # (and DEPTHWISE_CONV_2D), whose kernels read int64.
-            raise PlanError(f"{where}: int16x8 convolution is miscompiled by litert-converter "
-                            "0.5.0 (int32 bias where the kernel takes int64). Use int8 "
-                            "activations for this model, or keep the convolution in float "
-                            "with a skip rule (and allow_float_ops=True).")
         _check_one_activation_type(plan, op, where)
         for edge_id in op.outputs:
             spec = plan.edges[edge_id].spec
@@ -236,6 +230,8 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
         raise PlanError(f"io_dtype={io_dtype!r}; choose 'float', 'int8' or 'int16'.")
     if io_dtype != "float" and schema != "static":
         raise PlanError(f"io_dtype={io_dtype!r} needs a full-integer model; this plan is {schema}.")
+    if io_dtype != "float":
+        _check_io_dtype(plan, io_dtype)
     held_back = batches[-1:] if len(batches) >= 2 else batches
     if calibration is None and any(p.spec is not None and not p.spec.dynamic for p in plan.edges.values()):
         calibration = calibrate(model, plan, batches[:-1] if len(batches) >= 2 else batches,
@@ -252,10 +248,19 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
                                   dynamic_range=schema == "dynamic")
     except _convert.ConversionError as error:
         raise _with_module_paths(error, plan) from error
+    # litert-converter 0.5.0 writes an int32 bias for 16x8 convolutions, whose
+    # kernels read int64 (outputs off by the whole range, or a depthwise
+    # convolution refused at allocation): the bias is rewritten in the file.
+    tflite = _repair.repair_int16_conv_bias(tflite, int32_bias_when_exact=True)
     if io_dtype != "float":
         tflite = _integer_interface(tflite, io_dtype)
     summary = inspect(tflite)
     _check_summary(schema, summary, allow_float_ops, float_ops)
+    # Never write (or load here) a file that crashes LiteRT: a child process tries it first.
+    try:
+        probe(tflite, f"the model exported for {os.fspath(path)!r}" if path is not None else "the exported model")
+    except LiteRTCrashError as error:
+        raise LiteRTCrashError(f"{error}\nNothing was written.") from None
     report = None
     if verify:
         samples = _limit(held_back, verify_samples)
@@ -301,9 +306,13 @@ def _check_one_activation_type(plan: Plan, op, where: str) -> None:
     for c in converted:
         producer = plan.graph.edges[c.edge].producer
         kind = None if producer is None else plan.graph.op(producer).kind
-        if c.source != "float" and kind is not None and plan.edges[c.edge].constraint is None:
-            # Seen with FULLY_CONNECTED (its int8 output silently rescaled: 0 dB)
-            # and GELU ('input and output must have same element type').
+        # An average pool lowered as a depthwise convolution requantizes too.
+        requantizing = kind is not None and (plan.edges[c.edge].constraint is None or (
+            kind == "avg_pool" and pool_as_depthwise(plan.graph.op(producer), c.source)))
+        if c.source != "float" and requantizing:
+            # Seen with FULLY_CONNECTED (its int8 output silently rescaled: 0 dB),
+            # GELU ('input and output must have same element type') and the
+            # depthwise pool ('output->type != data_type (INT16 != INT8)').
             raise PlanError(
                 f"{where} reads {c.source} edge {c.edge!r} as {c.spec.qtype}: litert-converter 0.5.0 "
                 f"folds that requantization into the producing {kind!r} op, which then reads "
@@ -319,10 +328,22 @@ def _check_one_activation_type(plan: Plan, op, where: str) -> None:
         )
 
 
-def _int16_conv(plan: Plan, op) -> bool:
-    """A convolution whose output (or fused activation's output) is int16."""
-    spec = op_qtype(plan, op)
-    return op.kind == "conv" and spec is not None and spec.qtype == "int16"
+def _check_io_dtype(plan: Plan, io_dtype: str) -> None:
+    """Integer model inputs and outputs carry their edges' own type: LiteRT's
+    interface rewrite cannot turn an int8 edge into an int16 input."""
+    graph = plan.graph
+    for kind, edges in (("input", graph.inputs), ("output", graph.outputs)):
+        for edge_id in edges:
+            edge_id = graph.resolve(edge_id)
+            spec = plan.edges[edge_id].spec
+            if not graph.edges[edge_id].is_float:
+                continue  # token ids and other integer inputs stay as they are
+            if spec is None or spec.qtype != io_dtype:
+                have = "float" if spec is None else spec.qtype.name
+                raise PlanError(
+                    f"io_dtype={io_dtype!r}, but the model's {kind} {edge_id!r} is {have} in the plan; "
+                    f"integer inputs and outputs take their edge's type. Use io_dtype={have!r}"
+                    + ("" if spec is None else f", or give that edge act_qtype={io_dtype!r}") + ".")
 
 
 def _integer_interface(tflite: bytes, io_dtype: str) -> bytes:

@@ -116,7 +116,8 @@ def pool_as_depthwise(op, qtype: str | None) -> bool:
     the model would run in several partitions). It applies to NHWC pools
     without padding or dilation; the depthwise kernel requantizes its sum
     rounding half to even, where AVERAGE_POOL_2D rounds half away from zero.
-    Only for int8 outputs: int16x8 convolutions are miscompiled (see export)."""
+    Only for int8 outputs: an int16x8 depthwise convolution takes an int64 bias,
+    which only LiteRT's reference kernel reads."""
     if qtype != "int8":
         return False
     window, strides = op.attributes.get("window"), op.attributes.get("strides")

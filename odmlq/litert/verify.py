@@ -21,10 +21,11 @@ import jax
 import numpy as np
 
 from odmlq.graph import GraphCache, params_for
+from odmlq.litert._probe import LiteRTCrashError, probe
 from odmlq.plan import text_table as table
 from odmlq.errors import OdmlqError
 
-__all__ = ["EdgeCheck", "VerificationError", "VerificationReport", "dequantize_tensor", "from_output",
+__all__ = ["EdgeCheck", "LiteRTCrashError", "VerificationError", "VerificationReport", "dequantize_tensor", "from_output",
            "map_tensors", "params_match", "preserving_interpreter", "produced_tensors", "sample_rows",
            "to_input", "verify"]
 
@@ -193,9 +194,16 @@ def dequantize_tensor(value: np.ndarray, detail: dict) -> np.ndarray:
     return (value.astype(np.float32) - q["zero_points"].astype(np.float32)) * q["scales"].astype(np.float32)
 
 
-def preserving_interpreter(tflite: bytes):
-    """A LiteRT interpreter for `tflite` that keeps every intermediate tensor, allocated."""
+def preserving_interpreter(tflite: bytes, what: str = "the model"):
+    """A LiteRT interpreter for `tflite` that keeps every intermediate tensor, allocated.
+
+    The model is first loaded and invoked in a child process (`_probe`): a
+    model that crashes LiteRT raises `LiteRTCrashError` instead of ending
+    this process.
+    """
     from ai_edge_litert.interpreter import Interpreter
+
+    probe(tflite, what)
 
     with warnings.catch_warnings():
         # It warns that keeping every tensor is for debugging: that is the point here.
