@@ -28,9 +28,10 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 
+from odmlq.graph import folded_bias, folded_operands
 from odmlq.plan import QuantSpec, dynamic_kernel_inputs, input_conversion_scales
 from odmlq.qarray import compute_scale, fake_quant
-from odmlq.scales import Scales, TensorScale
+from odmlq.scales import Scales, TensorScale, fake_quant_bias
 
 __all__ = ["FakeQuant", "Materializer", "PlanHooks", "dynamic_fake_quant"]
 
@@ -45,6 +46,8 @@ class Materializer(Protocol):
     def converted_input(self, op, index: int, x: jax.Array, ts: TensorScale) -> jax.Array: ...
 
     def dynamic_input(self, op, index: int, x: jax.Array, spec: QuantSpec) -> jax.Array: ...
+
+    def folded_bias(self, op, bias: jax.Array, scale) -> jax.Array: ...
 
     def op(self, op, compute: Callable, operands: list) -> list: ...
 
@@ -63,6 +66,10 @@ class FakeQuant:
 
     def dynamic_input(self, op, index: int, x: jax.Array, spec: QuantSpec) -> jax.Array:
         return dynamic_fake_quant(x, spec)
+
+    def folded_bias(self, op, bias: jax.Array, scale) -> jax.Array:
+        """An op's folded bias (``b s + t``), rounded to its int32 grid."""
+        return bias if scale is None else fake_quant_bias(bias, scale)
 
     def op(self, op, compute: Callable, operands: list) -> list:
         return compute(*operands)
@@ -107,6 +114,10 @@ class PlanHooks:
             operands[index] = self.materializer.converted_input(op, index, operands[index], ts)
         for index, spec in self.dynamic.get(op_id, ()):
             operands[index] = self.materializer.dynamic_input(op, index, operands[index], spec)
+        if op.attributes.get("fold"):
+            # The kernel arrives folded (`fold_params`); the BatchNorm becomes its bias.
+            bias = self.materializer.folded_bias(op, folded_bias(op, operands), self.scales.op_biases.get(op_id))
+            operands = folded_operands(op, operands, bias)
         return self.materializer.op(op, compute, operands)
 
     def evaluate(self, graph, params: Any, *inputs: Any) -> Any:

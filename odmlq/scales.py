@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from odmlq.graph import flat_params, replace_params
+from odmlq.graph import flat_params, fold_params, replace_params
 from odmlq.plan import op_qtype
 from odmlq.calibration import Calibration, range_of
 from odmlq.constraints import FixedScale, SameAsInput, SharedWithInputs
@@ -88,6 +88,9 @@ class Scales:
     # (edge id, qtype) -> the scale an op of that qtype reads the edge at (see
     # `Plan.conversions`).
     conversions: dict[tuple[str, str], TensorScale] = dataclasses.field(default_factory=dict)
+    # op id -> the int32 bias scale of an op with a folded BatchNorm (its bias
+    # is ``b * s + t``, computed where the op runs; `odmlq.graph.folded_bias`).
+    op_biases: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     def input_scale(self, plan, op, edge_id: str) -> TensorScale | None:
         """The scale `op` reads input `edge_id` at: a conversion's, or the edge's."""
@@ -112,16 +115,16 @@ def compute_scales(plan, calibration: Calibration | None, params: Any, *,
       PlanError: one parameter is given two different specs by two ops.
     """
     if weight_scales is None:
-        weights = _weight_scales(plan, flat_params(params))
+        weights = _weight_scales(plan, flat_params(fold_params(plan.graph, params)))
     else:
         weights = dict(weight_scales)
     conversions: dict[tuple[str, str], TensorScale] = {}
     edges = _edge_scales(plan, calibration, conversions)
     _check_edge_scales(plan, edges, conversions)
     scales = Scales(edges=edges, weights=weights, biases={}, constants={}, conversions=conversions)
-    biases = _bias_scales(plan, scales, weights)
+    biases, op_biases = _bias_scales(plan, scales, weights)
     constants = _constant_scales(plan, edges)
-    return dataclasses.replace(scales, biases=biases, constants=constants)
+    return dataclasses.replace(scales, biases=biases, constants=constants, op_biases=op_biases)
 
 
 def _weight_scales(plan, values: Mapping[str, Any]) -> dict[str, TensorScale]:
@@ -383,12 +386,16 @@ def _calibrated_scale(edge, spec, calibration) -> TensorScale:
     return _tensor_scale(spec, lo, hi, scale_shape(edge.shape, spec.scale_axes))
 
 
-def _bias_scales(plan, scales: Scales, weights) -> dict[str, np.ndarray]:
+def _bias_scales(plan, scales: Scales, weights) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Int32 bias scales by parameter path, and those of folded ops by op id
+    (their bias is computed from the folded BatchNorm, not read from a parameter)."""
     out: dict[str, np.ndarray] = {}
+    folded: dict[str, np.ndarray] = {}
     for op in plan.graph.ops:
+        fold = bool(op.attributes.get("fold"))
         biases = [w for w in plan.ops[op.id].weights if w.role == "bias"]
         kernels = [w for w in plan.ops[op.id].weights if w.role == "weight" and w.spec is not None]
-        if not biases or len(kernels) != 1 or not op.inputs:
+        if not (biases or fold) or len(kernels) != 1 or not op.inputs:
             continue
         source = scales.input_scale(plan, op, op.inputs[0])
         if source is None or source.scale_axes or kernels[0].spec.block_size:
@@ -400,9 +407,12 @@ def _bias_scales(plan, scales: Scales, weights) -> dict[str, np.ndarray]:
             continue
         w_scale = np.asarray(kernel.scale).reshape(-1)
         in_scale = float(np.asarray(source.scale).reshape(-1)[0])
+        if fold:
+            folded[op.id] = (w_scale * in_scale).astype(np.float32)
+            continue
         for b in biases:
             out[b.param] = (w_scale * in_scale).astype(np.float32)
-    return out
+    return out, folded
 
 
 def fake_quant_bias(x: jax.Array, scale: np.ndarray) -> jax.Array:

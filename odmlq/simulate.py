@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from odmlq.calibration import Calibration
-from odmlq.graph import GraphCache, params_for
+from odmlq.graph import GraphCache, fold_params, params_for
 from odmlq.hooks import FakeQuant, PlanHooks
 from odmlq.scales import Scales, compute_scales, quantized_params
 
@@ -34,7 +34,7 @@ class Simulator:
     def __init__(self, model: Any, plan, scales: Scales, *, variables: Any = None):
         self.plan, self.scales = plan, scales
         self._graphs = GraphCache(model, plan, variables)
-        self._qparams = quantized_params(params_for(model, variables, "simulate"), scales)
+        self._qparams = quantized_params(fold_params(plan.graph, params_for(model, variables, "simulate")), scales)
         self._jitted: dict = {}
 
     def __call__(self, *inputs: Any, capture: bool = False,

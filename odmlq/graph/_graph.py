@@ -53,7 +53,9 @@ class Operand:
 
     Attributes:
       role: ``'input'`` (an activation edge), ``'weight'`` (derived from
-        parameters), ``'bias'`` (a weight added after a matmul/conv) or
+        parameters), ``'bias'`` (a weight added after a matmul/conv),
+        ``'fold'`` (a per-channel weight of an affine epilogue folded into the
+        matmul/conv: an inference BatchNorm, see `Op.attributes['fold']`) or
         ``'constant'`` (a literal or closed-over array).
       edge: the activation edge id, for role ``'input'``.
       param: the parameter path (``'conv1/kernel'``) for weights and biases.
@@ -112,6 +114,11 @@ class Op:
     @property
     def weights(self) -> tuple[Operand, ...]:
         return tuple(o for o in self.operands if o.role in ("weight", "bias"))
+
+    @property
+    def folds(self) -> tuple[Operand, ...]:
+        """Per-channel weights folded into this matmul/conv (an inference BatchNorm)."""
+        return tuple(o for o in self.operands if o.role == "fold")
 
     @property
     def inputs(self) -> tuple[str, ...]:

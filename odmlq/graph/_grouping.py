@@ -57,6 +57,10 @@ class _Builder:
         self.ids: Counter = Counter()
         self.path_of_value: dict[int, str] = {}
         self.bias_values: set[int] = set()
+        # Per-channel weights of an affine epilogue (an inference BatchNorm)
+        # folded into the matmul/conv before it: value id -> (step kind,
+        # whether the activation is the step's first operand).
+        self.fold_values: dict[int, tuple[str, bool]] = {}
         self.step_index: dict[int, dict[int, int]] = {}  # id(program) -> id(step) -> position
 
     # -- structure --------------------------------------------------------
@@ -95,6 +99,9 @@ class _Builder:
             if prev is not None and self.joins_einsum(prev, step):
                 prev.steps.append(step)
                 continue
+            if prev is not None and self.is_affine_epilogue(prev, step):
+                prev.steps.append(step)
+                continue
             if prev is not None and self.is_bias_add(prev, step):
                 prev.steps.append(step)
                 continue
@@ -116,10 +123,10 @@ class _Builder:
         has_dot = any(s.kind == "dot_general" for s in prev.steps)
         return not (step.kind == "dot_general" and has_dot)
 
-    def is_bias_add(self, prev: _OpRec, step: _Step) -> bool:
+    def is_bias_add(self, prev: _OpRec, step: _Step, dry_run: bool = False) -> bool:
         if prev.kind not in MATMUL_KINDS or step.kind != "add" or len(step.ins) != 2:
             return False
-        if any(s.kind == "add" for s in prev.steps):
+        if any(s.kind == "add" for s in prev.steps) or prev.attributes.get("fold"):
             return False
         out = prev.steps[-1].outs[0]
         a, c = step.ins
@@ -129,8 +136,64 @@ class _Builder:
         w = self.w.weights.get(other)
         if w is None or not w.params:
             return False
-        self.bias_values.add(other)
+        if not dry_run:
+            self.bias_values.add(other)
         return True
+
+    def is_affine_epilogue(self, prev: _OpRec, step: _Step) -> bool:
+        """A per-channel affine step after a matmul/conv: ``y - w``, ``y * w``,
+        ``y + w`` or ``y / w`` with `w` derived from parameters and varying
+        along the output channel only. Inference BatchNorm traces as such a
+        chain (sub mean, mul scale * rsqrt(var + eps), add bias); it is folded
+        into the op: its kernel scaled per channel, its bias shifted.
+
+        A bias add after the matmul/conv comes first (`is_bias_add`); once an
+        epilogue has begun, a further add belongs to it."""
+        if prev.kind not in ("dot_general", "conv") or step.kind not in ("add", "sub", "mul", "div"):
+            return False
+        if len(step.ins) != 2 or (step.kind == "add" and not prev.attributes.get("fold")
+                                  and not any(s.kind == "add" for s in prev.steps)
+                                  and self.is_bias_add(prev, step, dry_run=True)):
+            return False
+        out = prev.steps[-1].outs[0]
+        a, c = step.ins
+        if a == out:
+            other, first = c, True
+        elif c == out and step.kind in ("add", "mul"):
+            other, first = a, False
+        else:
+            return False
+        if isinstance(other, _Lit) or self.uses[out] != 1:
+            return False
+        w = self.w.weights.get(other)
+        channel = self.output_channel_axis(prev)
+        if w is None or not w.params or channel is None:
+            return False
+        shape, out_shape = tuple(self.w.avals[other].shape), tuple(self.w.avals[out].shape)
+        aligned = (1,) * (len(out_shape) - len(shape)) + shape
+        if len(aligned) != len(out_shape) or any(d != 1 for i, d in enumerate(aligned) if i != channel):
+            return False
+        self.fold_values[other] = (step.kind, first)
+        prev.attributes["fold"] = True
+        return True
+
+    def output_channel_axis(self, rec: _OpRec) -> int | None:
+        """The output axis a matmul/conv's weight's output channels run along."""
+        anchor = rec.steps[0]
+        if anchor.eqn is None:
+            return None
+        ndim = len(anchor.eqn.outvars[0].aval.shape)
+        if anchor.kind == "conv":
+            return int(anchor.eqn.params["dimension_numbers"].out_spec[1])
+        weight_free = [i for i, r in enumerate(anchor.ins[:2])
+                       if not isinstance(r, _Lit) and self.w.weights.get(r) is not None
+                       and self.w.weights[r].params]
+        if weight_free != [1]:
+            return None
+        (_, rc), (_, rb) = anchor.eqn.params["dimension_numbers"]
+        rhs_ndim = len(anchor.eqn.invars[1].aval.shape)
+        free = [a for a in range(rhs_ndim) if a not in rc and a not in rb]
+        return ndim - 1 if len(free) == 1 else None
 
     def is_pool_divide(self, prev: _OpRec, step: _Step) -> bool:
         """A window sum divided by a constant (the window size) is an average pool."""
@@ -286,12 +349,15 @@ class _Builder:
                                         value=_small(self.w.constants.get(r))))
             else:
                 channel, contraction = axes.get(r, ((), ()))
+                role = "bias" if r in self.bias_values else "fold" if r in self.fold_values else "weight"
                 operands.append(Operand(
-                    role="bias" if r in self.bias_values else "weight", param=w.params[0],
+                    role=role, param=w.params[0],
                     shape=shape, dtype=dtype, channel_axes=channel,
                     contraction_axes=contraction, stacked_axes=w.stacked))
         attributes = {"einsum": rec.einsum} if rec.einsum else {}
         attributes.update(rec.attributes)
+        if rec.attributes.get("fold"):
+            attributes["fold"] = self.fold_description(rec, ins)
         if rec.kind == "avg_pool":
             window = rec.steps[0].eqn.params["window_dimensions"]
             attributes["window_size"] = int(np.prod(window))
@@ -303,6 +369,19 @@ class _Builder:
         return Op(id=rec.id, kind=rec.kind, module_path=rec.module_path, operands=tuple(operands),
                   outputs=tuple(outputs), region=rec.region.id if rec.region else None,
                   attributes=attributes)
+
+    def fold_description(self, rec: _OpRec, ins: list) -> dict:
+        """How to read a folded affine epilogue from the op's operands: its steps
+        in order as [kind, operand index, activation first], the output axis
+        its per-channel weights run along, and the output's rank."""
+        steps = []
+        for step in rec.steps:
+            for r in step.ins:
+                if not isinstance(r, _Lit) and r in self.fold_values and r in ins:
+                    kind, first = self.fold_values[r]
+                    steps.append([kind, ins.index(r), first])
+        ndim = len(self.w.avals[rec.steps[0].outs[0]].shape)
+        return {"steps": steps, "channel_axis": self.output_channel_axis(rec), "ndim": ndim}
 
     def register_op(self, rec: _OpRec, program: _Program, outs: list[int]) -> None:
         """Lets evaluate run the op as one function (`on_op`), with its operands in

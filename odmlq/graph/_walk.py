@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import numpy as np
 from jax.extend import core as jcore
 
@@ -121,7 +122,11 @@ class _Walker:
                 values.append(self.constants[r])
             else:
                 return
-        for v, x in zip(step.outs, _eval_eqn(step.eqn, values)):
+        # Eagerly, even when the model is traced again inside a caller's jit
+        # (a new batch size): there every bind would be staged as a tracer.
+        with jax.ensure_compile_time_eval():
+            outs = _eval_eqn(step.eqn, values)
+        for v, x in zip(step.outs, outs):
             self.constants[v] = np.asarray(x)
 
     def inline(self, eqn, key, ins, env, stack, steps):

@@ -28,7 +28,7 @@ import numpy as np
 
 from odmlq.errors import OdmlqError
 from odmlq.litert.spec import pool_as_depthwise
-from odmlq.graph import flat_params, replace_params
+from odmlq.graph import flat_params, fold_params, replace_params
 from odmlq.scales import Scales, TensorScale, fake_quant_bias
 from odmlq.hooks import FakeQuant, PlanHooks
 
@@ -126,7 +126,7 @@ def _permuted(ts: TensorScale, perm) -> TensorScale:
 
 def annotated_function(graph, plan, scales: Scales, params: Any) -> Callable:
     """A function of the model inputs only (weights are constants in it)."""
-    values = {k: np.asarray(v) for k, v in flat_params(params).items()}
+    values = {k: np.asarray(v) for k, v in flat_params(fold_params(plan.graph, params)).items()}
     layouts = _native_layouts(plan)
     # The converter re-derives the integers from the composite's input. Given
     # values already on the grid (our integers times the scale) it cannot round

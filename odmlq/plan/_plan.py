@@ -307,6 +307,10 @@ def _weight_plans(op: Op, rule: Rule | None, index: int | None) -> tuple[WeightP
         else:
             out.append(WeightPlan(param=operand.param, role=operand.role,
                                   spec=weight_spec(op, operand, rule, index)))
+    kernel = next((o.param for o in op.weights if o.role == "weight"), None)
+    for operand in op.folds:
+        out.append(WeightPlan(param=operand.param, role="fold", spec=None,
+                              note=f"folded into {kernel} and the bias (inference BatchNorm)"))
     return tuple(out)
 
 

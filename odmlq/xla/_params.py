@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from odmlq.graph import param_path, params_tree
+from odmlq.graph import fold_params, folded_ops, param_path, params_tree
 from odmlq.errors import PlanError
 from odmlq.qarray import QArray, scale_shape
 from odmlq.scales import TensorScale, weight_scale
@@ -104,6 +104,7 @@ def quantize_params(params: Any, plan, *, prefix: str | None = None) -> Any:
       >>> layer = odmlq.quantize_params(load('layers/3'), plan, prefix='layers/3')
     """
     specs = weight_specs(plan)
+    params = _folded(params, plan, prefix)
     leaves, tree = flat_leaves(params)
     base = "" if not prefix else prefix.strip("/") + "/"
     paths = [base + p if p else prefix.strip("/") for p, _ in leaves]
@@ -118,6 +119,30 @@ def quantize_params(params: Any, plan, *, prefix: str | None = None) -> Any:
         else:
             out.append(weight_scale(np.asarray(leaf, np.float32), spec).quantize(leaf))
     return jax.tree_util.tree_unflatten(tree, out)
+
+
+def _folded(params: Any, plan, prefix: str | None) -> Any:
+    """The params with each folded BatchNorm in its kernel (`odmlq.graph.fold_params`).
+
+    Folding reads the BatchNorm's parameters, so it needs concrete leaves of
+    the whole model; abstract shapes fold to the same shapes, and QArrays are
+    already folded (quantize_params made them)."""
+    ops = folded_ops(plan.graph)
+    if not ops:
+        return params
+    leaves = [leaf for _, leaf in flat_leaves(params)[0]]
+    if any(isinstance(x, (jax.ShapeDtypeStruct, QArray)) for x in leaves):
+        return params
+    if prefix is not None:
+        kernels = [o.param for op in ops for o in op.weights if o.role == "weight"]
+        inside = [k for k in kernels if prefix.strip("/") == "" or k.startswith(prefix.strip("/") + "/")]
+        if inside:
+            raise PlanError(
+                f"{inside[0]!r} has a BatchNorm folded into it (op {ops[0].id!r}), which quantize_params "
+                "folds from the whole model's params; quantize these layers with all params "
+                "(no prefix), or keep the BatchNorm's op in float with a skip rule.")
+        return params
+    return fold_params(plan.graph, params)
 
 
 def abstract_qarray(shape: tuple[int, ...], spec) -> QArray:

@@ -246,3 +246,26 @@ def test_static_plan_of_a_scanned_model_calibrates_and_simulates():
     f = np.asarray(model.apply(variables, x))
     # int8 activations and weights on a 3-layer net: > 25 dB from float.
     assert 10 * np.log10(np.sum(f ** 2) / np.sum((y - f) ** 2)) > 25
+
+
+def test_any_batch_size_with_constants_computed_in_the_model():
+    """Positions from jnp.arange are folded at trace time; tracing again for
+    another batch size inside the jitted call must fold them eagerly too
+    (seen: TracerArrayConversionError on a language model at batch 7)."""
+    import flax.linen as nn
+
+    class Lm(nn.Module):
+        @nn.compact
+        def __call__(self, ids):
+            positions = jnp.arange(ids.shape[1])
+            h = nn.Embed(50, 8, name="tokens")(ids) + nn.Embed(16, 8, name="positions")(positions)[None]
+            return nn.Dense(4, name="head")(h)
+
+    ids = np.random.RandomState(0).randint(0, 50, size=(7, 16)).astype(np.int32)
+    model = Lm()
+    variables = model.init(jax.random.PRNGKey(0), ids[:1])
+    qmodel = odmlq.ptq(model, [odmlq.Rule(".*", weight_qtype="int8")], variables, example_inputs=(ids[:1],))
+    y = qmodel(ids)
+    assert y.shape == (7, 16, 4)
+    y_sim = odmlq.simulate(model, qmodel.plan, qmodel.scales, ids, variables=variables)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_sim), rtol=1e-5, atol=1e-6)  # float32 order

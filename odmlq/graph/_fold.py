@@ -1,0 +1,131 @@
+"""Folding an affine epilogue (an inference BatchNorm) into the matmul or
+convolution before it.
+
+The grouping merges ``conv -> (x - mean) * (scale * rsqrt(var + eps)) + bias``
+into one op whose fold operands carry the BatchNorm's per-channel weights
+(`Op.attributes['fold']`). As a chain of per-channel affine steps it is
+``y -> y * s + t``; folding gives the kernel ``W * s`` (along its output
+channels) and the bias ``b * s + t``, quantized as one convolution, as
+integer kernels and LiteRT's CONV_2D compute it.
+
+- `fold_params(graph, params)`: the params with each folded op's kernel
+  scaled by ``s``: what quantized backends quantize (the float model keeps
+  the original params and computes the BatchNorm as traced).
+- `folded_operands(op, operands)`: an op's operands for a folded run: the
+  epilogue made the identity and the folded bias placed where it is added,
+  so the op computes ``conv(x, W s) + (b s + t)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from odmlq.graph._params import flat_params, replace_params
+
+__all__ = ["affine_of", "fold_params", "folded_bias", "folded_operands", "folded_ops"]
+
+
+def folded_ops(graph) -> list:
+    return [op for op in graph.ops if op.attributes.get("fold")]
+
+
+def _per_channel(value, axis: int, ndim: int) -> jax.Array:
+    """A per-channel operand (broadcastable to the output) as a (C,) vector."""
+    v = jnp.asarray(value)
+    v = v.reshape((1,) * (ndim - v.ndim) + v.shape)
+    return jnp.moveaxis(v, axis, -1).reshape(-1)
+
+
+def affine_of(op, operands: Sequence[Any]) -> tuple[jax.Array, jax.Array]:
+    """``(s, t)``, per output channel, of the op's epilogue ``y -> y * s + t``."""
+    fold = op.attributes["fold"]
+    s = t = None
+    for kind, index, _ in fold["steps"]:
+        w = _per_channel(operands[index], fold["channel_axis"], fold["ndim"])
+        if s is None:
+            s, t = jnp.ones_like(w), jnp.zeros_like(w)
+        if kind == "mul":
+            s, t = s * w, t * w
+        elif kind == "div":
+            s, t = s / w, t / w
+        elif kind == "add":
+            t = t + w
+        else:  # sub: the activation comes first (x - w)
+            t = t - w
+    return s, t
+
+
+def _kernel_operand(op) -> int:
+    return next(i for i, o in enumerate(op.operands) if o.role == "weight")
+
+
+def folded_operands(op, operands: Sequence[Any], bias: jax.Array) -> list:
+    """The op's operands for computing ``conv(x, W s) + bias`` (`bias`: the
+    folded bias ``b s + t``, per channel, already on its grid): every
+    epilogue step becomes the identity, and `bias` is added where the op adds
+    its own bias, or by its first additive epilogue step."""
+    fold = op.attributes["fold"]
+    out = list(operands)
+    for kind, index, _ in fold["steps"]:
+        out[index] = (jnp.ones_like if kind in ("mul", "div") else jnp.zeros_like)(jnp.asarray(operands[index]))
+    carrier = next((i for i, o in enumerate(op.operands) if o.role == "bias"), None)
+    sign = 1.0
+    if carrier is None:
+        kind, carrier, _ = next(s for s in fold["steps"] if s[0] in ("add", "sub"))
+        sign = -1.0 if kind == "sub" else 1.0
+    shape = jnp.shape(operands[carrier])
+    axis = fold["channel_axis"] - (fold["ndim"] - len(shape))
+    out[carrier] = jnp.moveaxis(
+        (sign * bias).reshape((1,) * (len(shape) - 1) + (-1,)), -1, axis).reshape(shape).astype(
+            jnp.asarray(operands[carrier]).dtype)
+    return out
+
+
+def folded_bias(op, operands: Sequence[Any]) -> jax.Array:
+    """``b s + t`` per channel (b: the op's own bias, or 0)."""
+    s, t = affine_of(op, operands)
+    index = next((i for i, o in enumerate(op.operands) if o.role == "bias"), None)
+    if index is None:
+        return t
+    return _per_channel(operands[index], -1, 1) * s + t
+
+
+def fold_params(graph, params: Any) -> Any:
+    """`params` with each folded op's kernel scaled by its epilogue's ``s``
+    along the kernel's output channels (the float model's BatchNorm folded
+    in). A graph without folds gets `params` back as they are."""
+    ops = folded_ops(graph)
+    if not ops:
+        return params
+    operands = _operand_values(graph, params, {op.id for op in ops})
+    values = flat_params(params)
+    new = {}
+    for op in ops:
+        kernel = op.operands[_kernel_operand(op)]
+        s, _ = affine_of(op, operands[op.id])
+        (axis,) = kernel.channel_axes
+        w = jnp.asarray(values[kernel.param])
+        shape = [1] * w.ndim
+        shape[axis] = -1
+        new[kernel.param] = (w * s.reshape(shape)).astype(w.dtype)
+    return replace_params(params, new)
+
+
+def _operand_values(graph, params: Any, op_ids: set[str]) -> dict[str, list]:
+    """The operands the ops read (weights and their derived values) in one
+    float run on zeros: folds depend on parameters only."""
+    found: dict[str, list] = {}
+
+    def on_op(op_id, compute, *operands):
+        if op_id in op_ids:
+            found[op_id] = [np.asarray(x) for x in operands]
+        return compute(*operands)
+
+    inputs = [np.zeros(graph.edges[e].shape, graph.edges[e].dtype) for e in graph.inputs]
+    graph.evaluate(params, *inputs, on_op=on_op)
+    return found

@@ -1,0 +1,153 @@
+"""Inference BatchNorm folded into the convolution or dense layer before it.
+
+Tolerances: the traced graph evaluates the model's own primitives, so it is
+bit-exact with `model.apply`; folding rescales the kernel and moves the
+BatchNorm into the bias, which reorders float32 operations (rtol 1e-5).
+Exports are checked op by op by `verify` (1 LSB) and against float by
+output SQNR (30 dB, the floor the export itself applies).
+"""
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import odmlq
+from odmlq.graph import fold_params, folded_bias, folded_operands, folded_ops
+
+RNG = np.random.RandomState(0)
+X = RNG.rand(48, 8, 8, 3).astype(np.float32)
+INT8 = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
+
+
+class ConvBn(nn.Module):
+    conv_bias: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Conv(8, (3, 3), use_bias=self.conv_bias, name="conv")(x)
+        x = nn.relu(nn.BatchNorm(use_running_average=True, name="bn")(x))
+        x = nn.Dense(16, name="dense")(x.reshape(x.shape[0], -1))
+        x = nn.BatchNorm(use_running_average=True, name="bn_dense")(x)
+        return nn.Dense(4, name="head")(nn.relu(x))
+
+
+class NnxConvBn(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.conv = nnx.Conv(3, 8, (3, 3), use_bias=False, rngs=rngs)
+        self.bn = nnx.BatchNorm(8, rngs=rngs)
+        self.head = nnx.Linear(8, 4, rngs=rngs)
+
+    def __call__(self, x):
+        x = nnx.relu(self.bn(self.conv(x)))
+        return self.head(jnp.mean(x, axis=(1, 2)))
+
+
+def _realistic(tree, rng):
+    """BatchNorm statistics and affine parameters away from their identity init."""
+    def visit(path, leaf):
+        name = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+        c = np.shape(leaf)[-1] if np.ndim(leaf) else 1
+        if name.endswith("mean"):
+            return jnp.asarray(rng.randn(c) * 0.3, leaf.dtype)
+        if name.endswith("var"):
+            return jnp.asarray(rng.uniform(0.5, 2.0, c), leaf.dtype)
+        if "bn" in name and name.endswith("scale"):
+            return jnp.asarray(1 + 0.2 * rng.randn(c), leaf.dtype)
+        if "bn" in name and name.endswith("bias"):
+            return jnp.asarray(0.1 * rng.randn(c), leaf.dtype)
+        return leaf
+    return jax.tree_util.tree_map_with_path(visit, tree)
+
+
+def _linen(conv_bias=False):
+    model = ConvBn(conv_bias=conv_bias)
+    variables = _realistic(flax.core.unfreeze(model.init(jax.random.PRNGKey(0), X[:1])), np.random.RandomState(1))
+    return model, variables
+
+
+def _nnx():
+    model = NnxConvBn(nnx.Rngs(0))
+    model.eval()
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, _realistic(state, np.random.RandomState(2))), None
+
+
+MODELS = {"linen": lambda: _linen(), "linen_conv_bias": lambda: _linen(True), "nnx": _nnx}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_batchnorm_joins_the_op_before_it(name):
+    model, variables = MODELS[name]()
+    plan = odmlq.plan(model, INT8, X[:1], variables=variables)
+    kinds = [op.kind for op in plan.graph.ops]
+    assert "sub" not in kinds and "mul" not in kinds and "add" not in kinds, kinds
+    folded = folded_ops(plan.graph)
+    assert [op.kind for op in folded] == (["conv", "dot_general"] if name.startswith("linen") else ["conv"])
+    notes = [w.note for op in folded for w in plan.ops[op.id].weights if w.role == "fold"]
+    assert notes and all("folded into" in n for n in notes)
+    graph = odmlq.trace(model, X, variables=variables)
+    params = variables if variables is not None else model
+    reference = model.apply(variables, X) if variables is not None else model(X)
+    np.testing.assert_array_equal(np.asarray(graph.evaluate(params, X)), np.asarray(reference))
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_the_folded_model_computes_the_float_model(name):
+    model, variables = MODELS[name]()
+    graph = odmlq.trace(model, X, variables=variables)
+    params = variables if variables is not None else model
+    folded = fold_params(graph, params)
+
+    def on_op(op_id, compute, *operands):
+        op = graph.op(op_id)
+        if op.attributes.get("fold"):
+            operands = folded_operands(op, operands, folded_bias(op, operands))
+        return compute(*operands)
+
+    reference = model.apply(variables, X) if variables is not None else model(X)
+    np.testing.assert_allclose(np.asarray(graph.evaluate(folded, X, on_op=on_op)), np.asarray(reference),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rules", [
+    pytest.param(INT8, id="int8"),
+    pytest.param([odmlq.Rule(".*", weight_qtype="int8", act_qtype="int16")], id="int16x8"),
+    pytest.param([odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8", act_dynamic=True)], id="dynamic"),
+])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_folded_exports_are_one_kernel_per_layer_and_verify(name, rules):
+    model, variables = MODELS[name]()
+    result = odmlq.export_tflite(model, rules, [X[:32], X[32:]], variables=variables)
+    ops = result.summary.op_histogram
+    assert not {"SUB", "MUL", "ADD", "STABLEHLO_COMPOSITE"} & set(ops), ops
+    assert result.summary.float_islands == () or rules[0].act_dynamic
+    assert result.verification.passed
+    reference = np.asarray(model.apply(variables, X[32:]) if variables is not None else model(X[32:]))
+    simulated = np.asarray(odmlq.simulate(model, result.plan, result.scales, X[32:], variables=variables))
+    noise = np.sum((reference - simulated) ** 2)
+    assert 10 * np.log10(np.sum(reference ** 2) / noise) >= 30.0
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_xla_equals_simulate_with_folded_batchnorm(name):
+    model, variables = MODELS[name]()
+    params = variables if variables is not None else None
+    plan = odmlq.plan(model, INT8, X[:1], variables=variables)
+    calibration = odmlq.calibrate(model, plan, [X], variables=variables)
+    qmodel = odmlq.ptq(model, plan, params, calibration)
+    y = np.asarray(qmodel(X[:7]))
+    scales = odmlq.compute_scales(plan, calibration, params if params is not None else model)
+    y_sim = np.asarray(odmlq.simulate(model, plan, scales, X[:7], variables=variables))
+    lsb = float(np.asarray(scales.edges[plan.graph.outputs[0]].scale).reshape(-1)[0])
+    assert float(np.max(np.abs(y - y_sim))) <= lsb * (1 + 1e-4)
+
+
+def test_quantizing_a_folded_layer_alone_is_refused():
+    model, variables = _linen()
+    plan = odmlq.plan(model, INT8, X[:1], variables=variables)
+    with pytest.raises(odmlq.PlanError, match=r"'conv/kernel' has a BatchNorm folded into it .*no prefix"):
+        odmlq.quantize_params({"conv": variables["params"]["conv"]}, plan, prefix="")
