@@ -124,8 +124,12 @@ def _permuted(ts: TensorScale, perm) -> TensorScale:
                                scale_axes=(perm.index(ts.scale_axes[0]),))
 
 
-def annotated_function(graph, plan, scales: Scales, params: Any) -> Callable:
-    """A function of the model inputs only (weights are constants in it)."""
+def annotated_function(graph, plan, scales: Scales, params: Any, float_ops=()) -> Callable:
+    """A function of the model inputs only (weights are constants in it).
+
+    `float_ops`: ops LiteRT must run in float (kept by a skip rule, or with no
+    integer kernel), besides those no rule matched."""
+    keep_float = frozenset(plan.float_ops) | frozenset(float_ops)
     values = {k: np.asarray(v) for k, v in flat_params(fold_params(plan.graph, params)).items()}
     layouts = _native_layouts(plan)
     # The converter re-derives the integers from the composite's input. Given
@@ -149,7 +153,7 @@ def annotated_function(graph, plan, scales: Scales, params: Any) -> Callable:
             new[p] = fake_quant_bias(jnp.asarray(values[p]), s)
         qparams = replace_params(params, new)
 
-        return PlanHooks(plan, scales, Annotation(scales)).evaluate(graph, qparams, *inputs)
+        return PlanHooks(plan, scales, Annotation(scales, keep_float)).evaluate(graph, qparams, *inputs)
 
     return fn
 
@@ -164,11 +168,16 @@ class Annotation(FakeQuant):
     - an input read in the op's qtype: a composite, a QUANTIZE (requantize) on LiteRT;
     - a dynamic input: an identity marker; the hybrid kernel quantizes it per call;
     - ops the converter recognises only as a composite, or that lower better
-      another way (an unpadded int8 average pool as a depthwise convolution).
+      another way (an unpadded int8 average pool as a depthwise convolution);
+    - ops the plan keeps in float: their inputs and outputs pass an
+      optimization barrier. litert-converter quantizes a lone float op
+      between a DEQUANTIZE and a QUANTIZE (a skipped tanh became an int8
+      TANH), or after a DEQUANTIZE alone (a skipped maximum); the barrier,
+      which lowers to nothing, keeps it float.
     """
 
-    def __init__(self, scales: Scales):
-        self.scales = scales
+    def __init__(self, scales: Scales, keep_float=frozenset()):
+        self.scales, self.keep_float = scales, keep_float
 
     def edge(self, edge_id, x, ts):
         if ts.scale_axes:
@@ -195,6 +204,13 @@ class Annotation(FakeQuant):
         `approximate` must be present (as a numpy bool: jax drops a plain
         False): litert-converter 0.5.0 crashes on a ``tfl.gelu`` without it.
         jax.nn.gelu's tanh form and softmax are matched as they are."""
+        if op.id in self.keep_float:
+            inputs = [jax.lax.optimization_barrier(x) if o.role == "input" else x
+                      for o, x in zip(op.operands, inputs)]
+            return [jax.lax.optimization_barrier(y) for y in self._compute(op, compute, inputs)]
+        return self._compute(op, compute, inputs)
+
+    def _compute(self, op, compute, inputs):
         scales = self.scales
         if op.kind == "avg_pool" and len(inputs) == 1:
             out = scales.edges.get(op.outputs[0])

@@ -240,7 +240,7 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
     graph = plan.graph if plan.graph.program is not None else None
     if graph is None:
         graph = make_plan(model, plan.rules, *example_inputs, variables=variables, target=TARGET).graph
-    fn = _annotate.annotated_function(graph, plan, scales, params)
+    fn = _annotate.annotated_function(graph, plan, scales, params, float_ops)
     names_in = list(input_names or _input_names(model, len(graph.inputs)))
     names_out = list(output_names or [f"output_{i}" for i in range(len(graph.outputs))])
     try:
