@@ -65,6 +65,9 @@ class Operand:
       contraction_axes: the parameter's contracted axes (matmul/conv inputs).
       stacked_axes: parameter axes that a loop slices (one slice per
         iteration): every slice gets its own scales.
+      derived: a weight computed from parameters by arithmetic (``scale *
+        rsqrt(var + eps)``), not only laid out (reshaped, transposed): a
+        backend cannot store it as the parameter's integers.
       value: for a constant, its value (folded at trace time; None when it
         could not be folded or has more than `MAX_CONSTANT_SIZE` elements,
         which plans do not carry: such a constant is not quantized).
@@ -78,6 +81,7 @@ class Operand:
     channel_axes: tuple[int, ...] | None = ()
     contraction_axes: tuple[int, ...] | None = ()
     stacked_axes: tuple[int, ...] = ()
+    derived: bool = False
     value: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def to_dict(self) -> dict:

@@ -353,14 +353,16 @@ class _Builder:
                 operands.append(Operand(
                     role=role, param=w.params[0],
                     shape=shape, dtype=dtype, channel_axes=channel,
-                    contraction_axes=contraction, stacked_axes=w.stacked))
+                    contraction_axes=contraction, stacked_axes=w.stacked,
+                    derived=w.arithmetic))
         attributes = {"einsum": rec.einsum} if rec.einsum else {}
         attributes.update(rec.attributes)
         if rec.attributes.get("fold"):
             attributes["fold"] = self.fold_description(rec, ins)
-        if rec.kind == "avg_pool":
+        if rec.kind in ("avg_pool", "max_pool"):
             window = rec.steps[0].eqn.params["window_dimensions"]
-            attributes["window_size"] = int(np.prod(window))
+            if rec.kind == "avg_pool":
+                attributes["window_size"] = int(np.prod(window))
             params = rec.steps[0].eqn.params
             attributes["window"] = [int(w) for w in window]
             attributes["strides"] = [int(s) for s in params["window_strides"]]

@@ -33,12 +33,25 @@ def param_path(path) -> str:
 
 
 def params_tree(params: Any) -> Any:
-    """The params pytree of Linen variables, NNX state or an NNX module."""
+    """The params pytree of Linen variables, NNX state or an NNX module.
+
+    An NNX module's random state (`nnx.Rngs` held as an attribute, a
+    Dropout's stream) is left out: it is no weight, and a PRNG key is not an
+    array odmlq can quantize or serialize (`split_nnx`)."""
     from flax import nnx
 
     if isinstance(params, nnx.Module):
-        return nnx.split(params)[1]
+        return split_nnx(params)[2]
+    if isinstance(params, nnx.State):
+        return nnx.filter_state(params, nnx.Not(nnx.RngState))
     return params
+
+
+def split_nnx(model: Any) -> tuple[Any, Any, Any]:
+    """``(graphdef, random state, the rest)`` of an NNX module."""
+    from flax import nnx
+
+    return nnx.split(model, nnx.RngState, ...)
 
 
 def flat_params(params: Any) -> dict[str, Any]:

@@ -16,7 +16,7 @@ import numpy as np
 from odmlq.errors import TraceError
 from odmlq.graph import _grouping
 from odmlq.graph._graph import Graph
-from odmlq.graph._params import param_path
+from odmlq.graph._params import param_path, split_nnx
 from odmlq.graph._program import _Program, _TopProgram
 from odmlq.graph._walk import _W, _identity, _Walker
 
@@ -96,10 +96,12 @@ def _apply_fn(model, example_inputs, variables, method):
 
         return fn, variables, "linen", name
     if isinstance(model, nnx.Module):
-        graphdef, state = nnx.split(model)
+        # Random state stays out of the params (a model in eval mode does not
+        # read it; a PRNG key is no weight): it is closed over.
+        graphdef, rng_state, state = split_nnx(model)
 
         def fn(s, *xs):
-            m = nnx.merge(graphdef, s)
+            m = nnx.merge(graphdef, rng_state, s)
             return (getattr(m, method) if isinstance(method, str) else m)(*xs)
 
         return fn, state, "nnx", type(model).__name__

@@ -40,6 +40,14 @@ class _W:
     params: tuple[str, ...]
     axis_map: tuple[int | None, ...] | None  # value axis -> parameter axis
     stacked: tuple[int, ...] = ()
+    # Computed by arithmetic (rsqrt(var + eps) * scale), not only laid out.
+    arithmetic: bool = False
+
+
+# Primitives that move a weight's values without computing new ones.
+_LAYOUT = frozenset({"reshape", "squeeze", "broadcast_in_dim", "transpose", "convert_element_type", "copy",
+                     "copy_p", "reduce_precision", "expand_dims", "slice", "dynamic_slice", "concatenate",
+                     "rev", "pjit", "jit"})
 
 
 def _subjaxpr(eqn, name):
@@ -181,7 +189,9 @@ def _propagate(eqn, in_ws: list, ins, walker) -> _W:
     stacked = tuple(dict.fromkeys(a for w in in_ws if w is not None for a in w.stacked))
     first = in_ws[0] if in_ws else None
     am = first.axis_map if first is not None and len(in_ws) == 1 else None
-    return _W(params, _map_axes(eqn, am), stacked)
+    arithmetic = (any(w is not None and w.arithmetic for w in in_ws) or len(params) > 1
+                  or eqn.primitive.name not in _LAYOUT)
+    return _W(params, _map_axes(eqn, am), stacked, arithmetic)
 
 
 def _map_axes(eqn, am):

@@ -84,6 +84,28 @@ def convert_stablehlo(text: str, *, input_names: Sequence[str], output_names: Se
         error.locations = tuple(re.findall(r"jit\([^)]*\)/([^\"]+)\"", done.stderr))
         raise error
     detail = "\n".join(details.get("diagnostics", [])) or done.stderr.strip()[-3000:]
-    error = ConversionError(f"litert-converter failed: {details.get('error', '')}\n{detail}")
-    error.locations = tuple(re.findall(r"jit\([^)]*\)/([^\"]+)\"", detail))
+    message = _readable(f"{details.get('error', '')}\n{detail}")
+    error = ConversionError(f"litert-converter failed: {message}")
+    # The first location is the op the converter failed on; the rest of the
+    # diagnostic lists where its operands came from.
+    error.locations = tuple(re.findall(r"jit\([^)]*\)/([^\"]+)\"", details.get("error", "") + detail)[:1])
     raise error
+
+
+# A diagnostic's source position ("/path/odmlq/graph/_program.py:204:11: ")
+# is where odmlq evaluated the primitive, not where the user's model wrote it:
+# the op and module it belongs to are named instead (see export).
+_POSITION = re.compile(r"(?:/[^\s:\"]+)+\.py:\d+:\d+: ")
+
+
+def _readable(text: str) -> str:
+    """The converter's errors without Python call stacks and MLIR location dumps."""
+    lines = []
+    for line in text.splitlines():
+        stripped = line.strip()
+        if not stripped or stripped.startswith(("loc(", "^")) or "note: called from" in line:
+            continue
+        if lines and not _POSITION.search(line) and not stripped.startswith(("error", "ValueError")):
+            continue  # a source line echoed under a position
+        lines.append(_POSITION.sub("", stripped))
+    return "\n".join(dict.fromkeys(lines))[:2000]

@@ -20,6 +20,7 @@ import sys
 import tempfile
 
 from odmlq.errors import OdmlqError
+from odmlq.litert._convert import ConversionError
 
 _CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_probe_child.py")
 
@@ -57,4 +58,7 @@ def _probe(digest: str, tflite: bytes, what: str) -> None:
             "loads it would die the same way. Usually a tensor's scale is out of its kernel's range "
             "(look at the scales of the edges it names), or LiteRT mis-handles an op: keep that op "
             f"in float with a skip rule.\n{lines}")
+    if done.returncode == 3:
+        raise ConversionError(f"LiteRT cannot load {what}: {lines.strip()}. The converted model is not "
+                              "valid for the interpreter; keep the op it names in float with a skip rule.")
     raise LiteRTCrashError(f"The LiteRT interpreter failed on {what} (exit {done.returncode}).\n{lines}")

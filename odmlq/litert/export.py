@@ -369,10 +369,13 @@ def _check_summary(schema: str, summary: ModelSummary, allow_float_ops: bool, fl
     if schema == "weight_only":  # dequantizing the weights is what weight-only means
         slow = tuple(o for o in slow if o.name == "TRANSPOSE")
     if slow:
+        first = slow[0].module_path or ""
         raise FloatOpsError(
-            "The converted model dequantizes or transposes weights at every invocation: "
-            + ", ".join(f"{o.name} ({o.module_path})" for o in slow) + ". This is a defect of the "
-            "annotation; please report it with the plan."
+            "The converted model would dequantize or transpose weights at every invocation: "
+            + ", ".join(f"{o.name} (module {o.module_path or ''!r})" for o in slow) + ". A float op reads "
+            "a weight the plan stores quantized, which runs slower than float. Give those ops an "
+            f"activation qtype so an integer kernel reads the weight, or keep them in float, e.g. "
+            f"Rule({first!r}, skip=True) before your other rules, with allow_float_ops=True."
         )
     if static and summary.float_islands:
         listing = _float_op_listing(summary.float_islands)

@@ -96,6 +96,14 @@ def _int16_add_operands(op, qtype: str) -> str | None:
             "and allow_float_ops=True")
 
 
+def _int16_padded_max_pool(op, qtype: str) -> str | None:
+    if qtype != "int16" or not any(lo or hi for lo, hi in op.attributes.get("padding", ())):
+        return None
+    return ("litert-converter 0.5.0 pads an int16 max pool with a PADV2 op, which has no int16 kernel "
+            "(conversion fails). Use int8 activations for this pool, or pad the input yourself, or keep "
+            "it in float with Rule(..., skip=True) and allow_float_ops=True")
+
+
 def _softmax_axis(op, qtype: str) -> str | None:
     axis = op.attributes.get("axis")
     ndim = len(op.operands[0].shape)
@@ -166,8 +174,14 @@ OP_SPEC: dict[str, OpSpec] = {
     "squeeze": OpSpec(_BOTH, SAME_AS_INPUT),
     "transpose": OpSpec(_BOTH, SAME_AS_INPUT),
     "broadcast_in_dim": OpSpec(_BOTH, SAME_AS_INPUT),
-    "max_pool": OpSpec(_BOTH, SAME_AS_INPUT),
+    "max_pool": OpSpec(_BOTH, SAME_AS_INPUT, limitation=_int16_padded_max_pool),
     "slice": OpSpec(_BOTH, SAME_AS_INPUT),
+    "split": OpSpec(_BOTH, SAME_AS_INPUT),  # one SLICE per output
+    # Lookup-table kernels (int8): measured to export full-integer and verify.
+    "exp": OpSpec(_INT8),
+    "log": OpSpec(_INT8),
+    "abs": OpSpec(_INT8),
+    "leaky_relu": OpSpec(_INT8),
     "pad": OpSpec(_BOTH, SAME_AS_INPUT),
 }
 

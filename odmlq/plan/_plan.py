@@ -304,13 +304,19 @@ def _weight_plans(op: Op, rule: Rule | None, index: int | None) -> tuple[WeightP
         elif not operand.dtype.startswith(("float", "bfloat")):
             out.append(WeightPlan(param=operand.param, role=operand.role, spec=None,
                                   note=f"{operand.dtype}: not a float weight"))
+        elif operand.derived:
+            out.append(WeightPlan(param=operand.param, role=operand.role, spec=None,
+                                  note="float: computed from parameters by arithmetic, not stored as them"))
+        elif rule.act_dynamic and op.kind not in MATMUL_KINDS:
+            out.append(WeightPlan(param=operand.param, role=operand.role, spec=None,
+                                  note="float: dynamic-range kernels quantize matmul and conv weights only"))
         else:
             out.append(WeightPlan(param=operand.param, role=operand.role,
                                   spec=weight_spec(op, operand, rule, index)))
     kernel = next((o.param for o in op.weights if o.role == "weight"), None)
     for operand in op.folds:
         out.append(WeightPlan(param=operand.param, role="fold", spec=None,
-                              note=f"folded into {kernel} and the bias (inference BatchNorm)"))
+                              note=f"folded into {kernel} and the bias (a per-channel scale or shift: an inference BatchNorm)"))
     return tuple(out)
 
 

@@ -28,6 +28,7 @@ from odmlq.graph import GraphCache
 from odmlq.calibration import Calibration
 from odmlq.constraints import Target
 from odmlq.errors import PlanError
+from odmlq.graph import params_tree, split_nnx
 from odmlq.hooks import FakeQuant, PlanHooks
 from odmlq.plan import Plan, plan as make_plan
 from odmlq.qarray import QArray
@@ -182,7 +183,7 @@ def ptq(model: Any, rules: Sequence | Plan, params: Any = None, calibration: Cal
     if params is None:
         if not isinstance(model, nnx.Module):
             raise PlanError(f"ptq needs the params of {type(model).__name__}: pass them as params=...")
-        params = nnx.split(model)[1]
+        params = params_tree(model)
     if isinstance(rules, Plan):
         plan = rules
     else:
@@ -224,6 +225,6 @@ def _for_tracing(model: Any, params: Any) -> tuple[Any, Any]:
     """``(model, variables)`` to trace the model for new input shapes, holding no
     weights: an NNX module is rebuilt around abstract state."""
     if isinstance(model, nnx.Module):
-        graphdef, state = nnx.split(model)
-        return nnx.merge(graphdef, _abstract_params(model, state)), None
+        graphdef, rng_state, state = split_nnx(model)
+        return nnx.merge(graphdef, rng_state, _abstract_params(model, state)), None
     return model, _abstract_params(model, params)

@@ -225,3 +225,32 @@ def test_on_op_hook_gets_the_operands_of_a_dense_layer_with_its_bias():
     assert [o.role for o in op.operands] == ["input", "weight", "bias"]
     assert shapes == [[o.shape for o in op.operands]]
     np.testing.assert_allclose(y, model.apply(variables, x) + 1.0, rtol=1e-6)
+
+
+def test_nnx_random_state_is_not_a_parameter():
+    """An NNX module holding nnx.Rngs (and a Dropout's stream) traces, plans
+    and quantizes: its PRNG keys are no weights (seen: 'JAX array with
+    PRNGKey dtype cannot be converted to a NumPy array', and 'key<fry>' in ptq)."""
+    from flax import nnx
+
+    import odmlq
+
+    class WithRngs(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.lin = nnx.Linear(4, 3, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+            self.rngs = rngs
+
+        def __call__(self, x):
+            return self.drop(self.lin(x))
+
+    model = WithRngs(nnx.Rngs(0))
+    model.eval()
+    x = np.random.RandomState(0).rand(8, 4).astype(np.float32)
+    graph = odmlq.trace(model, x)
+    assert set(graph.params) == {"lin/kernel", "lin/bias"}
+    np.testing.assert_array_equal(np.asarray(graph.evaluate(model, x)), np.asarray(model(x)))
+    qmodel = odmlq.ptq(model, [odmlq.Rule(".*", weight_qtype="int8")], example_inputs=(x[:1],))
+    assert qmodel(x).shape == (8, 3)
+    result = odmlq.export_tflite(model, [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")], [x])
+    assert result.summary.float_islands == ()

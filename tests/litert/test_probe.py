@@ -54,3 +54,17 @@ def test_every_interpreter_odmlq_opens_is_probed(exported, tmp_path, monkeypatch
     _probe._probe.cache_clear()
     monkeypatch.undo()
     preserving_interpreter(result.tflite).invoke()  # a sound model loads as before
+
+
+def test_a_model_litert_cannot_allocate_is_a_conversion_error(exported, tmp_path, monkeypatch):
+    """What a depthwise 16x8 convolution with an int32 bias did before it was repaired."""
+    model, variables, x = exported
+    script = tmp_path / "refuse.py"
+    script.write_text("import sys\nsys.stderr.write('allocate_tensors: depthwise_conv.cc bias->type != kTfLiteInt64\\n')\n"
+                      "sys.exit(3)\n")
+    monkeypatch.setattr(_probe, "_CHILD", str(script))
+    _probe._probe.cache_clear()
+    with pytest.raises(odmlq.litert.ConversionError, match=r"LiteRT cannot load the exported model: .*kTfLiteInt64"):
+        odmlq.export_tflite(model, [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")], [x],
+                            variables=variables, verify=False)
+    _probe._probe.cache_clear()
