@@ -114,11 +114,15 @@ class PlanHooks:
             operands[index] = self.materializer.converted_input(op, index, operands[index], ts)
         for index, spec in self.dynamic.get(op_id, ()):
             operands[index] = self.materializer.dynamic_input(op, index, operands[index], spec)
-        if op.attributes.get("fold"):
+        if op.attributes.get("fold") and self._folded(op):
             # The kernel arrives folded (`fold_params`); the BatchNorm becomes its bias.
             bias = self.materializer.folded_bias(op, folded_bias(op, operands), self.scales.op_biases.get(op_id))
             operands = folded_operands(op, operands, bias)
         return self.materializer.op(op, compute, operands)
+
+    def _folded(self, op) -> bool:
+        """A BatchNorm is folded where its op's kernel is quantized (`fold_params`)."""
+        return any(o.role == "weight" and o.param in self.scales.weights for o in op.operands)
 
     def evaluate(self, graph, params: Any, *inputs: Any) -> Any:
         """`graph.evaluate` with these hooks (the graph may be a re-trace of

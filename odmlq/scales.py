@@ -115,7 +115,7 @@ def compute_scales(plan, calibration: Calibration | None, params: Any, *,
       PlanError: one parameter is given two different specs by two ops.
     """
     if weight_scales is None:
-        weights = _weight_scales(plan, flat_params(fold_params(plan.graph, params)))
+        weights = _weight_scales(plan, flat_params(fold_params(plan.graph, params, plan.weight_specs())))
     else:
         weights = dict(weight_scales)
     conversions: dict[tuple[str, str], TensorScale] = {}

@@ -34,7 +34,8 @@ class Simulator:
     def __init__(self, model: Any, plan, scales: Scales, *, variables: Any = None):
         self.plan, self.scales = plan, scales
         self._graphs = GraphCache(model, plan, variables)
-        self._qparams = quantized_params(fold_params(plan.graph, params_for(model, variables, "simulate")), scales)
+        self._qparams = quantized_params(
+            fold_params(plan.graph, params_for(model, variables, "simulate"), scales.weights), scales)
         self._jitted: dict = {}
 
     def __call__(self, *inputs: Any, capture: bool = False,

@@ -16,6 +16,7 @@ from odmlq.calibration._methods import (
     CalibrationMethod,
     Entropy,
     FixedRange,
+    Masked,
     MinMax,
     MovingAverageMinMax,
     Percentile,
@@ -26,7 +27,7 @@ from odmlq.calibration._statistics import Statistics, compute_range, merge, obse
 
 __all__ = [
     "AbsMax", "CALIBRATION_METHODS", "Calibration", "CalibrationMethod", "Entropy", "FixedRange",
-    "HISTOGRAM_BINS", "MSE", "MinMax", "MovingAverageMinMax", "Percentile", "RMS", "Statistics",
+    "HISTOGRAM_BINS", "MSE", "Masked", "MinMax", "MovingAverageMinMax", "Percentile", "RMS", "Statistics",
     "calibrate", "calibration_method_from_dict", "compute_range", "merge", "observe",
     "parse_calibration_method", "range_of",
 ]

@@ -310,8 +310,57 @@ class Entropy:
         return np.asarray(lo), np.asarray(hi)
 
 
+@dataclasses.dataclass(frozen=True)
+class Masked:
+    """A range for an edge that carries an attention mask's sentinel.
+
+    Masks are written as ``where(mask, x, finfo(float32).min)`` or as an
+    additive bias of 0 and ``finfo.min``. Those values are no data: observed
+    as data they make the range ~1e38 wide (every real value rounds to zero,
+    and LiteRT aborted on such a scale). `Masked` leaves values with
+    ``|x| >= sentinel`` out of the statistics and places them at the bottom
+    of the range, which it extends below the data by ``bits * ln 2 + 1``: a
+    masked score then lies that far below every row's maximum, so its
+    softmax weight (``exp(-(bits ln 2 + 1))``, under one step of the
+    softmax's output) rounds to zero as the sentinel's does. An edge whose
+    other values are all equal (the additive bias itself: 0 and the
+    sentinel) gets ``[hi - 64, hi]``: the mask as a finite bias of -64, far
+    below any attention score's range yet close enough to the scores' scale
+    for integer ADD kernels (XNNPACK takes input-to-output scale ratios up to
+    256; a bias of -1e4 was off by the whole range).
+
+    odmlq's plan applies it by itself to edges a mask constant reaches; the
+    inner method calibrates the rest.
+    """
+
+    name: ClassVar[str] = "masked"
+    method: Any = dataclasses.field(default_factory=lambda: MinMax())
+    sentinel: float = 1e8
+
+    def __post_init__(self):
+        object.__setattr__(self, "method", parse_calibration_method(self.method))
+        if isinstance(self.method, Masked):
+            object.__setattr__(self, "method", self.method.method)
+        value = _real("Masked", "sentinel", self.sentinel, "a number > 0, e.g. 1e8", lambda v: v > 0)
+        object.__setattr__(self, "sentinel", value)
+
+    @property
+    def needs_histogram(self) -> bool:
+        return self.method.needs_histogram
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"method": self.name, "inner": self.method.to_dict(), "sentinel": self.sentinel}
+
+    def _range(self, stats: Statistics, qtype: QType, symmetric: bool) -> _Range:
+        lo, hi = self.method._range(stats, qtype, symmetric)
+        lo, hi = np.asarray(lo, np.float64), np.asarray(hi, np.float64)
+        pad = qtype.bits * math.log(2.0) + 1.0
+        degenerate = np.all(hi - lo <= 1e-6 * np.maximum(1.0, np.abs(hi)))
+        return (hi - 64.0 if degenerate else lo - pad), hi
+
+
 CalibrationMethod: TypeAlias = (
-    AbsMax | MinMax | MovingAverageMinMax | RMS | FixedRange | Percentile | MSE | Entropy
+    AbsMax | MinMax | MovingAverageMinMax | RMS | FixedRange | Percentile | MSE | Entropy | Masked
 )
 
 CALIBRATION_METHODS: dict[str, type] = {
@@ -323,6 +372,7 @@ CALIBRATION_METHODS: dict[str, type] = {
     "percentile": Percentile,
     "mse": MSE,
     "entropy": Entropy,
+    "masked": Masked,
 }
 
 
@@ -338,6 +388,9 @@ def calibration_method_from_dict(d: dict[str, Any]) -> CalibrationMethod:
             f"A calibration method dict needs a 'method' key, e.g. {{'method': 'minmax'}}; got {d!r}."
         )
     cls = _method_class(d["method"])
+    if cls is Masked:
+        d = {("method" if k == "inner" else k): v for k, v in d.items() if k != "method"}
+        return Masked(**d)
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(d) - fields - {"method"})
     if unknown:

@@ -18,6 +18,7 @@ from odmlq.calibration import _histogram
 from odmlq.calibration._methods import (
     CalibrationMethod,
     FixedRange,
+    Masked,
     MovingAverageMinMax,
     parse_calibration_method,
 )
@@ -78,7 +79,20 @@ def _keep_axes(keep_axes: Sequence[int]) -> tuple[int, ...]:
     return tuple(int(a) for a in axes)
 
 
+def _base(method: CalibrationMethod) -> CalibrationMethod:
+    """The method whose statistics `method` keeps (a `Masked` one keeps its inner method's)."""
+    return method.method if isinstance(method, Masked) else method
+
+
 def _batch_statistics(method: CalibrationMethod, x: Any, keep_axes: tuple[int, ...]) -> Statistics:
+    if isinstance(method, Masked):
+        # A mask's sentinels are no data (see `Masked`); a batch of nothing but
+        # them observes one zero.
+        values = np.asarray(x, np.float64)
+        if keep_axes:
+            raise CalibrationError("Masked calibration is per tensor; give it no keep_axes.")
+        data = values[np.abs(values) < method.sentinel]
+        return _batch_statistics(method.method, data if data.size else np.zeros(1), ())
     values = np.asarray(x)
     if np.iscomplexobj(values) or values.dtype == object:
         raise CalibrationError(f"Calibration needs real numbers, got dtype {values.dtype}.")
@@ -100,7 +114,7 @@ def _batch_statistics(method: CalibrationMethod, x: Any, keep_axes: tuple[int, .
     kept = np.moveaxis(values, normalized, tuple(range(len(normalized))))
     flat = kept.reshape(kept.shape[: len(normalized)] + (-1,))
     low, high = np.asarray(flat.min(-1)), np.asarray(flat.max(-1))
-    moving = isinstance(method, MovingAverageMinMax)
+    moving = isinstance(_base(method), MovingAverageMinMax)
     histogram = limit = None
     if method.needs_histogram:
         limit = _histogram.limit_for(float(max(-low, high)))
@@ -123,7 +137,7 @@ def _batch_statistics(method: CalibrationMethod, x: Any, keep_axes: tuple[int, .
 
 def _check_compatible(method: CalibrationMethod, *stats: Statistics) -> None:
     first = stats[0]
-    moving = isinstance(method, MovingAverageMinMax)
+    moving = isinstance(_base(method), MovingAverageMinMax)
     for s in stats:
         if s.keep_axes != first.keep_axes or s.min.shape != first.min.shape:
             raise CalibrationError(
@@ -205,7 +219,7 @@ def observe(
         return batch
     _check_compatible(method, stats, batch)
     moving = (None, None)
-    if isinstance(method, MovingAverageMinMax):
+    if isinstance(_base(method), MovingAverageMinMax):
         m = method.momentum
         moving = (
             m * stats.moving_min + (1.0 - m) * batch.moving_min,
@@ -231,7 +245,7 @@ def merge(method: CalibrationMethod | dict[str, Any] | str, a: Statistics, b: St
     method = parse_calibration_method(method)
     _check_compatible(method, a, b)
     moving = (None, None)
-    if isinstance(method, MovingAverageMinMax):
+    if isinstance(_base(method), MovingAverageMinMax):
         total = a.count + b.count
         moving = (
             (a.count * a.moving_min + b.count * b.moving_min) / total,

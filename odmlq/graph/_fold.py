@@ -95,11 +95,14 @@ def folded_bias(op, operands: Sequence[Any]) -> jax.Array:
     return _per_channel(operands[index], -1, 1) * s + t
 
 
-def fold_params(graph, params: Any) -> Any:
+def fold_params(graph, params: Any, kernels=None) -> Any:
     """`params` with each folded op's kernel scaled by its epilogue's ``s``
     along the kernel's output channels (the float model's BatchNorm folded
-    in). A graph without folds gets `params` back as they are."""
-    ops = folded_ops(graph)
+    in). With `kernels` (parameter paths), only the ops whose kernel is one
+    of them: a BatchNorm is folded where its op's kernel is quantized, and
+    computed as traced elsewhere. A graph without folds gets `params` back."""
+    ops = [op for op in folded_ops(graph)
+           if kernels is None or op.operands[_kernel_operand(op)].param in kernels]
     if not ops:
         return params
     operands = _operand_values(graph, params, {op.id for op in ops})

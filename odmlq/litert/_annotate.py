@@ -130,7 +130,7 @@ def annotated_function(graph, plan, scales: Scales, params: Any, float_ops=()) -
     `float_ops`: ops LiteRT must run in float (kept by a skip rule, or with no
     integer kernel), besides those no rule matched."""
     keep_float = frozenset(plan.float_ops) | frozenset(float_ops)
-    values = {k: np.asarray(v) for k, v in flat_params(fold_params(plan.graph, params)).items()}
+    values = {k: np.asarray(v) for k, v in flat_params(fold_params(plan.graph, params, scales.weights)).items()}
     layouts = _native_layouts(plan)
     # The converter re-derives the integers from the composite's input. Given
     # values already on the grid (our integers times the scale) it cannot round
@@ -156,6 +156,12 @@ def annotated_function(graph, plan, scales: Scales, params: Any, float_ops=()) -
         return PlanHooks(plan, scales, Annotation(scales, keep_float)).evaluate(graph, qparams, *inputs)
 
     return fn
+
+
+# Ops that move values without computing: quantizing one changes nothing the
+# plan cares about, and a barrier around a reshape kept the converter from
+# quantizing the matmul after it (DEQUANTIZE of its weights at run time).
+_LAYOUT_KINDS = frozenset({"reshape", "transpose", "squeeze", "broadcast_in_dim", "slice"})
 
 
 class Annotation(FakeQuant):
@@ -204,7 +210,7 @@ class Annotation(FakeQuant):
         `approximate` must be present (as a numpy bool: jax drops a plain
         False): litert-converter 0.5.0 crashes on a ``tfl.gelu`` without it.
         jax.nn.gelu's tanh form and softmax are matched as they are."""
-        if op.id in self.keep_float:
+        if op.id in self.keep_float and op.kind not in _LAYOUT_KINDS:
             inputs = [jax.lax.optimization_barrier(x) if o.role == "input" else x
                       for o, x in zip(op.operands, inputs)]
             return [jax.lax.optimization_barrier(y) for y in self._compute(op, compute, inputs)]

@@ -177,6 +177,8 @@ OP_SPEC: dict[str, OpSpec] = {
     "max_pool": OpSpec(_BOTH, SAME_AS_INPUT, limitation=_int16_padded_max_pool),
     "slice": OpSpec(_BOTH, SAME_AS_INPUT),
     "split": OpSpec(_BOTH, SAME_AS_INPUT),  # one SLICE per output
+    # SELECT_V2 picks values: both value operands and the output share a scale.
+    "select_n": OpSpec(_INT8, SHARED),
     # Lookup-table kernels (int8): measured to export full-integer and verify.
     "exp": OpSpec(_INT8),
     "log": OpSpec(_INT8),

@@ -14,7 +14,37 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
+from odmlq.calibration import Masked
 from odmlq.graph import MATMUL_KINDS, Graph
+
+# A constant this large is an attention mask's "minus infinity"
+# (finfo(float32).min, -1e9), not a value (see `odmlq.calibration.Masked`).
+MASK_SENTINEL = 1e8
+# Ops through which a mask's sentinel reaches the scores a softmax reads.
+_MASK_CARRIERS = frozenset({"select_n", "add", "sub", "max", "min", "broadcast_in_dim", "reshape",
+                            "transpose", "squeeze", "convert_element_type"})
+
+
+def calibrate_masks(graph: Graph, by_edge: dict) -> None:
+    """Edges an attention mask's sentinel reaches are calibrated with `Masked`:
+    the sentinel is no data, and masked positions sit at the bottom of the
+    range, far enough below the scores that a softmax gives them zero."""
+    masked: set[str] = set()
+    for op in graph.ops:
+        seeded = any(c.value is not None and np.size(c.value)
+                     and float(np.max(np.abs(np.asarray(c.value, np.float64)))) >= MASK_SENTINEL
+                     for c in op.constants if str(c.dtype).startswith(("float", "bfloat")))
+        carried = any(graph.resolve(e) in masked for e in op.inputs)
+        if op.kind in _MASK_CARRIERS and (seeded or carried):
+            masked.update(op.outputs)
+    for edge_id in masked:
+        plan = by_edge.get(edge_id)
+        if plan is None or plan.spec is None or plan.spec.dynamic or isinstance(plan.spec.calibration, Masked):
+            continue
+        spec = dataclasses.replace(plan.spec, calibration=Masked(plan.spec.calibration, sentinel=MASK_SENTINEL))
+        by_edge[edge_id] = dataclasses.replace(plan, spec=spec, reason=plan.reason + "; masked")
 
 
 def fuse_activations(graph: Graph, by_edge: dict, constraints) -> None:

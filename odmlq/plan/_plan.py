@@ -24,7 +24,12 @@ from typing import Any
 from odmlq.constraints import Constraint, Target, combine_targets, constraint_from_dict
 from odmlq.errors import PlanError, RuleError
 from odmlq.graph import MATMUL_KINDS, Graph, Op, trace
-from odmlq.plan._passes import dynamic_only_into_kernels, fuse_activations, resolve_output_constraints
+from odmlq.plan._passes import (
+    calibrate_masks,
+    dynamic_only_into_kernels,
+    fuse_activations,
+    resolve_output_constraints,
+)
 from odmlq.plan._spec import QuantSpec, spec_or_none as _spec_or_none
 from odmlq.plan._specs_of import act_spec, constant_specs, dynamic_input_spec, weight_spec
 from odmlq.rules import Rule, rules_from_dicts, rules_to_dicts, warn_unmatched
@@ -307,9 +312,9 @@ def _weight_plans(op: Op, rule: Rule | None, index: int | None) -> tuple[WeightP
         elif operand.derived:
             out.append(WeightPlan(param=operand.param, role=operand.role, spec=None,
                                   note="float: computed from parameters by arithmetic, not stored as them"))
-        elif rule.act_dynamic and op.kind not in MATMUL_KINDS:
+        elif rule.act_dynamic and op.kind not in MATMUL_KINDS and op.kind != "gather":
             out.append(WeightPlan(param=operand.param, role=operand.role, spec=None,
-                                  note="float: dynamic-range kernels quantize matmul and conv weights only"))
+                                  note="float: dynamic-range kernels quantize matmul, conv and embedding weights only"))
         else:
             out.append(WeightPlan(param=operand.param, role=operand.role,
                                   spec=weight_spec(op, operand, rule, index)))
@@ -346,6 +351,7 @@ def _edge_plans(graph: Graph, rules, op_plans, constraints) -> dict[str, EdgePla
         else:
             by_edge[edge.id] = EdgePlan(edge=edge.id, spec=act_spec(edge, rule, index),
                                         rule=index, reason=how)
+    calibrate_masks(graph, by_edge)
     fuse_activations(graph, by_edge, constraints)
     dynamic_only_into_kernels(graph, by_edge)
     resolve_output_constraints(graph, by_edge, constraints)

@@ -16,7 +16,7 @@ __all__ = ["CONSTANT_OPERAND_KINDS", "act_spec", "constant_specs", "dynamic_inpu
 # tensors an integer kernel reads like a second activation: they are quantized
 # with the op's activation qtype, per tensor and symmetric, the scale taken
 # from their value (see `odmlq.scales`).
-CONSTANT_OPERAND_KINDS = frozenset({"add", "sub", "mul", "div", "max", "min"})
+CONSTANT_OPERAND_KINDS = frozenset({"add", "sub", "mul", "div", "max", "min", "select_n"})
 
 
 def constant_specs(op: Op, rule: Rule | None) -> tuple[QuantSpec | None, ...]:

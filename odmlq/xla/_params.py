@@ -142,7 +142,7 @@ def _folded(params: Any, plan, prefix: str | None) -> Any:
                 "folds from the whole model's params; quantize these layers with all params "
                 "(no prefix), or keep the BatchNorm's op in float with a skip rule.")
         return params
-    return fold_params(plan.graph, params)
+    return fold_params(plan.graph, params, weight_specs(plan))
 
 
 def abstract_qarray(shape: tuple[int, ...], spec) -> QArray:
