@@ -253,6 +253,16 @@ def worker(spec: dict) -> None:
     if spec["schema"] == "float":
         row["params"] = z.num_params
         row["family"] = z.family
+        if row["outcome"] == "exported":
+            # The float reference is exported unverified; does it pass odmlq's own check?
+            import odmlq
+
+            try:
+                odmlq.export_tflite(z.model, [], z.make_batches(*CALIBRATION, CAL_SEED), variables=z.variables)
+                row["float_verify"] = "passed"
+            except Exception as e:  # noqa: BLE001
+                error = _error(e)
+                row["float_verify"] = f"{error['error_type']}: {error['message']}"
     Path(spec["result"]).write_text(json.dumps(row, default=float))
 
 
@@ -286,11 +296,53 @@ def _spawn(spec: dict, timeout: float, python: str) -> dict:
 
 def _outcome(row: dict) -> str:
     if row["outcome"] in ("exported", "ok"):
+        if row.get("float_verify") and row["float_verify"] != "passed":
+            return f"exported (with verify=True: {row['float_verify'].split(':')[0]})"
         return row["outcome"]
     if row["outcome"] in ("crash", "timeout"):
         return f"{row['outcome']} ({row.get('error_type', '')})".replace(" ()", "")
     message = " ".join(row.get("message", "").split())
     return f"{row.get('error_type')}: {message[:200]}"
+
+
+def source_digest() -> str:
+    """sha256 of odmlq's sources as they are now (the tree may change between runs)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for path in sorted((ROOT / "odmlq").rglob("*.py")):
+        h.update(str(path.relative_to(ROOT)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _short(message: str) -> str:
+    """The message without the converter's MLIR call-stack notes and log lines."""
+    keep = [line for line in message.splitlines()
+            if line.strip() and not line.startswith((" ", "/", "WARNING:", "I0000", "E0000", "W0000"))]
+    first = message.splitlines()[0] if message else ""
+    text = " ".join(dict.fromkeys([first] + keep))
+    if len(text) > 1500:  # the converter can list an MLIR call stack per op (70 kB seen)
+        text = f"{text[:900]} [... {len(message):,} characters in all ...] {text[-500:]}"
+    return text
+
+
+def failures(rows: list[dict]) -> str:
+    """Distinct failures (type + message), each with the (model, schema, variant) rows showing it."""
+    groups: dict[tuple, list[str]] = {}
+    for r in rows:
+        if r.get("float_verify", "passed") != "passed":
+            kind, _, message = r["float_verify"].partition(": ")
+            key = (f"{kind} (float export, verify=True)", _short(message), "")
+            groups.setdefault(key, []).append(f"{r['model']} float")
+        if r["outcome"] in ("exported", "ok"):
+            continue
+        key = (r.get("error_type"), _short(r.get("message", "")), r.get("raised_at", ""))
+        groups.setdefault(key, []).append(f"{r['model']} {r['schema']} {r['variant']}".strip())
+    out = []
+    for i, ((kind, message, where), seen) in enumerate(groups.items(), 1):
+        out.append(f"{i}. **{kind}** (raised at {where or '?'}) in: {', '.join(seen)}\n   > {message}")
+    return "\n".join(out)
 
 
 def _fmt(x, spec: str = ".1f", default: str = "-") -> str:
@@ -315,6 +367,8 @@ def main() -> None:
     models = [m for m in args.models.split(",") if m]
     schemas = [s for s in args.schemas.split(",") if s]
     rows = []
+    meta = {"odmlq_source_sha256_16": source_digest(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "calibration": CALIBRATION, "held_out": HELD_OUT, "rounds": args.rounds}
     with tempfile.TemporaryDirectory(prefix="odmlq-zoo-") as tmp:
         for name in models:
             float_path = os.path.join(tmp, f"{name}.float.tflite")
@@ -345,9 +399,15 @@ def main() -> None:
                 if row["outcome"] == "error" and row.get("error_type") == "VerificationError":
                     attempt(schema, "unverified", allow_float_ops=True, verify=False)
             del float_row
+    meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    meta["odmlq_source_sha256_16_at_end"] = source_digest()
+    print(f"odmlq sources {meta['odmlq_source_sha256_16']} (at the end: "
+          f"{meta['odmlq_source_sha256_16_at_end']}), {meta['started']} - {meta['finished']}\n")
     print(table(rows))
+    print("\nDistinct failures:\n")
+    print(failures(rows))
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1, default=float))
+        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=float))
 
 
 def table(rows: list[dict]) -> str:

@@ -137,6 +137,8 @@ class Target:
 
     name: str
     ops: Mapping[str, OpConstraints] = dataclasses.field(default_factory=dict)
+    # The most axes a weight's per-channel scales may run along (None: any).
+    weight_channel_axes: int | None = None
 
     def constraints_of(self, kind: str) -> OpConstraints | None:
         return self.ops.get(kind)

@@ -103,6 +103,11 @@ def _readable(text: str) -> str:
     lines = []
     for line in text.splitlines():
         stripped = line.strip()
+        unconverted = re.match(r'loc\(.*?"jit\([^)]*\)/([^"]+)".*: (\S+ was not converted to a LiteRT op)',
+                               stripped)
+        if unconverted:
+            lines.append(f"{unconverted.group(1)}: {unconverted.group(2)}")
+            continue
         if not stripped or stripped.startswith(("loc(", "^")) or "note: called from" in line:
             continue
         if lines and not _POSITION.search(line) and not stripped.startswith(("error", "ValueError")):

@@ -188,4 +188,8 @@ OP_SPEC: dict[str, OpSpec] = {
 }
 
 
-TARGET = Target(name="litert", ops={kind: spec.constraints for kind, spec in OP_SPEC.items()})
+# LiteRT tensors have one quantized dimension: a weight whose output channels
+# span two axes (Flax's DenseGeneral (embed, heads, head_dim)) gets per-tensor
+# scales by default.
+TARGET = Target(name="litert", ops={kind: spec.constraints for kind, spec in OP_SPEC.items()},
+                weight_channel_axes=1)

@@ -279,6 +279,8 @@ def plan_graph(graph: Graph, rules: Sequence[Rule], target: Target | Sequence[Ta
                             "('litert', 'xla', 'both') through odmlq.plan, or pass odmlq.litert.TARGET.")
     op_plans: dict[str, OpPlan] = {}
     matched: set[int] = set()
+    limits = [t.weight_channel_axes for t in targets if t.weight_channel_axes is not None]
+    limit = min(limits) if limits else None
     for op in graph.ops:
         index = None
         if op.kind != "scan":
@@ -286,9 +288,10 @@ def plan_graph(graph: Graph, rules: Sequence[Rule], target: Target | Sequence[Ta
         if index is not None:
             matched.add(index)
         rule = rules[index] if index is not None else None
-        op_plans[op.id] = OpPlan(op=op.id, rule=index, weights=_weight_plans(op, rule, index),
+        op_plans[op.id] = OpPlan(op=op.id, rule=index, weights=_weight_plans(op, rule, index, limit),
                                  constants=constant_specs(op, rule), skip=rule is not None and rule.skip,
                                  dynamic_input=dynamic_input_spec(op, rule))
+    _share_weight_specs(op_plans)
     edge_plans = _edge_plans(graph, rules, op_plans, combine_targets(targets))
     unmatched = warn_unmatched(rules, matched)
     return Plan(graph=graph, rules=rules, ops=op_plans, edges=edge_plans,
@@ -296,7 +299,36 @@ def plan_graph(graph: Graph, rules: Sequence[Rule], target: Target | Sequence[Ta
                 target_tables=targets)
 
 
-def _weight_plans(op: Op, rule: Rule | None, index: int | None) -> tuple[WeightPlan, ...]:
+def _share_weight_specs(op_plans: dict[str, OpPlan]) -> None:
+    """A parameter several ops read (a tied embedding: a gather and the output
+    projection) is stored once, so it gets one spec: where the ops' specs
+    differ only in granularity, the scale axes they share (per tensor for a
+    gather and a per-channel matmul). Other differences stay, and
+    `Plan.weight_specs` names them."""
+    uses: dict[str, list[tuple[str, int]]] = {}
+    for op_id, op_plan in op_plans.items():
+        for i, w in enumerate(op_plan.weights):
+            if w.spec is not None:
+                uses.setdefault(w.param, []).append((op_id, i))
+    for param, places in uses.items():
+        specs = [op_plans[o].weights[i].spec for o, i in places]
+        if len(set(specs)) <= 1:
+            continue
+        plain = {dataclasses.replace(s, scale_axes=(), block_axis=None, block_size=None) for s in specs}
+        if len(plain) != 1:
+            continue
+        axes = tuple(sorted(set.intersection(*(set(s.scale_axes) for s in specs))))
+        shared = dataclasses.replace(plain.pop(), scale_axes=axes)
+        readers = ", ".join(o for o, _ in places)
+        for op_id, i in places:
+            weights = list(op_plans[op_id].weights)
+            weights[i] = dataclasses.replace(weights[i], spec=shared,
+                                             note=f"one spec for the ops that read it ({readers})")
+            op_plans[op_id] = dataclasses.replace(op_plans[op_id], weights=tuple(weights))
+
+
+def _weight_plans(op: Op, rule: Rule | None, index: int | None,
+                  channel_axes_limit: int | None = None) -> tuple[WeightPlan, ...]:
     out = []
     quantized = rule is not None and not rule.skip and rule.weight_qtype is not None
     for operand in op.weights:
@@ -317,7 +349,7 @@ def _weight_plans(op: Op, rule: Rule | None, index: int | None) -> tuple[WeightP
                                   note="float: dynamic-range kernels quantize matmul, conv and embedding weights only"))
         else:
             out.append(WeightPlan(param=operand.param, role=operand.role,
-                                  spec=weight_spec(op, operand, rule, index)))
+                                  spec=weight_spec(op, operand, rule, index, channel_axes_limit)))
     kernel = next((o.param for o in op.weights if o.role == "weight"), None)
     for operand in op.folds:
         out.append(WeightPlan(param=operand.param, role="fold", spec=None,

@@ -41,7 +41,8 @@ def dynamic_input_spec(op: Op, rule: Rule | None) -> QuantSpec | None:
                      dynamic=True)
 
 
-def weight_spec(op: Op, operand: Operand, rule: Rule, index: int) -> QuantSpec:
+def weight_spec(op: Op, operand: Operand, rule: Rule, index: int,
+                channel_axes_limit: int | None = None) -> QuantSpec:
     qt = lookup_qtype(rule.weight_qtype)
     granularity = rule.resolved("weight_granularity")
     symmetric = rule.resolved("weight_symmetric")
@@ -60,6 +61,9 @@ def weight_spec(op: Op, operand: Operand, rule: Rule, index: int) -> QuantSpec:
                 "layout; give the axis explicitly, e.g. PerChannel(axis=-1), or use PerTensor()."
             )
         axes = tuple(operand.channel_axes)
+        if (channel_axes_limit is not None and len(axes) > channel_axes_limit
+                and not isinstance(granularity, PerBlock)):
+            axes = ()  # the target's tensors take fewer quantized dimensions: per tensor
         if isinstance(granularity, PerBlock):
             block_size = granularity.size
             if granularity.axis is not None:
