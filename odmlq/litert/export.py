@@ -10,6 +10,7 @@ import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from odmlq.calibration import calibrate
@@ -47,9 +48,10 @@ class Export:
     scales: Scales
     summary: ModelSummary
     verification: VerificationReport | None
+    batch_size: int = 1
 
     def __str__(self) -> str:
-        lines = [f"{self.path or '<bytes>'}: {len(self.tflite)} bytes, ops: "
+        lines = [f"{self.path or '<bytes>'}: {len(self.tflite)} bytes, batch size {self.batch_size}, ops: "
                  + ", ".join(f"{k} x{v}" for k, v in self.summary.op_histogram.items()),
                  "float islands: " + (", ".join(f"{o.name} ({o.module_path})" for o in
                                                 self.summary.float_islands) or "none")]
@@ -170,6 +172,7 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
                   input_names: Sequence[str] | None = None,
                   output_names: Sequence[str] | None = None,
                   io_dtype: str = "float",
+                  batch_size: int = 1,
                   progress: bool | None = None) -> Export:
     """Exports `model` as a LiteRT flatbuffer quantized by `rules`, and checks it.
 
@@ -182,7 +185,10 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
       path: where to write the .tflite (atomically; an existing file is
         replaced only by a complete new one). None: only return the bytes.
       example_inputs: inputs fixing the exported shapes (default: the first
-        batch's first row, i.e. batch size 1).
+        `batch_size` rows of the first batch).
+      batch_size: the batch size of the exported model's inputs when
+        `example_inputs` is not given (1 by default, as on a phone); the
+        `Export` reports it.
       calibration: statistics to use instead of calibrating.
       verify: run the model in the LiteRT interpreter and check every op
         against `simulate` (within 1 LSB) — on by default.
@@ -220,7 +226,10 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
         if not batches:
             raise PlanError("export_tflite needs example_inputs= or a non-empty rep_dataset.")
         first = batches[0] if isinstance(batches[0], (tuple, list)) else (batches[0],)
-        example_inputs = tuple(np.asarray(x)[:1] for x in first)
+        if not isinstance(batch_size, int) or batch_size < 1 or batch_size > int(np.shape(first[0])[0]):
+            raise PlanError(f"batch_size={batch_size!r}: give an integer from 1 to the first batch's "
+                            f"{int(np.shape(first[0])[0])} rows, or example_inputs= of the shape to export.")
+        example_inputs = tuple(np.asarray(x)[:batch_size] for x in first)
     example_inputs = tuple(example_inputs)
     plan = (rules if isinstance(rules, Plan)
             else make_plan(model, rules, *example_inputs, variables=variables, target=TARGET))
@@ -268,7 +277,8 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
                               min_output_sqnr_db=_MIN_SQNR_DB.get(schema))
     written = _write_atomically(path, tflite) if path is not None else None
     return Export(tflite=tflite, path=written, plan=plan, calibration=calibration, scales=scales,
-                  summary=summary, verification=report)
+                  summary=summary, verification=report,
+                  batch_size=int(np.shape(jax.tree_util.tree_leaves(example_inputs)[0])[0]))
 
 
 # Models with float activations are checked end to end: LiteRT's float kernels

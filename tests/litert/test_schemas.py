@@ -154,3 +154,12 @@ def test_mixing_static_and_dynamic_is_refused(models, digits):
 def test_decisions_litert_cannot_honour_are_refused_first(models, digits, rules, match):
     with pytest.raises(PlanError, match=match):
         _export(models, digits, "mlp", rules)
+
+
+def test_the_export_takes_a_batch_size_and_says_which(models, digits):
+    result = _export(models, digits, "mlp", SCHEMAS["int8"][0], batch_size=4)
+    assert result.batch_size == 4 and "batch size 4" in str(result)
+    assert result.summary.tensors[result.summary.inputs[0]].shape[0] == 4
+    assert _export(models, digits, "mlp", SCHEMAS["int8"][0]).batch_size == 1
+    with pytest.raises(PlanError, match=r"batch_size=0: give an integer from 1 to the first batch's 32 rows"):
+        _export(models, digits, "mlp", SCHEMAS["int8"][0], batch_size=0)
