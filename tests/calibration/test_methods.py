@@ -77,3 +77,23 @@ def test_method_dict_errors():
         cal.calibration_method_from_dict({"percentile": 99})
     with pytest.raises(CalibrationError, match=r"a method object .* got 3"):
         cal.parse_calibration_method(3)
+
+
+def test_masked_leaves_the_sentinel_out_and_extends_the_range_below_the_data():
+    """ln(2**8) + 1 below the data: exp of that is under one int8 softmax step."""
+    import math
+
+    import numpy as np
+
+    from odmlq.calibration import Masked, compute_range, observe
+
+    method = Masked(MinMax())
+    stats = observe(method, None, np.array([-3.4e38, 1.0, 2.0, -1.0]))
+    lo, hi = compute_range(method, stats, "int8", symmetric=False)
+    assert float(hi) == 2.0
+    np.testing.assert_allclose(float(lo), -1.0 - (8 * math.log(2.0) + 1.0), rtol=1e-6)
+    bias = observe(method, None, np.array([0.0, -3.4e38, 0.0]))  # an additive mask: 0 or the sentinel
+    assert tuple(float(v) for v in compute_range(method, bias, "int8", symmetric=False)) == (-64.0, 0.0)
+    assert cal.parse_calibration_method(method.to_dict()) == method
+    with pytest.raises(CalibrationError, match="Masked.sentinel"):
+        Masked(MinMax(), sentinel=-1.0)
