@@ -129,7 +129,13 @@ def annotated_function(graph, plan, scales: Scales, params: Any, float_ops=()) -
 
     `float_ops`: ops LiteRT must run in float (kept by a skip rule, or with no
     integer kernel), besides those no rule matched."""
-    keep_float = frozenset(plan.float_ops) | frozenset(float_ops)
+    converted = {edge for edge, _ in scales.conversions}
+    # Only a float op next to a quantized tensor can be quantized by the
+    # converter; a float model keeps its file as it was.
+    keep_float = frozenset(
+        op_id for op_id in (*plan.float_ops, *float_ops)
+        if any(plan.graph.resolve(e) in scales.edges for e in plan.graph.op(op_id).inputs)
+        or any(e in scales.edges or e in converted for e in plan.graph.op(op_id).outputs))
     values = {k: np.asarray(v) for k, v in flat_params(fold_params(plan.graph, params, scales.weights)).items()}
     layouts = _native_layouts(plan)
     # The converter re-derives the integers from the composite's input. Given
