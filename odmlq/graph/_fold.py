@@ -76,7 +76,10 @@ def folded_operands(op, operands: Sequence[Any], bias: jax.Array) -> list:
     carrier = next((i for i, o in enumerate(op.operands) if o.role == "bias"), None)
     sign = 1.0
     if carrier is None:
-        kind, carrier, _ = next(s for s in fold["steps"] if s[0] in ("add", "sub"))
+        additive = [s for s in fold["steps"] if s[0] in ("add", "sub")]
+        if not additive:
+            return out  # a scale alone (y * gain): no shift, and no bias to carry
+        kind, carrier, _ = additive[0]
         sign = -1.0 if kind == "sub" else 1.0
     shape = jnp.shape(operands[carrier])
     axis = fold["channel_axis"] - (fold["ndim"] - len(shape))

@@ -151,3 +151,18 @@ def test_quantizing_a_folded_layer_alone_is_refused():
     plan = odmlq.plan(model, INT8, X[:1], variables=variables)
     with pytest.raises(odmlq.PlanError, match=r"'conv/kernel' has a BatchNorm folded into it .*no prefix"):
         odmlq.quantize_params({"conv": variables["params"]["conv"]}, plan, prefix="")
+
+
+def test_a_per_channel_gain_alone_is_folded():
+    class Gain(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Conv(8, (3, 3), use_bias=False, name="conv")(x)
+            return nn.Dense(4, name="head")((h * self.param("gain", nn.initializers.ones, (8,))).mean((1, 2)))
+
+    model = Gain()
+    variables = flax.core.unfreeze(model.init(jax.random.PRNGKey(0), X[:1]))
+    variables["params"]["gain"] = jnp.asarray(np.linspace(0.5, 2.0, 8), jnp.float32)
+    result = odmlq.export_tflite(model, INT8, [X[:32], X[32:]], variables=variables)
+    assert folded_ops(result.plan.graph) and "MUL" not in result.summary.op_histogram
+    assert result.verification.passed
