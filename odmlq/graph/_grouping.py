@@ -44,7 +44,24 @@ def build(walker: _Walker, top: _Program, num_params: int, framework: str) -> Gr
             consumers.setdefault(edge, []).append(op.id)
     edges = {k: dataclasses.replace(e, consumers=tuple(dict.fromkeys(consumers.get(k, ()))))
              for k, e in b.edges.items()}
-    return GraphParts(tuple(b.ops), edges, tuple(inputs), outputs)
+    return GraphParts(_name_top_level_ops(b.ops, edges), edges, tuple(inputs), outputs)
+
+
+def _name_top_level_ops(ops: list[Op], edges: dict[str, Edge]) -> tuple[Op, ...]:
+    """An op outside every module (a mask built from the model's inputs at its
+    top level) takes the module path of the first op that reads it, so rules
+    and messages can name it (its id stays as traced)."""
+    by_id = {op.id: op for op in ops}
+    out = list(ops)
+    for i in reversed(range(len(out))):
+        op = out[i]
+        if op.module_path or op.kind == "scan":
+            continue
+        readers = [by_id[c] for e in op.outputs for c in edges[e].consumers if c in by_id]
+        path = next((r.module_path for r in readers if r.module_path), "")
+        if path:
+            out[i] = by_id[op.id] = dataclasses.replace(op, module_path=path)
+    return tuple(out)
 
 
 class _Builder:
