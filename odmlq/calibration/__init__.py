@@ -10,6 +10,7 @@ from odmlq.calibration._calibration import Calibration
 from odmlq.calibration._histogram import HISTOGRAM_BINS
 from odmlq.calibration._methods import (
     CALIBRATION_METHODS,
+    MASK_SENTINEL,
     MSE,
     RMS,
     AbsMax,
@@ -26,7 +27,7 @@ from odmlq.calibration._methods import (
 from odmlq.calibration._statistics import Statistics, compute_range, merge, observe, range_of
 
 __all__ = [
-    "AbsMax", "CALIBRATION_METHODS", "Calibration", "CalibrationMethod", "Entropy", "FixedRange",
+    "AbsMax", "CALIBRATION_METHODS", "MASK_SENTINEL", "Calibration", "CalibrationMethod", "Entropy", "FixedRange",
     "HISTOGRAM_BINS", "MSE", "Masked", "MinMax", "MovingAverageMinMax", "Percentile", "RMS", "Statistics",
     "calibrate", "calibration_method_from_dict", "compute_range", "merge", "observe",
     "parse_calibration_method", "range_of",

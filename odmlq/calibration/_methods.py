@@ -310,6 +310,11 @@ class Entropy:
         return np.asarray(lo), np.asarray(hi)
 
 
+# A value this large is an attention mask's "minus infinity"
+# (finfo(float32).min, -1e9), not data.
+MASK_SENTINEL = 1e8
+
+
 @dataclasses.dataclass(frozen=True)
 class Masked:
     """A range for an edge that carries an attention mask's sentinel.
@@ -335,7 +340,7 @@ class Masked:
 
     name: ClassVar[str] = "masked"
     method: Any = dataclasses.field(default_factory=lambda: MinMax())
-    sentinel: float = 1e8
+    sentinel: float = MASK_SENTINEL
 
     def __post_init__(self):
         object.__setattr__(self, "method", parse_calibration_method(self.method))

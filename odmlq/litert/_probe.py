@@ -11,7 +11,7 @@ nothing is written.
 
 from __future__ import annotations
 
-import functools
+import collections
 import hashlib
 import os
 import signal
@@ -23,6 +23,10 @@ from odmlq.errors import OdmlqError
 from odmlq.litert._convert import ConversionError
 
 _CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_probe_child.py")
+# Digests of models already probed without finding anything, most recent last
+# (verification and reports open the same model several times).
+_PROBED: collections.OrderedDict[str, None] = collections.OrderedDict()
+_REMEMBERED = 256
 
 
 class LiteRTCrashError(OdmlqError, RuntimeError):
@@ -36,11 +40,17 @@ def probe(tflite: bytes, what: str = "the model") -> None:
       LiteRTCrashError: the interpreter killed the child (naming the signal
         and what it printed last); `what` names the model in the message.
     """
-    _probe(hashlib.sha256(tflite).hexdigest(), bytes(tflite), what)
+    digest = hashlib.sha256(tflite).hexdigest()
+    if digest in _PROBED:
+        _PROBED.move_to_end(digest)
+        return
+    _run_child(tflite, what)
+    _PROBED[digest] = None
+    while len(_PROBED) > _REMEMBERED:
+        _PROBED.popitem(last=False)
 
 
-@functools.lru_cache(maxsize=64)
-def _probe(digest: str, tflite: bytes, what: str) -> None:
+def _run_child(tflite: bytes, what: str) -> None:
     with tempfile.TemporaryDirectory(prefix="odmlq-probe-") as tmp:
         path = os.path.join(tmp, "model.tflite")
         with open(path, "wb") as f:

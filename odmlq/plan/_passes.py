@@ -16,12 +16,8 @@ import dataclasses
 
 import numpy as np
 
-from odmlq.calibration import Masked
+from odmlq.calibration import MASK_SENTINEL, Masked
 from odmlq.graph import MATMUL_KINDS, Graph
-
-# A constant this large is an attention mask's "minus infinity"
-# (finfo(float32).min, -1e9), not a value (see `odmlq.calibration.Masked`).
-MASK_SENTINEL = 1e8
 # Ops through which a mask's sentinel reaches the scores a softmax reads.
 _MASK_CARRIERS = frozenset({"select_n", "add", "sub", "max", "min", "broadcast_in_dim", "reshape",
                             "transpose", "squeeze", "convert_element_type"})
@@ -43,7 +39,7 @@ def calibrate_masks(graph: Graph, by_edge: dict) -> None:
         plan = by_edge.get(edge_id)
         if plan is None or plan.spec is None or plan.spec.dynamic or isinstance(plan.spec.calibration, Masked):
             continue
-        spec = dataclasses.replace(plan.spec, calibration=Masked(plan.spec.calibration, sentinel=MASK_SENTINEL))
+        spec = dataclasses.replace(plan.spec, calibration=Masked(plan.spec.calibration))
         by_edge[edge_id] = dataclasses.replace(plan, spec=spec, reason=plan.reason + "; masked")
 
 

@@ -31,7 +31,7 @@ def exported(tmp_path):
 def test_a_crashing_model_becomes_an_error_and_nothing_is_written(exported, tmp_path, monkeypatch):
     model, variables, x = exported
     monkeypatch.setattr(_probe, "_CHILD", _aborting_child(tmp_path))
-    _probe._probe.cache_clear()
+    _probe._PROBED.clear()
     target = tmp_path / "model.tflite"
     target.write_bytes(b"the user's previous model")
     with pytest.raises(LiteRTCrashError, match=r"(?s)crashed \(SIGABRT\) loading or running the model exported for "
@@ -40,7 +40,7 @@ def test_a_crashing_model_becomes_an_error_and_nothing_is_written(exported, tmp_
                             str(target), variables=variables)
     assert target.read_bytes() == b"the user's previous model"
     assert sorted(os.listdir(tmp_path)) == ["abort.py", "model.tflite"]  # no temporary left behind
-    _probe._probe.cache_clear()
+    _probe._PROBED.clear()
 
 
 def test_every_interpreter_odmlq_opens_is_probed(exported, tmp_path, monkeypatch):
@@ -48,10 +48,10 @@ def test_every_interpreter_odmlq_opens_is_probed(exported, tmp_path, monkeypatch
     result = odmlq.export_tflite(model, [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")], [x],
                                  variables=variables, verify=False)
     monkeypatch.setattr(_probe, "_CHILD", _aborting_child(tmp_path))
-    _probe._probe.cache_clear()
+    _probe._PROBED.clear()
     with pytest.raises(LiteRTCrashError, match="SIGABRT"):
         preserving_interpreter(result.tflite)
-    _probe._probe.cache_clear()
+    _probe._PROBED.clear()
     monkeypatch.undo()
     preserving_interpreter(result.tflite).invoke()  # a sound model loads as before
 
@@ -63,8 +63,8 @@ def test_a_model_litert_cannot_allocate_is_a_conversion_error(exported, tmp_path
     script.write_text("import sys\nsys.stderr.write('allocate_tensors: depthwise_conv.cc bias->type != kTfLiteInt64\\n')\n"
                       "sys.exit(3)\n")
     monkeypatch.setattr(_probe, "_CHILD", str(script))
-    _probe._probe.cache_clear()
+    _probe._PROBED.clear()
     with pytest.raises(odmlq.litert.ConversionError, match=r"LiteRT cannot load the exported model: .*kTfLiteInt64"):
         odmlq.export_tflite(model, [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")], [x],
                             variables=variables, verify=False)
-    _probe._probe.cache_clear()
+    _probe._PROBED.clear()
