@@ -5,7 +5,8 @@ op. `PlanHooks(plan, scales, materializer)` decides, once for every backend,
 *where* quantization happens:
 
 - each statically quantized edge, as it is produced (`Scales.edges`);
-- each quantized constant operand, where its op reads it (`Scales.constants`);
+- each quantized constant operand, where its op reads it (`Scales.constants`),
+  and each value derived from parameters that an op reads as one (`Scales.derived`);
 - each input an op reads in its own activation qtype (`Plan.conversions`);
 - each dynamic input a matmul/convolution kernel quantizes at run time;
 
@@ -94,6 +95,9 @@ class PlanHooks:
         self.graph = plan.graph
         self.converted = input_conversion_scales(plan, scales)
         self.dynamic = dynamic_kernel_inputs(plan)
+        self.derived: dict[str, list[int]] = {}
+        for op_id, index in scales.derived:
+            self.derived.setdefault(op_id, []).append(index)
 
     def on_edge(self, edge_id: str, x: Any) -> Any:
         ts = self.scales.edges.get(edge_id)
@@ -114,6 +118,9 @@ class PlanHooks:
             operands[index] = self.materializer.converted_input(op, index, operands[index], ts)
         for index, spec in self.dynamic.get(op_id, ()):
             operands[index] = self.materializer.dynamic_input(op, index, operands[index], spec)
+        for index in self.derived.get(op_id, ()):
+            operands[index] = self.materializer.constant(op, index, operands[index],
+                                                         self.scales.derived[(op_id, index)])
         if op.attributes.get("fold") and self._folded(op):
             # The kernel arrives folded (`fold_params`); the BatchNorm becomes its bias.
             bias = self.materializer.folded_bias(op, folded_bias(op, operands), self.scales.op_biases.get(op_id))

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from odmlq.graph import flat_params, fold_params, replace_params
+from odmlq.graph import flat_params, fold_params, operand_values, replace_params
 from odmlq.plan import op_qtype
 from odmlq.calibration import Calibration, range_of
 from odmlq.constraints import FixedScale, SameAsInput, SharedWithInputs
@@ -91,6 +91,9 @@ class Scales:
     # op id -> the int32 bias scale of an op with a folded BatchNorm (its bias
     # is ``b * s + t``, computed where the op runs; `odmlq.graph.folded_bias`).
     op_biases: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    # (op id, operand index) -> the scale an elementwise op reads a value
+    # derived from parameters at (`WeightPlan.read_as`).
+    derived: dict[tuple[str, int], TensorScale] = dataclasses.field(default_factory=dict)
 
     def input_scale(self, plan, op, edge_id: str) -> TensorScale | None:
         """The scale `op` reads input `edge_id` at: a conversion's, or the edge's."""
@@ -107,7 +110,9 @@ def compute_scales(plan, calibration: Calibration | None, params: Any, *,
 
     Args:
       weight_scales: the weights' scales when they are already known (from
-        quantized params, see `odmlq.quantize_params`); `params` is then not read.
+        quantized params, see `odmlq.quantize_params`); `params` is then read
+        only for values derived from them by arithmetic that the plan
+        quantizes where they are read (`WeightPlan.read_as`).
 
     Raises:
       CalibrationError: a static edge has no statistics in `calibration`, or
@@ -124,7 +129,33 @@ def compute_scales(plan, calibration: Calibration | None, params: Any, *,
     scales = Scales(edges=edges, weights=weights, biases={}, constants={}, conversions=conversions)
     biases, op_biases = _bias_scales(plan, scales, weights)
     constants = _constant_scales(plan, edges)
-    return dataclasses.replace(scales, biases=biases, constants=constants, op_biases=op_biases)
+    derived = _derived_scales(plan, params)
+    return dataclasses.replace(scales, biases=biases, constants=constants, op_biases=op_biases,
+                               derived=derived)
+
+
+def _derived_scales(plan, params: Any) -> dict[tuple[str, int], TensorScale]:
+    """Scales of derived operands read as constants, from their values (one
+    float run: they depend on parameters only)."""
+    wanted: dict[str, list[tuple[int, Any]]] = {}
+    for op in plan.graph.ops:
+        weights = iter(plan.ops[op.id].weights)
+        for index, operand in enumerate(op.operands):
+            if operand.role in ("weight", "bias"):
+                w = next(weights)
+                if w.read_as is not None:
+                    wanted.setdefault(op.id, []).append((index, w.read_as))
+    if not wanted:
+        return {}
+    if params is None:
+        raise PlanError(
+            "This plan quantizes values derived from parameters where ops read them "
+            f"({', '.join(sorted(wanted))}); compute_scales needs the float params for them.")
+    params = jax.tree_util.tree_map(lambda x: x.dequantize() if isinstance(x, QArray) else x, params,
+                                    is_leaf=lambda x: isinstance(x, QArray))
+    values = operand_values(plan.graph, params, set(wanted))
+    return {(op_id, index): constant_scale(values[op_id][index], spec.qtype)
+            for op_id, items in wanted.items() for index, spec in items}
 
 
 def _weight_scales(plan, values: Mapping[str, Any]) -> dict[str, TensorScale]:

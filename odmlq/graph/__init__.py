@@ -5,7 +5,7 @@ function into a `Graph` (see `_trace`, `_program`, `_grouping`, `_patterns`);
 `GraphCache` re-traces it for other input shapes with the same op ids.
 """
 
-from odmlq.graph._fold import affine_of, fold_params, folded_bias, folded_operands, folded_ops
+from odmlq.graph._fold import affine_of, fold_params, folded_bias, folded_operands, folded_ops, operand_values
 from odmlq.graph._graph import MATMUL_KINDS, MAX_CONSTANT_SIZE, Edge, Graph, Op, Operand
 from odmlq.graph._trace import trace
 from odmlq.graph._params import flat_params, param_path, params_tree, replace_params, split_nnx
@@ -13,5 +13,6 @@ from odmlq.graph._run import GraphCache, check_inputs, params_for
 
 __all__ = [
     "Edge", "Graph", "GraphCache", "affine_of", "fold_params", "folded_bias", "folded_operands", "folded_ops", "MATMUL_KINDS", "MAX_CONSTANT_SIZE", "Op", "Operand", "check_inputs",
+    "operand_values",
     "flat_params", "param_path", "params_for", "params_tree", "replace_params", "split_nnx", "trace",
 ]

@@ -27,7 +27,7 @@ import numpy as np
 
 from odmlq.graph._params import flat_params, replace_params
 
-__all__ = ["affine_of", "fold_params", "folded_bias", "folded_operands", "folded_ops"]
+__all__ = ["affine_of", "fold_params", "folded_bias", "folded_operands", "folded_ops", "operand_values"]
 
 
 def folded_ops(graph) -> list:
@@ -108,7 +108,7 @@ def fold_params(graph, params: Any, kernels=None) -> Any:
            if kernels is None or op.operands[_kernel_operand(op)].param in kernels]
     if not ops:
         return params
-    operands = _operand_values(graph, params, {op.id for op in ops})
+    operands = operand_values(graph, params, {op.id for op in ops})
     values = flat_params(params)
     new = {}
     for op in ops:
@@ -122,9 +122,9 @@ def fold_params(graph, params: Any, kernels=None) -> Any:
     return replace_params(params, new)
 
 
-def _operand_values(graph, params: Any, op_ids: set[str]) -> dict[str, list]:
+def operand_values(graph, params: Any, op_ids: set[str]) -> dict[str, list]:
     """The operands the ops read (weights and their derived values) in one
-    float run on zeros: folds depend on parameters only."""
+    float run on zeros: what is read from parameters depends on them only."""
     found: dict[str, list] = {}
 
     def on_op(op_id, compute, *operands):

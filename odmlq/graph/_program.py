@@ -93,6 +93,8 @@ class _Program:
     # id(step) -> the op it belongs to, for every step of every op but scans
     # (whose body ops are hooked one by one).
     op_steps: dict[int, _OpSteps] = dataclasses.field(default_factory=dict)
+    # id(step) of the steps of no op that compute from parameters alone.
+    from_params: set = dataclasses.field(default_factory=set)
 
     def run_flat(self, values: list, hooks: _Hooks) -> list:
         env: dict[int, Any] = {}
@@ -122,7 +124,18 @@ class _Program:
         # an exported model can be traced back to the plan (inside `on_op` the
         # op's own scope is already open).
         scope = self.op_of.get(id(step), "weights") if scoped else None
-        with jax.named_scope(scope) if scope else contextlib.nullcontext():
+        # A step of no op that computes from parameters, given concrete
+        # values (even while a caller traces the model: a converter, a jit
+        # closing over the weights), is computed now, so what it derives from
+        # the weights (an embedding gathered at constant positions) reaches
+        # the trace as a constant, as it would reach a compiler that folds
+        # constants; LiteRT's converter folds few of them (a gather's bounds
+        # check stays as float ops). Steps on literals alone are left to the
+        # converter, which matches some of them (an average pool's counts).
+        eager = (scoped and id(step) in self.from_params and id(step) not in self.op_of
+                 and not any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(ins)))
+        with (jax.ensure_compile_time_eval() if eager else contextlib.nullcontext()), \
+                (jax.named_scope(scope) if scope else contextlib.nullcontext()):
             if isinstance(step, _Region):
                 outs = _run_scan(step, ins, hooks)
             elif step.fn is not None:

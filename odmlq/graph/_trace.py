@@ -72,7 +72,8 @@ def _trace(model: Any, example_inputs: tuple, *, variables: Any = None, method: 
     steps: list = []
     walker.walk(closed.jaxpr, closed.consts, env, "", steps)
     outvars = [walker.ref(env, o) for o in closed.jaxpr.outvars]
-    body = _Program(invars, steps, outvars)
+    walker.drop_unread_casts(steps, outvars)
+    body = _Program(invars, steps, outvars, from_params=walker.steps_from_params(steps, outvars))
     out_tree = jax.tree_util.tree_structure(out_shape)
     graph_parts = _grouping.build(walker, body, num_params, framework)
     return Graph(

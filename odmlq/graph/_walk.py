@@ -67,6 +67,12 @@ class _Walker:
         # Values computed from literals and closed-over arrays alone, folded at
         # trace time (what a constant operand of an op holds).
         self.constants: dict[int, np.ndarray] = {}
+        # value id -> the bool value it is the float cast of (a mask made
+        # float, ``mask.astype(jnp.float32)``), and the steps that cast.
+        self.bool_casts: dict[int, Any] = {}
+        self.cast_steps: list = []
+        # id(step) of the steps that compute from parameters alone.
+        self.from_params: set[int] = set()
 
     def new(self, aval) -> int:
         self.next_id += 1
@@ -100,6 +106,14 @@ class _Walker:
         if name in _INLINE_CALLS:
             key = next(k for k in ("call_jaxpr", "fun_jaxpr", "jaxpr") if k in eqn.params)
             return self.inline(eqn, key, ins, env, stack, steps)
+        mask = self.mask_of(name, eqn, ins)
+        if mask is not None:
+            # A float mask compared back to bool (``mask > 0``, ``mask != 0``,
+            # ``mask.astype(bool)``, as attention code does): the bool mask
+            # itself, exactly. The float mask then has no reader and its cast
+            # is dropped (`drop_unread_casts`): it would be a float op.
+            env[eqn.outvars[0]] = mask
+            return
         outs = [self.new(o.aval) for o in eqn.outvars]
         for o, v in zip(eqn.outvars, outs):
             env[o] = v
@@ -111,12 +125,73 @@ class _Walker:
             step.kind = NAMED_KINDS.get(eqn.params["name"], eqn.params["name"])
             step.fn = _inline_call(eqn.params["jaxpr"])
         step.einsum = _einsum_of(stack)
+        if (name == "convert_element_type" and eqn.invars[0].aval.dtype == np.bool_
+                and np.issubdtype(eqn.outvars[0].aval.dtype, np.floating) and not self.is_weight(ins[0])):
+            self.bool_casts[outs[0]] = ins[0]
+            self.cast_steps.append(step)
         if all(self.is_weight(r) for r in ins):
+            if any(self.weights[r].params for r in ins if not isinstance(r, _Lit)):
+                self.from_params.add(id(step))
             for v in outs:
                 self.weights[v] = _propagate(eqn, [self.weights.get(r) for r in ins if not isinstance(r, _Lit)],
                                              ins, self)
             self.fold_constant(step)
         steps.append(step)
+
+    def mask_of(self, name: str, eqn, ins: list):
+        """The bool mask a comparison of a float-cast mask with zero gives back
+        (``cast(m) > 0``, ``cast(m) != 0``, ``0 < cast(m)``), or that a cast of
+        it to bool gives back; None for anything else."""
+        if name == "convert_element_type":
+            if eqn.outvars[0].aval.dtype == np.bool_ and not isinstance(ins[0], _Lit):
+                return self.bool_casts.get(ins[0])
+            return None
+        if name not in ("gt", "ne", "lt") or len(ins) != 2:
+            return None
+        cast_at = 1 if name == "lt" else None
+        for i in ((cast_at,) if cast_at is not None else (0, 1)):
+            other = ins[1 - i]
+            r = ins[i]
+            if isinstance(r, _Lit) or r not in self.bool_casts:
+                continue
+            value = other.value if isinstance(other, _Lit) else self.constants.get(other)
+            if value is None or np.any(np.asarray(value) != 0):
+                continue
+            if name == "gt" and i == 1:
+                continue  # 0 > cast(m) is never true
+            mask = self.bool_casts[r]
+            if tuple(eqn.outvars[0].aval.shape) == tuple(self.avals[mask].shape):
+                return mask
+        return None
+
+    def drop_unread_casts(self, steps: list, outvars: list) -> None:
+        """Removes the mask casts whose float value nothing reads any more."""
+        read = {r for step in steps for r in step.ins if not isinstance(r, _Lit)}
+        read |= {r for r in outvars if not isinstance(r, _Lit)}
+        dropped = {id(step) for step in self.cast_steps if step.outs[0] not in read}
+        steps[:] = [step for step in steps if id(step) not in dropped]
+
+    def steps_from_params(self, steps: list, outvars: list) -> set[int]:
+        """id(step) of the steps of no op to compute eagerly: those computing
+        from parameters, and the constant steps only they read (a gather's
+        fill value); not the constants an activation op reads (an average
+        pool's window counts, which the converter matches as a pattern)."""
+        readers: dict[int, list[int]] = {}
+        for step in steps:
+            for r in step.ins:
+                if not isinstance(r, _Lit):
+                    readers.setdefault(r, []).append(id(step))
+        out = set(self.from_params)
+        exported = {r for r in outvars if not isinstance(r, _Lit)}
+        for step in reversed(steps):
+            if id(step) in out or isinstance(step, _Region) or not step.outs:
+                continue
+            if not all(self.is_weight(r) for r in step.ins):
+                continue
+            reads = [s for v in step.outs for s in readers.get(v, ())]
+            if reads and all(s in out for s in reads) and not any(v in exported for v in step.outs):
+                out.add(id(step))
+        return out
 
     def fold_constant(self, step: _Step) -> None:
         if step.fn is not None or any(isinstance(p, (jcore.ClosedJaxpr, jcore.Jaxpr))

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from odmlq.errors import OdmlqError
-from odmlq.litert.spec import pool_as_depthwise
+from odmlq.litert.spec import padded_max_pool_reads_nonnegative, pool_as_depthwise
 from odmlq.graph import flat_params, fold_params, replace_params
 from odmlq.scales import Scales, TensorScale, fake_quant_bias
 from odmlq.hooks import FakeQuant, PlanHooks
@@ -159,7 +159,7 @@ def annotated_function(graph, plan, scales: Scales, params: Any, float_ops=()) -
             new[p] = fake_quant_bias(jnp.asarray(values[p]), s)
         qparams = replace_params(params, new)
 
-        return PlanHooks(plan, scales, Annotation(scales, keep_float)).evaluate(graph, qparams, *inputs)
+        return PlanHooks(plan, scales, Annotation(scales, keep_float, plan.graph)).evaluate(graph, qparams, *inputs)
 
     return fn
 
@@ -188,8 +188,8 @@ class Annotation(FakeQuant):
       which lowers to nothing, keeps it float.
     """
 
-    def __init__(self, scales: Scales, keep_float=frozenset()):
-        self.scales, self.keep_float = scales, keep_float
+    def __init__(self, scales: Scales, keep_float=frozenset(), graph=None):
+        self.scales, self.keep_float, self.graph = scales, keep_float, graph
 
     def edge(self, edge_id, x, ts):
         if ts.scale_axes:
@@ -228,6 +228,11 @@ class Annotation(FakeQuant):
             out = scales.edges.get(op.outputs[0])
             if out is not None and pool_as_depthwise(op, out.qtype):
                 return [_pool_as_depthwise(op, inputs[0])]
+        if op.kind == "max_pool" and len(inputs) == 1:
+            out = scales.edges.get(op.outputs[0])
+            if (out is not None and out.qtype == "int16" and self.graph is not None
+                    and padded_max_pool_reads_nonnegative(op, self.graph)):
+                return [_max_pool_padded_with_zeros(op, inputs[0])]
         if op.kind != "gelu" or op.attributes.get("approximate", True) or len(inputs) != 1:
             return compute(*inputs)
         if scales.edges.get(op.outputs[0]) is None and any(e in scales.edges for e in op.inputs):
@@ -237,6 +242,15 @@ class Annotation(FakeQuant):
             return compute(*inputs)
         gelu = jax.lax.composite(lambda x, **_: compute(x)[0], name="tfl.gelu")
         return [gelu(inputs[0], approximate=np.bool_(False))]
+
+
+def _max_pool_padded_with_zeros(op, x: jax.Array) -> jax.Array:
+    """A padded max pool of non-negative values as PAD (zeros) and a VALID
+    MAX_POOL_2D: the same maximum, with int16 kernels for both (the
+    converter pads an int16 pool with PADV2, which has none)."""
+    padded = jnp.pad(x, [tuple(p) for p in op.attributes["padding"]])
+    return jax.lax.reduce_window(padded, -jnp.inf, jax.lax.max, tuple(op.attributes["window"]),
+                                 tuple(op.attributes["strides"]), "VALID")
 
 
 def _pool_as_depthwise(op, x: jax.Array) -> jax.Array:

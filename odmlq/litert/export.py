@@ -141,7 +141,7 @@ def check_plan(plan: Plan, *, allow_float_ops: bool = False) -> list[str]:
             if spec.qtype == "int16" and not spec.symmetric:
                 raise PlanError(f"{where}: int16 output {edge_id!r} must be symmetric (LiteRT's "
                                 "16x8 kernels take zero point 0). Remove act_symmetric=False.")
-            limitation = _kernel_limitation(op, spec.qtype)
+            limitation = _kernel_limitation(op, spec.qtype, plan.graph)
             if limitation is not None:
                 if not allow_float_ops:
                     raise FloatOpsError(f"{where}: {limitation}.")
@@ -157,11 +157,11 @@ def check_plan(plan: Plan, *, allow_float_ops: bool = False) -> list[str]:
     return float_ops
 
 
-def _kernel_limitation(op, qtype: str) -> str | None:
+def _kernel_limitation(op, qtype: str, graph) -> str | None:
     """Why LiteRT's kernel for the op's kind cannot run this op with `qtype`
     activations (see `spec.OpSpec.limitation`), or None."""
     check = getattr(OP_SPEC.get(op.kind), "limitation", None)
-    return None if check is None else check(op, qtype)
+    return None if check is None else check(op, qtype, graph)
 
 
 def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Callable | None,

@@ -63,9 +63,9 @@ class OpSpec:
         (AVERAGE_POOL_2D divides its raw integer sum so), or a function of
         (op, output qtype) giving one.
       fuses: activation kinds the kernel applies before requantizing.
-      limitation: ``limitation(op, qtype)``: why the kernel cannot run this
-        op with `qtype` activations (a sentence naming what to do instead), or
-        None when it can.
+      limitation: ``limitation(op, qtype, graph)``: why the kernel cannot run
+        this op of `graph` with `qtype` activations (a sentence naming what to
+        do instead), or None when it can.
     """
 
     schemas: frozenset
@@ -73,7 +73,7 @@ class OpSpec:
     rounding: object = Rounding.HALF_EVEN
     fuses: frozenset = frozenset()
 
-    limitation: Callable[[Any, str], str | None] | None = None
+    limitation: Callable[[Any, str, Any], str | None] | None = None
     # Kernels that approximate (rather than round) their function: the most
     # LSBs of the output they may differ from simulate's exact value, by qtype.
     tolerance_lsb: dict | None = None
@@ -84,7 +84,7 @@ class OpSpec:
         return OpConstraints(output=self.output, rounding=self.rounding, fuses=self.fuses)
 
 
-def _int16_add_operands(op, qtype: str) -> str | None:
+def _int16_add_operands(op, qtype: str, graph) -> str | None:
     if qtype != "int16":
         return None
     shapes = {o.shape for o in op.operands if o.role == "input"}
@@ -96,15 +96,28 @@ def _int16_add_operands(op, qtype: str) -> str | None:
             "and allow_float_ops=True")
 
 
-def _int16_padded_max_pool(op, qtype: str) -> str | None:
+def padded_max_pool_reads_nonnegative(op, graph) -> bool:
+    """Whether a padded max pool reads a ReLU's output: padding it with zeros
+    then gives the same maximum as padding with -inf (every window holds at
+    least one value, and every value is >= 0)."""
+    if op.kind != "max_pool" or not any(lo or hi for lo, hi in op.attributes.get("padding", ())):
+        return False
+    edge = graph.edges[graph.resolve(op.inputs[0])]
+    return edge.producer is not None and graph.op(edge.producer).kind in ("relu", "relu6")
+
+
+def _int16_padded_max_pool(op, qtype: str, graph) -> str | None:
     if qtype != "int16" or not any(lo or hi for lo, hi in op.attributes.get("padding", ())):
         return None
+    if graph is not None and padded_max_pool_reads_nonnegative(op, graph):
+        return None  # lowered as PAD (zeros) + MAX_POOL_2D VALID
     return ("litert-converter 0.5.0 pads an int16 max pool with a PADV2 op, which has no int16 kernel "
-            "(conversion fails). Use int8 activations for this pool, or pad the input yourself, or keep "
+            "(conversion fails); a pool after a ReLU is padded with zeros instead, this one's input "
+            "may be negative. Use int8 activations for this pool, or pad the input yourself, or keep "
             "it in float with Rule(..., skip=True) and allow_float_ops=True")
 
 
-def _softmax_axis(op, qtype: str) -> str | None:
+def _softmax_axis(op, qtype: str, graph) -> str | None:
     axis = op.attributes.get("axis")
     ndim = len(op.operands[0].shape)
     if axis is None or axis == ndim - 1:
@@ -151,14 +164,16 @@ OP_SPEC: dict[str, OpSpec] = {
     "min": OpSpec(_BOTH, SHARED),
     "reduce_sum": OpSpec(_BOTH),
     "mean": OpSpec(_BOTH),
-    # LayerNorm and L2-norm pieces (x * x, 1 / sqrt, sqrt): int8 kernels exist
-    # (MUL, RSQRT, SQRT); int16 ones are not proven, so int8 only.
-    "square": OpSpec(frozenset({"int8"})),
-    # An embedding lookup: GATHER_ND on the int8 table (then requantized to
-    # the output's calibrated scale).
-    "gather": OpSpec(frozenset({"int8"})),
-    "rsqrt": OpSpec(frozenset({"int8"})),
-    "sqrt": OpSpec(frozenset({"int8"})),
+    # LayerNorm, RMSNorm and L2-norm pieces (x * x, 1 / sqrt, sqrt): MUL,
+    # RSQRT and SQRT. x * x is an int16 MUL too (exact); LiteRT's int16 RSQRT
+    # was measured up to 74 int16 LSB from the exact value (an approximation
+    # with no documented bound), so 1 / sqrt and sqrt stay int8 only.
+    "square": OpSpec(_BOTH),
+    # An embedding lookup: GATHER_ND on the int8 table, then requantized to
+    # the output's calibrated scale (a QUANTIZE to int16 in 16x8 models).
+    "gather": OpSpec(_BOTH),
+    "rsqrt": OpSpec(_INT8),
+    "sqrt": OpSpec(_INT8),
     # litert-converter 0.5.0 rejects an i16 tfl.concatenation operand.
     "concatenate": OpSpec(_INT8, SHARED),
     "avg_pool": OpSpec(_BOTH, SAME_AS_INPUT,

@@ -31,7 +31,7 @@ from odmlq.plan._passes import (
     resolve_output_constraints,
 )
 from odmlq.plan._spec import QuantSpec, spec_or_none as _spec_or_none
-from odmlq.plan._specs_of import act_spec, constant_specs, dynamic_input_spec, weight_spec
+from odmlq.plan._specs_of import act_spec, constant_specs, derived_operand_spec, dynamic_input_spec, weight_spec
 from odmlq.rules import Rule, rules_from_dicts, rules_to_dicts, warn_unmatched
 
 __all__ = ["EdgePlan", "OpPlan", "Plan", "QuantSpec", "WeightPlan", "check_rules", "plan", "plan_graph"]
@@ -41,21 +41,31 @@ PLAN_FORMAT_VERSION = 2
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class WeightPlan:
-    """The plan for one weight operand of an op (`spec` None: float)."""
+    """The plan for one weight operand of an op (`spec` None: float).
+
+    Attributes:
+      read_as: for a value derived from parameters by arithmetic (an
+        embedding gathered at constant positions, ``scale * rsqrt(var)``) that
+        an elementwise integer kernel reads: the spec it is quantized to
+        where the op reads it, per tensor from its own value, like a constant
+        operand (the parameter itself is not stored quantized). None: not so.
+    """
 
     param: str
     role: str
     spec: QuantSpec | None
     note: str = ""
+    read_as: QuantSpec | None = None
 
     def to_dict(self) -> dict:
         return {"param": self.param, "role": self.role, "note": self.note,
-                "spec": None if self.spec is None else self.spec.to_dict()}
+                "spec": None if self.spec is None else self.spec.to_dict(),
+                "read_as": None if self.read_as is None else self.read_as.to_dict()}
 
     @classmethod
     def from_dict(cls, d: dict) -> "WeightPlan":
         return cls(param=d["param"], role=d["role"], note=d.get("note", ""),
-                   spec=_spec_or_none(d["spec"]))
+                   spec=_spec_or_none(d["spec"]), read_as=_spec_or_none(d.get("read_as")))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -342,8 +352,12 @@ def _weight_plans(op: Op, rule: Rule | None, index: int | None,
             out.append(WeightPlan(param=operand.param, role=operand.role, spec=None,
                                   note=f"{operand.dtype}: not a float weight"))
         elif operand.derived:
-            out.append(WeightPlan(param=operand.param, role=operand.role, spec=None,
-                                  note="float: computed from parameters by arithmetic, not stored as them"))
+            read_as = derived_operand_spec(op, rule)
+            note = ("float: computed from parameters by arithmetic, not stored as them" if read_as is None
+                    else f"computed from parameters by arithmetic; read as {read_as.describe()} "
+                         "(quantized from its own value where the op reads it, like a constant operand)")
+            out.append(WeightPlan(param=operand.param, role=operand.role, spec=None, note=note,
+                                  read_as=read_as))
         elif rule.act_dynamic and op.kind not in MATMUL_KINDS and op.kind != "gather":
             out.append(WeightPlan(param=operand.param, role=operand.role, spec=None,
                                   note="float: dynamic-range kernels quantize matmul, conv and embedding weights only"))

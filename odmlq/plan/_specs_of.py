@@ -9,7 +9,8 @@ from odmlq.plan._spec import QuantSpec
 from odmlq.qtypes import qtype as lookup_qtype
 from odmlq.rules import Rule
 
-__all__ = ["CONSTANT_OPERAND_KINDS", "act_spec", "constant_specs", "dynamic_input_spec", "weight_spec"]
+__all__ = ["CONSTANT_OPERAND_KINDS", "act_spec", "constant_specs", "derived_operand_spec", "dynamic_input_spec",
+           "weight_spec"]
 
 
 # Elementwise ops whose constant operands (x * 0.5, x + c, max(x, c)) are
@@ -30,6 +31,17 @@ def constant_specs(op: Op, rule: Rule | None) -> tuple[QuantSpec | None, ...]:
         QuantSpec(qtype=qt.name, symmetric=True)
         if c.value is not None and c.dtype.startswith(("float", "bfloat")) and qt.is_integer else None
         for c in constants)
+
+
+def derived_operand_spec(op: Op, rule: Rule | None) -> QuantSpec | None:
+    """How an elementwise op with integer activations reads a value derived
+    from parameters by arithmetic (not stored as a parameter): like a
+    constant operand, with the op's activation qtype, per tensor, symmetric."""
+    if (rule is None or rule.skip or rule.act_qtype is None or rule.act_dynamic
+            or op.kind not in CONSTANT_OPERAND_KINDS):
+        return None
+    qt = lookup_qtype(rule.act_qtype)
+    return QuantSpec(qtype=qt.name, symmetric=True) if qt.is_integer else None
 
 
 def dynamic_input_spec(op: Op, rule: Rule | None) -> QuantSpec | None:

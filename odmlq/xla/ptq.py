@@ -204,7 +204,7 @@ def ptq(model: Any, rules: Sequence | Plan, params: Any = None, calibration: Cal
                                 "pass its float value or use the plan the params were made with.")
             _params.check_qarray(path, leaf, specs[path])
     weight_scales = {p: _params.weight_scale_of(q) for p, q in leaves if isinstance(q, QArray)}
-    scales = compute_scales(plan, calibration, None, weight_scales=weight_scales)
+    scales = compute_scales(plan, calibration, params, weight_scales=weight_scales)
     qparams = jax.tree_util.tree_unflatten(tree, [
         fake_quant_bias(jnp.asarray(leaf), scales.biases[p]) if p in scales.biases else leaf
         for p, leaf in leaves])

@@ -307,3 +307,63 @@ def test_int16_softmax_is_within_its_kernel_tolerance():
     assert checks["fc/softmax"].max_lsb <= tolerance
     assert all(c.allowed_lsb == pytest.approx(1.01) for e, c in checks.items() if e != "fc/softmax")
     assert result.verification.passed
+
+
+class _Int16Pieces(nn.Module):
+    """An embedding, then x * x: GATHER_ND (+ QUANTIZE to int16) and MUL."""
+
+    @nn.compact
+    def __call__(self, ids):
+        h = nn.Dense(16, name="fc")(nn.Embed(30, 8, name="embed")(ids))
+        return nn.Dense(4, name="out")(jnp.square(h) - h)
+
+
+def test_int16_gather_and_square_verify_and_rsqrt_is_refused():
+    """Their int16 kernels compute what `simulate` says, op by op within 1 LSB
+    (the op table lists them for both schemas); int16 RSQRT is not exact, so
+    a 16x8 RMSNorm is refused before any work, naming the op."""
+    model = _Int16Pieces()
+    rng = np.random.default_rng(0)
+    batches = [rng.integers(0, 30, size=(8, 5)).astype(np.int32) for _ in range(3)]
+    variables = model.init(jax.random.key(0), batches[0][:1])
+    rules = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int16")]
+    result = odmlq.export_tflite(model, rules, batches, variables=variables)
+    ops = result.summary.op_histogram
+    assert {"GATHER_ND", "MUL"} <= set(ops), ops
+    assert result.summary.float_islands == ()
+    assert result.verification.passed, str(result.verification)
+    assert all(c.allowed_lsb == pytest.approx(1.01) for c in result.verification.checks)
+    assert {t.dtype for t in result.summary.tensors if not t.is_constant and "square" in t.name} == {"int16"}
+    norm = _Fn(lambda x: x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True)), features=8)
+    x = _batches((8,))
+    with pytest.raises(FloatOpsError, match=r"op 'fc/rsqrt' .* no int16 kernel for 'rsqrt'"):
+        odmlq.export_tflite(norm, rules, x, variables=norm.init(jax.random.key(0), x[0][:1]))
+
+
+@pytest.mark.parametrize("after_relu", [True, False], ids=["after_relu", "signed_input"])
+def test_int16_padded_max_pool(after_relu):
+    """litert-converter pads an int16 max pool with PADV2 (no int16 kernel).
+    After a ReLU (as in every ResNet stem) zeros pad it exactly, so odmlq
+    lowers it as PAD + a VALID MAX_POOL_2D and it verifies within 1 LSB; a
+    pool of signed values is refused before any work, naming the op."""
+    def fn(x):
+        x = nn.relu(x) if after_relu else x
+        return nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+
+    model = _Fn(fn, features=4)
+    batches = _batches((6, 6, 3))
+    variables = model.init(jax.random.key(0), batches[0][:1])
+    rules = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int16")]
+    if not after_relu:
+        with pytest.raises(FloatOpsError, match=r"op 'fc/max_pool' .* PADV2 .* may be negative"):
+            odmlq.export_tflite(model, rules, batches, variables=variables)
+        return
+    result = odmlq.export_tflite(model, rules, batches, variables=variables)
+    ops = result.summary.op_histogram
+    assert {"PAD", "MAX_POOL_2D"} <= set(ops) and "PADV2" not in ops, ops
+    assert result.summary.float_islands == ()
+    assert result.verification.passed, str(result.verification)
+    assert all(c.max_lsb <= c.allowed_lsb == pytest.approx(1.01) for c in result.verification.checks)
+    reference = np.asarray(model.apply(variables, batches[0]))
+    simulated = np.asarray(odmlq.simulate(model, result.plan, result.scales, batches[0], variables=variables))
+    assert 10 * np.log10(np.sum(reference ** 2) / np.sum((reference - simulated) ** 2)) >= 45.0  # int8 weights bound it

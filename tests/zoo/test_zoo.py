@@ -69,22 +69,22 @@ FLOOR_DB = {"cnn": 30.0, "transformer": 25.0}
 @functools.cache
 def _exported(name: str):
     z = _zoo_model(name)
-    result = odmlq.export_tflite(z.model, RULES, z.make_batches(4, 4, 0), variables=z.variables,
-                                 allow_float_ops=True)
+    result = odmlq.export_tflite(z.model, RULES, z.make_batches(4, 4, 0), variables=z.variables)
     return z, result
 
 
 @pytest.mark.parametrize("name", _params())
-def test_int8_export_verifies_and_meets_its_floor(name):
-    """The one-line int8 rule, float ops allowed where LiteRT has no integer kernel."""
+def test_int8_export_is_full_integer_verifies_and_meets_its_floor(name):
+    """The one-line int8 rule and no other option: BatchNorm folded, masks
+    read as bool, embeddings at constant positions read as constants, so
+    every op has an integer kernel and nothing stays float."""
     z, result = _exported(name)
     assert result.verification.passed, str(result.verification)
+    assert result.summary.float_islands == (), [o.name for o in result.summary.float_islands]
     (held_out,) = z.make_batches(1, 8, 99)
     reference = np.asarray(z.apply(*held_out))
     simulated = odmlq.simulate(z.model, result.plan, result.scales, *held_out, variables=z.variables)
     assert _sqnr_db(reference, simulated) >= FLOOR_DB[z.family]
-    if z.family == "cnn":  # every op has an integer kernel: BatchNorm folded
-        assert result.summary.float_islands == (), [o.name for o in result.summary.float_islands]
 
 
 @pytest.mark.parametrize("schema", ["weight_only", "w8a8"])
