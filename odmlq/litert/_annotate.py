@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from odmlq.errors import OdmlqError
-from odmlq.litert.spec import padded_max_pool_reads_nonnegative, pool_as_depthwise
+from odmlq.litert.spec import int16_full_shape_operand, padded_max_pool_reads_nonnegative, pool_as_depthwise
 from odmlq.graph import flat_params, fold_params, replace_params
 from odmlq.scales import Scales, TensorScale, fake_quant_bias
 from odmlq.hooks import FakeQuant, PlanHooks
@@ -150,11 +150,22 @@ def annotated_function(graph, plan, scales: Scales, params: Any, float_ops=()) -
             )
 
 
+    # A weight only float ops read (kept in float: no integer kernel) is stored
+    # as its plan values in float: a quantized one would be dequantized at
+    # every invocation.
+    readers: dict[str, set] = {}
+    for op in plan.graph.ops:
+        for o in op.operands:
+            if o.param is not None:
+                readers.setdefault(o.param, set()).add(op.id)
+    float_only = {p for p in scales.weights if readers.get(p) and readers[p] <= keep_float}
+
     def fn(*inputs):
         new = {}
         for p, ts in scales.weights.items():
             with jax.named_scope(p):
-                new[p] = _annotated_weight(on_grid[p], ts, layouts.get(p))
+                new[p] = (jnp.asarray(on_grid[p]) if p in float_only
+                          else _annotated_weight(on_grid[p], ts, layouts.get(p)))
         for p, s in scales.biases.items():
             new[p] = fake_quant_bias(jnp.asarray(values[p]), s)
         qparams = replace_params(params, new)
@@ -198,6 +209,15 @@ class Annotation(FakeQuant):
             return fake_quant_composite(x, ts)
 
     def constant(self, op, index, value, ts):
+        if op.id in self.keep_float:
+            # A float op reads the constant's plan value as a float constant
+            # (quantized, it would be dequantized at every invocation).
+            with jax.ensure_compile_time_eval():
+                return ts.fake_quant(jnp.asarray(value, jnp.float32))
+        if self.graph is not None and len(op.outputs) == 1:
+            shape = self.graph.edges[op.outputs[0]].shape
+            if int16_full_shape_operand(op, ts.qtype, value, shape):
+                value = jnp.broadcast_to(value, shape)
         with jax.named_scope(f"{op.id}/constant_{index}"):
             return fake_quant_composite(ts.fake_quant(jnp.asarray(value, jnp.float32)), ts)
 

@@ -30,6 +30,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from odmlq.constraints import (
     FixedOutput,
     FixedScale,
@@ -85,15 +87,30 @@ class OpSpec:
 
 
 def _int16_add_operands(op, qtype: str, graph) -> str | None:
+    """litert-converter 0.5.0 takes an int16 ADD only of operands of one shape.
+    A constant or weight operand (scalar, or of the output's rank) is stored
+    at the output's shape (`int16_full_shape_operand`); activations of
+    different shapes are refused."""
     if qtype != "int16":
         return None
-    shapes = {o.shape for o in op.operands if o.role == "input"}
-    if len(shapes) == 1 and all(o.role == "input" for o in op.operands):
+    shape = graph.edges[op.outputs[0]].shape if graph is not None and len(op.outputs) == 1 else None
+    if shape is not None and all(
+            tuple(o.shape) == tuple(shape)
+            or (o.role != "input" and (not o.shape or len(o.shape) == len(shape)))
+            for o in op.operands):
         return None
-    return ("litert-converter 0.5.0 rejects an int16 ADD of a constant, a weight or operands of "
-            "different shapes ('tfl.add' op failed to verify that operands should have valid "
-            "shapes). Use int8 activations, or keep this op in float with Rule(..., skip=True) "
-            "and allow_float_ops=True")
+    return ("litert-converter 0.5.0 rejects an int16 ADD of activations of different shapes ('tfl.add' "
+            "op failed to verify that operands should have valid shapes). Use int8 activations, "
+            "broadcast the smaller operand yourself (jnp.broadcast_to), or keep this op in float with "
+            "Rule(..., skip=True) and allow_float_ops=True")
+
+
+def int16_full_shape_operand(op, qtype: str, value, shape) -> bool:
+    """Whether a constant or weight operand of this op is stored broadcast to
+    the output's `shape` (see `_int16_add_operands`): a scalar, or a value of
+    the output's rank (broadcasting it keeps the op's own broadcast valid)."""
+    return (qtype == "int16" and op.kind == "add" and tuple(np.shape(value)) != tuple(shape)
+            and np.ndim(value) in (0, len(shape)))
 
 
 def padded_max_pool_reads_nonnegative(op, graph) -> bool:

@@ -361,6 +361,13 @@ def _weight_plans(op: Op, rule: Rule | None, index: int | None,
         elif rule.act_dynamic and op.kind not in MATMUL_KINDS and op.kind != "gather":
             out.append(WeightPlan(param=operand.param, role=operand.role, spec=None,
                                   note="float: dynamic-range kernels quantize matmul, conv and embedding weights only"))
+        elif (read_as := derived_operand_spec(op, rule)) is not None and read_as.qtype != rule.weight_qtype:
+            # An integer elementwise kernel reads every operand in its own
+            # qtype (an int16 MUL of an int8 weight does not convert).
+            out.append(WeightPlan(
+                param=operand.param, role=operand.role, spec=None, read_as=read_as,
+                note=f"read as {read_as.describe()} where the op reads it, like a constant operand: an "
+                     "elementwise integer kernel reads every operand in its activation qtype"))
         else:
             out.append(WeightPlan(param=operand.param, role=operand.role,
                                   spec=weight_spec(op, operand, rule, index, channel_axes_limit)))

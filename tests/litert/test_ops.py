@@ -254,10 +254,9 @@ def test_softmax_over_another_axis_is_refused_before_work():
 
 
 @pytest.mark.parametrize("name, message", [
-    ("add_scalar", r"op 'fc/add' .* litert-converter 0.5.0 rejects an int16 ADD of a constant"),
-    ("bias_add", r"op 'add' .* rejects an int16 ADD of a constant, a weight or operands of different shapes"),
+    ("add_broadcast", r"op 'fc/add' .* rejects an int16 ADD of activations of different shapes"),
     ("concatenate", r"op 'a/concatenate' .* no int16 kernel for 'concatenate'"),
-], ids=["add_constant", "add_weight", "concatenate"])
+], ids=["add_broadcast_activation", "concatenate"])
 def test_int16_ops_the_converter_rejects_are_refused_before_work(name, message):
     case = CASES[name]
     batches = _batches(case.shape)
@@ -265,6 +264,27 @@ def test_int16_ops_the_converter_rejects_are_refused_before_work(name, message):
     rules = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int16")]
     with pytest.raises(FloatOpsError, match=message):
         odmlq.export_tflite(case.model, rules, batches, variables=variables)
+
+
+@pytest.mark.parametrize("name", ["add_scalar", "bias_add", "mul_broadcast_constant"])
+def test_int16_elementwise_ops_read_constants_and_weights_as_int16(name):
+    """litert-converter takes an int16 ADD only of operands of one shape and an
+    int16 MUL only of int16 operands: a scalar constant or a weight is read
+    as an int16 constant stored at the output's shape (`WeightPlan.read_as`),
+    and the op verifies within 1 LSB."""
+    case = CASES[name]
+    batches = _batches(case.shape)
+    variables = case.model.init(jax.random.key(0), batches[0][:1])
+    rules = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int16")]
+    result = odmlq.export_tflite(case.model, rules, batches, variables=variables)
+    assert case.expected_op in result.summary.op_histogram and result.summary.float_islands == ()
+    assert result.verification.passed, str(result.verification)
+    assert all(c.allowed_lsb == pytest.approx(1.01) for c in result.verification.checks)
+    op = next(o for o in result.plan.graph.ops if o.kind == case.expected_op.lower())
+    op_plan = result.plan.ops[op.id]
+    read = [w.read_as for w in op_plan.weights] + list(op_plan.constants)
+    assert read and all(r is not None and r.qtype == "int16" for r in read)
+    assert all(w.spec is None for w in op_plan.weights)  # the parameter is not stored as int8
 
 
 class _Embedding(nn.Module):
@@ -367,3 +387,36 @@ def test_int16_padded_max_pool(after_relu):
     reference = np.asarray(model.apply(variables, batches[0]))
     simulated = np.asarray(odmlq.simulate(model, result.plan, result.scales, batches[0], variables=variables))
     assert 10 * np.log10(np.sum(reference ** 2) / np.sum((reference - simulated) ** 2)) >= 45.0  # int8 weights bound it
+
+
+class _Int16Block(nn.Module):
+    """A ViT-like block: a class token concatenated, LayerNorm, a scaling."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(8, name="fc")(x)
+        cls = self.param("cls", nn.initializers.normal(1.0), (1, 1, 8))
+        h = jnp.concatenate([jnp.broadcast_to(cls, (h.shape[0], 1, 8)), h], axis=1)
+        h = nn.LayerNorm(name="norm")(h) / 3.0
+        return nn.Dense(4, name="out")(h)
+
+
+def test_an_int16_transformer_block_with_float_ops_allowed_exports_and_verifies():
+    """int16x8 ops without a LiteRT kernel (concatenate, rsqrt, div) stay
+    float under allow_float_ops; the weights and constants only they read are
+    stored as their plan values in float, not dequantized at every invocation;
+    every int16 ADD and MUL gets same-shaped int16 operands."""
+    model = _Int16Block()
+    batches = _batches((4, 8))
+    variables = model.init(jax.random.key(0), batches[0][:1])
+    rules = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int16")]
+    with pytest.warns(UserWarning, match="float ops in the exported model"):
+        result = odmlq.export_tflite(model, rules, batches, variables=variables, allow_float_ops=True)
+    assert result.verification.passed, str(result.verification)
+    computing = {o.name for o in result.summary.float_islands} - {"QUANTIZE", "DEQUANTIZE"}
+    # (the converter writes x / 3 as a float MUL by 1/3)
+    assert {"CONCATENATION", "RSQRT"} <= computing <= {"CONCATENATION", "RSQRT", "DIV", "MUL"}, computing
+    assert result.summary.weight_dequantize_or_transpose_at_run_time == ()
+    reference = np.asarray(model.apply(variables, batches[-1]))
+    simulated = np.asarray(odmlq.simulate(model, result.plan, result.scales, batches[-1], variables=variables))
+    assert 10 * np.log10(np.sum(reference ** 2) / np.sum((reference - simulated) ** 2)) >= 40.0  # int16 activations
