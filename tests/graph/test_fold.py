@@ -166,3 +166,36 @@ def test_a_per_channel_gain_alone_is_folded():
     result = odmlq.export_tflite(model, INT8, [X[:32], X[32:]], variables=variables)
     assert folded_ops(result.plan.graph) and "MUL" not in result.summary.op_histogram
     assert result.verification.passed
+
+
+class StandaloneBn(nn.Module):
+    """BatchNorms with no matmul or convolution before them: on the input, and
+    after a concatenation."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.BatchNorm(use_running_average=True)(x)
+        x = nn.relu(nn.Conv(8, (3, 3))(x))
+        x = nn.BatchNorm(use_running_average=True)(jnp.concatenate([x, x[..., :2]], -1))
+        return nn.Dense(4)(x.mean((1, 2)))
+
+
+def test_a_batchnorm_with_nothing_to_fold_into_is_an_integer_multiply_add():
+    """Its ``scale * rsqrt(var + eps)`` is read as an int8 constant where the
+    multiply reads it (not stored as the statistics), its mean and bias as
+    int8 operands: full-integer, verified, and close to float."""
+    from tests.zoo.models import randomize_batchnorm_linen
+
+    model = StandaloneBn()
+    x = np.random.default_rng(0).normal(size=(24, 8, 8, 3)).astype(np.float32)
+    variables = randomize_batchnorm_linen(model.init(jax.random.PRNGKey(0), x[:1]))
+    rules = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
+    result = odmlq.export_tflite(model, rules, [(x[i:i + 8],) for i in (0, 8, 16)], variables=variables)
+    assert result.verification.passed and result.summary.float_islands == ()
+    assert not folded_ops(result.plan.graph) or all(
+        "BatchNorm" not in o.param for op in folded_ops(result.plan.graph) for o in op.folds)
+    read = [w for p in result.plan.ops.values() for w in p.weights if w.read_as is not None]
+    assert {w.param.split("/")[-2] for w in read} == {"BatchNorm_0", "BatchNorm_1"}
+    reference = np.asarray(model.apply(variables, x))
+    simulated = np.asarray(odmlq.simulate(model, result.plan, result.scales, x, variables=variables))
+    assert 10 * np.log10(np.sum(reference ** 2) / np.sum((reference - simulated) ** 2)) >= 30.0  # the CNN floor
