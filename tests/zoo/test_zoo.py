@@ -100,3 +100,22 @@ def test_ptq_runs_at_batch_1_and_7_and_meets_its_floor(name, schema):
         y = np.asarray(qmodel(*x))
         assert y.shape[0] == batch
         assert _sqnr_db(z.apply(*x), y) >= FLOOR_DB[z.family], (batch, _sqnr_db(z.apply(*x), y))
+
+
+@pytest.mark.parametrize("name", _params())
+def test_compare_lines_up_xla_and_litert_edge_by_edge(name):
+    """`odmlq.compare` with both backends: every edge LiteRT materialises is
+    matched, and both backends' outputs agree with `simulate` (LiteRT within
+    its kernels' tolerance, at most a few LSB end to end; XLA within 2 LSB)."""
+    z, result = _exported(name)
+    qmodel = odmlq.ptq(z.model, result.plan, z.variables, result.calibration)
+    (held_out,) = z.make_batches(1, 2, 99)
+    report = odmlq.compare(z.model, result.plan, result.scales, *held_out, variables=z.variables,
+                           tflite=result.tflite, xla=qmodel)
+    assert {"litert", "xla"} <= set(report.runs)
+    lined_up = [e for e in report.edges if "litert" in e.runs and "xla" in e.runs]
+    assert len(lined_up) >= len(report.edges) // 2, (len(lined_up), len(report.edges))
+    for out in report.outputs.values():
+        assert out.sqnr_db >= FLOOR_DB[z.family] - 3.0  # two samples, not the floor's eight
+    xla_lsb = [e.runs["xla"].simulate_lsb for e in lined_up if e.runs["xla"].simulate_lsb is not None]
+    assert xla_lsb and max(xla_lsb) <= 2.0, max(xla_lsb)
