@@ -1,0 +1,353 @@
+"""Seeded random architectures: what odmlq must export right, or refuse by name.
+
+`make_case(seed)` builds one small model from a seed: a Linen CNN (convolutions
+with strides, dilation, groups and depthwise; BatchNorm with random statistics;
+activations; residual adds; concatenations; max and average pools; constants),
+a Linen sequence model (dense, LayerNorm / RMSNorm, attention with and without
+a causal mask, residual MLPs), a Linen MLP, or an NNX CNN with BatchNorm and
+Dropout. The same seed gives the same model, weights and data.
+
+`run_case(case)` exports it with the one-line int8 rule and no option, and
+sorts the outcome (see `OUTCOMES`); `tests/fuzz/test_fuzz.py` runs a fast
+subset, `bench/fuzz.py` the long run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+ACTIVATIONS: dict[str, Callable] = {
+    "relu": nn.relu, "relu6": nn.relu6, "gelu": nn.gelu, "tanh": jnp.tanh, "sigmoid": nn.sigmoid,
+    "hard_swish": nn.hard_swish, "leaky_relu": nn.leaky_relu, "silu": nn.silu,
+}
+# Drawn far more often than the others: what models mostly use.
+_COMMON_ACTS = ("relu", "relu", "relu", "relu6", "gelu", "gelu", "tanh", "sigmoid", "hard_swish",
+                "leaky_relu")
+
+# How an export ended. Hard failures (a test fails on them): 'crash' (anything
+# but an odmlq error escaped) and 'silently_wrong' (exported, then off by more
+# than its kernels' tolerance on inputs calibration did not see).
+OUTCOMES = ("exported", "refused_before_conversion", "refused_after_conversion", "verification_error",
+            "crash", "silently_wrong")
+HARD_FAILURES = frozenset({"crash", "silently_wrong"})
+
+
+@dataclasses.dataclass
+class Case:
+    seed: int
+    family: str
+    description: str
+    model: Any
+    variables: Any
+    sample_shape: tuple[int, ...]
+    input_scale: float
+
+    def batches(self, n: int, batch: int, seed: int) -> list[tuple[np.ndarray]]:
+        rng = np.random.default_rng(seed)
+        return [((self.input_scale * rng.normal(size=(batch, *self.sample_shape))).astype(np.float32),)
+                for _ in range(n)]
+
+
+# ---------------------------------------------------------------------------
+# Linen models from block lists (tuples, so the modules stay hashable)
+
+
+class FuzzCnn(nn.Module):
+    blocks: tuple
+    classes: int = 5
+
+    @nn.compact
+    def __call__(self, x):
+        for block in self.blocks:
+            kind = block[0]
+            if kind == "conv":
+                _, features, k, stride, dilation, groups = block
+                x = nn.Conv(features, (k, k), strides=stride, kernel_dilation=dilation,
+                            feature_group_count=groups, padding="SAME")(x)
+            elif kind == "bn":
+                x = nn.BatchNorm(use_running_average=True)(x)
+            elif kind == "act":
+                x = ACTIVATIONS[block[1]](x)
+            elif kind == "res":
+                y = nn.relu(nn.Conv(x.shape[-1], (3, 3), padding="SAME")(x))
+                x = x + nn.Conv(x.shape[-1], (1, 1))(y)
+            elif kind == "concat":
+                x = jnp.concatenate([x, nn.Conv(block[1], (1, 1))(x)], axis=-1)
+            elif kind == "maxpool":
+                x = nn.max_pool(x, (block[1], block[1]), strides=(block[2], block[2]), padding=block[3])
+            elif kind == "avgpool":
+                x = nn.avg_pool(x, (block[1], block[1]), strides=(block[2], block[2]))
+            elif kind == "scale":
+                x = x * block[1] + block[2]
+        x = jnp.mean(x, axis=(1, 2))
+        return nn.Dense(self.classes)(x)
+
+
+class FuzzSeq(nn.Module):
+    blocks: tuple
+    width: int
+    classes: int = 4
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(self.width)(x)
+        for block in self.blocks:
+            kind = block[0]
+            if kind == "dense":
+                x = nn.Dense(self.width)(x)
+            elif kind == "act":
+                x = ACTIVATIONS[block[1]](x)
+            elif kind == "ln":
+                x = nn.LayerNorm()(x)
+            elif kind == "rms":
+                x = nn.RMSNorm()(x)
+            elif kind == "attn":
+                _, heads, causal = block
+                mask = nn.make_causal_mask(jnp.ones(x.shape[:2])) if causal else None
+                x = x + nn.MultiHeadDotProductAttention(num_heads=heads, deterministic=True)(x, x, mask=mask)
+            elif kind == "mlp":
+                x = x + nn.Dense(self.width)(nn.gelu(nn.Dense(2 * self.width)(nn.LayerNorm()(x))))
+            elif kind == "softmax":
+                x = jax.nn.softmax(x, axis=-1) * self.width
+        return nn.Dense(self.classes)(jnp.mean(x, axis=1))
+
+
+class FuzzMlp(nn.Module):
+    blocks: tuple
+
+    @nn.compact
+    def __call__(self, x):
+        for block in self.blocks:
+            if block[0] == "dense":
+                x = nn.Dense(block[1])(x)
+            elif block[0] == "act":
+                x = ACTIVATIONS[block[1]](x)
+            elif block[0] == "res":
+                x = x + nn.Dense(x.shape[-1])(nn.relu(x))
+            elif block[0] == "ln":
+                x = nn.LayerNorm()(x)
+        return nn.Dense(3)(x)
+
+
+class FuzzNnxCnn(nnx.Module):
+    def __init__(self, channels: tuple[int, ...], act: str, *, rngs: nnx.Rngs):
+        convs, norms = [], []
+        c_in = 3
+        for c in channels:
+            convs.append(nnx.Conv(c_in, c, (3, 3), rngs=rngs))
+            norms.append(nnx.BatchNorm(c, use_running_average=True, rngs=rngs))
+            c_in = c
+        self.convs, self.norms = nnx.List(convs), nnx.List(norms)
+        self.dropout = nnx.Dropout(0.2, deterministic=True, rngs=rngs)
+        self.head = nnx.Linear(c_in, 4, rngs=rngs)
+        self.act = act
+
+    def __call__(self, x):
+        for conv, norm in zip(self.convs, self.norms):
+            x = ACTIVATIONS[self.act](norm(conv(x)))
+        return self.head(self.dropout(jnp.mean(x, axis=(1, 2))))
+
+
+# ---------------------------------------------------------------------------
+# Drawing architectures
+
+
+def _act(rng, rare: float = 0.1) -> str:
+    return str(rng.choice(list(ACTIVATIONS))) if rng.random() < rare else str(rng.choice(_COMMON_ACTS))
+
+
+def _cnn_blocks(rng) -> tuple:
+    blocks, channels, size = [], 3, 12
+    for _ in range(int(rng.integers(2, 6))):
+        r = rng.random()
+        if r < 0.45:
+            features = int(rng.choice([4, 8, 12, 16]))
+            k = int(rng.choice([1, 3, 3, 5]))
+            stride = 2 if size >= 6 and rng.random() < 0.3 else 1
+            dilation = 2 if stride == 1 and k == 3 and rng.random() < 0.2 else 1
+            groups = 1
+            if channels > 3 and rng.random() < 0.3:
+                groups = channels if rng.random() < 0.5 else int(np.gcd(channels, 4))
+                features = channels * (1 if groups == channels else max(1, features // groups)) \
+                    if groups == channels else groups * max(1, features // groups)
+            blocks.append(("conv", features, k, stride, dilation, groups))
+            channels, size = features, -(-size // stride)
+            if rng.random() < 0.6:
+                blocks.append(("bn",))
+            blocks.append(("act", _act(rng)))
+        elif r < 0.58 and channels > 3:
+            blocks.append(("res",))
+        elif r < 0.68:
+            extra = int(rng.choice([2, 4, 8]))
+            blocks.append(("concat", extra))
+            channels += extra
+        elif r < 0.82 and size >= 4:
+            if rng.random() < 0.5:
+                padding = "SAME" if rng.random() < 0.4 else "VALID"
+                blocks.append(("maxpool", 2, 2, padding))
+            else:
+                blocks.append(("avgpool", 2, 2))
+            size //= 2
+        elif r < 0.9:
+            blocks.append(("bn",))
+        else:
+            blocks.append(("scale", float(np.round(rng.uniform(0.3, 2.0), 2)),
+                           float(np.round(rng.uniform(-1.0, 1.0), 2))))
+    return tuple(blocks)
+
+
+def _seq_blocks(rng) -> tuple:
+    blocks = []
+    for _ in range(int(rng.integers(2, 6))):
+        r = rng.random()
+        if r < 0.3:
+            blocks.append(("attn", int(rng.choice([1, 2, 4])), bool(rng.random() < 0.5)))
+        elif r < 0.5:
+            blocks.append(("mlp",))
+        elif r < 0.65:
+            blocks.append(("ln",) if rng.random() < 0.7 else ("rms",))
+        elif r < 0.8:
+            blocks.append(("dense",))
+        elif r < 0.93:
+            blocks.append(("act", _act(rng)))
+        else:
+            blocks.append(("softmax",))
+    return tuple(blocks)
+
+
+def _mlp_blocks(rng) -> tuple:
+    blocks = []
+    for _ in range(int(rng.integers(1, 5))):
+        r = rng.random()
+        if r < 0.4:
+            blocks.append(("dense", int(rng.choice([8, 16, 32]))))
+        elif r < 0.7:
+            blocks.append(("act", _act(rng)))
+        elif r < 0.85:
+            blocks.append(("res",))
+        else:
+            blocks.append(("ln",))
+    return tuple(blocks)
+
+
+def _randomize_batch_stats(variables: Any, rng) -> Any:
+    variables = jax.tree_util.tree_map(np.asarray, variables)
+    if "batch_stats" not in variables:
+        return variables
+
+    def walk(stats, params):
+        for key, value in stats.items():
+            if isinstance(value, dict) and "mean" not in value:
+                walk(value, params.get(key, {}) if params else {})
+            elif isinstance(value, dict):
+                n = value["mean"].shape[-1]
+                value["mean"] = rng.normal(0, 0.5, n).astype(np.float32)
+                value["var"] = rng.uniform(0.3, 2.0, n).astype(np.float32)
+                p = params.get(key) if params else None
+                if p is not None:
+                    p["scale"] = rng.uniform(0.5, 1.5, n).astype(np.float32)
+                    p["bias"] = rng.normal(0, 0.3, n).astype(np.float32)
+
+    walk(variables["batch_stats"], variables.get("params", {}))
+    return variables
+
+
+def make_case(seed: int) -> Case:
+    rng = np.random.default_rng(seed)
+    key = jax.random.PRNGKey(seed)
+    family = str(rng.choice(["cnn", "cnn", "seq", "seq", "mlp", "nnx_cnn"]))
+    if family == "cnn":
+        blocks = _cnn_blocks(rng)
+        model, shape = FuzzCnn(blocks), (12, 12, 3)
+        variables = _randomize_batch_stats(model.init(key, np.zeros((1, *shape), np.float32)), rng)
+        description = " ".join(str(b) for b in blocks)
+    elif family == "seq":
+        blocks, width = _seq_blocks(rng), int(rng.choice([8, 16]))
+        model, shape = FuzzSeq(blocks, width), (6, 8)
+        variables = model.init(key, np.zeros((1, *shape), np.float32))
+        description = f"width {width}: " + " ".join(str(b) for b in blocks)
+    elif family == "mlp":
+        blocks = _mlp_blocks(rng)
+        model, shape = FuzzMlp(blocks), (10,)
+        variables = model.init(key, np.zeros((1, *shape), np.float32))
+        description = " ".join(str(b) for b in blocks)
+    else:
+        channels = tuple(int(c) for c in rng.choice([4, 8, 12], size=int(rng.integers(1, 4))))
+        act = _act(rng)
+        model = FuzzNnxCnn(channels, act, rngs=nnx.Rngs(seed))
+        for norm in model.norms:
+            n = norm.num_features
+            norm.mean[...] = jnp.asarray(rng.normal(0, 0.5, n), jnp.float32)
+            norm.var[...] = jnp.asarray(rng.uniform(0.3, 2.0, n), jnp.float32)
+        variables, shape = None, (8, 8, 3)
+        description = f"channels {channels}, {act}"
+    return Case(seed=seed, family=family, description=description, model=model, variables=variables,
+                sample_shape=shape, input_scale=float(rng.choice([0.5, 1.0, 3.0])))
+
+
+# ---------------------------------------------------------------------------
+# Running one
+
+
+@dataclasses.dataclass
+class Outcome:
+    seed: int
+    family: str
+    kind: str  # one of OUTCOMES
+    detail: str = ""
+    sqnr_db: float | None = None  # LiteRT outputs vs float on unseen inputs
+
+
+def _unseen(case: Case) -> list[tuple[np.ndarray]]:
+    """Inputs calibration did not see: a fresh batch, the same scaled up
+    (ranges exceeded: clipping) and with noise added."""
+    (fresh,) = case.batches(1, 4, case.seed + 10_000)
+    x = fresh[0]
+    rng = np.random.default_rng(case.seed + 20_000)
+    return [(x,), ((1.5 * x).astype(np.float32),),
+            ((x + 0.3 * case.input_scale * rng.normal(size=x.shape)).astype(np.float32),)]
+
+
+def run_case(case: Case) -> Outcome:
+    import odmlq
+    import odmlq.litert
+    from odmlq.errors import OdmlqError
+
+    rules = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
+    try:
+        result = odmlq.export_tflite(case.model, rules, case.batches(8, 8, case.seed), variables=case.variables)
+    except odmlq.VerificationError as e:
+        return Outcome(case.seed, case.family, "verification_error", _first_line(e))
+    except OdmlqError as e:
+        frames = {f.name for f in traceback.extract_tb(e.__traceback__)}
+        before = "check_plan" in frames or "convert" not in frames
+        kind = "refused_before_conversion" if before else "refused_after_conversion"
+        return Outcome(case.seed, case.family, kind, f"{type(e).__name__}: {_first_line(e)}")
+    except Exception as e:  # anything else is a bug: it must be a named error
+        return Outcome(case.seed, case.family, "crash", f"{type(e).__name__}: {_first_line(e)}")
+    fresh, *perturbed = _unseen(case)
+    sqnr = None
+    for samples in ([fresh], perturbed):
+        report = odmlq.litert.verify(result.tflite, case.model, result.plan, result.scales, samples,
+                                     variables=case.variables, raise_on_failure=False)
+        sqnr = report.litert_float_sqnr_db if sqnr is None else sqnr
+        if not report.passed:
+            bad = max((c for c in report.checks if not c.ok), key=lambda c: c.max_lsb, default=None)
+            where = ("" if bad is None
+                     else f"{bad.edge}: {bad.max_lsb:.1f} LSB (allowed {bad.allowed_lsb:.3g})")
+            return Outcome(case.seed, case.family, "silently_wrong", where, sqnr)
+    return Outcome(case.seed, case.family, "exported", "", sqnr)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:300] if text else ""

@@ -1,0 +1,54 @@
+"""The fuzzer (tests/fuzz/generator.py): random architectures, int8, no option.
+
+Every seed must end as an export that is right on inputs calibration did not
+see (each op within its kernel's tolerance of `simulate`), or as a named odmlq
+error. A crash (anything but an odmlq error escaping) or a silently wrong
+export fails. The fast subset runs by default; `pytest -m slow` runs 300 seeds
+(`python bench/fuzz.py` prints the table, each seed in a child process).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from tests.fuzz.generator import HARD_FAILURES, make_case, run_case
+
+FAST_SEEDS = range(24)
+SLOW_SEEDS = range(24, 324)
+
+
+def _check(seed: int) -> str:
+    case = make_case(seed)
+    outcome = run_case(case)
+    assert outcome.kind not in HARD_FAILURES, (
+        f"seed {seed} ({case.family}: {case.description}): {outcome.kind}: {outcome.detail}")
+    return outcome.kind
+
+
+@pytest.mark.parametrize("seed", FAST_SEEDS)
+def test_fuzz_fast_subset(seed, record_property):
+    record_property("outcome", _check(seed))
+
+
+def test_the_generator_is_deterministic_and_varied():
+    a, b = make_case(5), make_case(5)
+    assert a.description == b.description and a.family == b.family
+    assert (a.batches(1, 2, 0)[0][0] == b.batches(1, 2, 0)[0][0]).all()
+    families = collections.Counter(make_case(s).family for s in range(60))
+    assert set(families) == {"cnn", "seq", "mlp", "nnx_cnn"}, families
+
+
+@pytest.mark.slow
+def test_fuzz_slow_run():
+    kinds = collections.Counter()
+    failures = []
+    for seed in SLOW_SEEDS:
+        case = make_case(seed)
+        outcome = run_case(case)
+        kinds[outcome.kind] += 1
+        if outcome.kind in HARD_FAILURES:
+            failures.append(f"seed {seed} ({case.family}: {case.description}): {outcome.kind}: {outcome.detail}")
+    print(dict(kinds))
+    assert not failures, "\n".join(failures)
