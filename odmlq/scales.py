@@ -213,7 +213,7 @@ def _edge_scales(plan, calibration, conversions) -> dict[str, TensorScale]:
             if same is not None:
                 out[edge_id] = same
                 continue
-        out[edge_id] = _calibrated_scale(edge, spec, calibration)
+        out[edge_id] = _calibrated_scale(edge, spec, calibration, _resolution(plan, edge, out))
     for key in plan.conversions:
         _conversion_scale(plan, key, out, calibration, conversions)
     _share_with_inputs(plan, out)
@@ -406,7 +406,43 @@ def _fake_quant_of_sum(x: jax.Array, ts: TensorScale) -> jax.Array:
     return ((q - zp) * s).astype(x.dtype)
 
 
-def _calibrated_scale(edge, spec, calibration) -> TensorScale:
+# Ops whose integer output can take no value between multiples of a step set
+# by their inputs' scales: a sum of integers times the input scale (divided by
+# the count for a mean), a product of integers times the product of scales.
+_RESOLUTION_KINDS = frozenset({"mean", "reduce_sum", "add", "sub", "mul", "square"})
+# A calibrated grid is kept at most this much finer than that step.
+_FINER_THAN_RESOLUTION = 64.0
+
+
+def _resolution(plan, edge, out: Mapping[str, TensorScale]) -> float | None:
+    """The step below which the producer's integer result cannot vary: the
+    smallest input scale (divided by the count a mean averages), or None."""
+    if edge.producer is None:
+        return None
+    op = plan.graph.op(edge.producer)
+    if op.kind not in _RESOLUTION_KINDS:
+        return None
+    scales = [out[plan.graph.resolve(e)] for e in op.inputs if plan.graph.resolve(e) in out]
+    scales = [float(np.min(ts.scale)) for ts in scales if not ts.scale_axes]
+    if not scales or len(scales) != len(op.inputs):
+        return None
+    if op.kind == "square":
+        return scales[0] ** 2
+    if op.kind == "mul":
+        return float(np.prod(scales)) if len(scales) == 2 else None
+    step = min(scales)
+    if op.kind == "mean":
+        step /= max(1, int(np.prod(plan.graph.edges[op.inputs[0]].shape)) // max(1, int(np.prod(edge.shape))))
+    return step
+
+
+def _calibrated_scale(edge, spec, calibration, resolution: float | None = None) -> TensorScale:
+    """The edge's calibrated scale. Given the `resolution` its producer's
+    integer result has, a range so narrow that its grid would be far finer
+    (a degenerate edge: the mean of a just-normalized tensor, all within one
+    input LSB of zero) is widened to a grid `_FINER_THAN_RESOLUTION` times
+    finer: on a finer one, float32 rounding in `simulate` (1e-9) is many LSBs
+    and no backend computes the same integers."""
     if calibration is None or edge.id not in calibration:
         raise CalibrationError(
             f"Edge {edge.id!r} is quantized statically ({spec.describe()}) but the calibration "
@@ -414,6 +450,13 @@ def _calibrated_scale(edge, spec, calibration) -> TensorScale:
             "plan, or make its rule dynamic (act_dynamic=True)."
         )
     lo, hi = calibration.range(edge.id, spec.qtype, symmetric=spec.symmetric)
+    if resolution is not None and not spec.scale_axes:
+        qt = lookup_qtype(spec.qtype)
+        width = resolution / _FINER_THAN_RESOLUTION * (qt.qmax - qt.qmin)
+        lo, hi = float(np.min(lo)), float(np.max(hi))
+        if hi - lo < width:
+            center = 0.0 if spec.symmetric else (lo + hi) / 2
+            lo, hi = min(lo, center - width / 2), max(hi, center + width / 2)
     return _tensor_scale(spec, lo, hi, scale_shape(edge.shape, spec.scale_axes))
 
 

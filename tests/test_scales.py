@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import odmlq
+import odmlq.litert
 from odmlq.scales import constant_scale
 
 INT8 = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
@@ -98,3 +99,44 @@ def test_an_absurd_edge_scale_is_refused_before_any_backend(lo, hi, match):
         odmlq.compute_scales(plan, calibration, variables)
     with pytest.raises(odmlq.CalibrationError, match=match):
         odmlq.export_tflite(model, plan, [x], variables=variables, calibration=calibration)
+
+
+class _NormTwice(nn.Module):
+    """A LayerNorm right after a LayerNorm: the second one's mean is within
+    an input LSB of zero for every sample (float noise, ~1e-8)."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.LayerNorm()(nn.Dense(16)(x))
+        return nn.Dense(4)(nn.LayerNorm()(x))
+
+
+def test_a_degenerate_edge_gets_a_grid_its_integer_kernel_can_produce():
+    """The calibrated range of that mean (and of its square) would give a scale
+    ~1e-10, on which simulate's float32 rounding is many LSBs and LiteRT's
+    MEAN/MUL compute other integers (was: a 16-58 LSB VerificationError). The
+    scale is floored 64x below the step the kernel's integer result moves in
+    (input scale / count for a mean, product of scales for a square), so the
+    export verifies on unseen inputs; normal edges keep their calibrated scale."""
+    model = _NormTwice()
+    rng = np.random.default_rng(0)
+    batches = [rng.normal(size=(8, 10)).astype(np.float32) for _ in range(4)]
+    variables = model.init(jax.random.key(0), batches[0][:1])
+    rules = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
+    result = odmlq.export_tflite(model, rules, batches, variables=variables)
+    assert result.verification.passed
+    scales = result.scales.edges
+    mean_in = float(np.max(scales["LayerNorm_0/add_1"].scale))
+    mean = float(np.max(scales["LayerNorm_1/mean"].scale))
+    assert mean >= mean_in / 16 / 64 * 0.999  # floored: input scale / count / 64
+    lo, hi = result.calibration.range("LayerNorm_1/mean", "int8", symmetric=False)
+    assert float(np.max(hi) - np.min(lo)) < mean  # the calibrated range alone is narrower than one LSB
+    assert float(np.max(scales["LayerNorm_1/square_1"].scale)) >= mean ** 2 / 64 * 0.999
+    # A normal edge is untouched: the first LayerNorm's mean keeps its calibrated scale.
+    lo, hi = result.calibration.range("LayerNorm_0/mean", "int8", symmetric=False)
+    assert float(np.max(scales["LayerNorm_0/mean"].scale)) == pytest.approx(
+        (float(np.max(hi)) - min(float(np.min(lo)), 0.0)) / 255, rel=0.02)
+    unseen = [rng.normal(size=(4, 10)).astype(np.float32) * k for k in (1.0, 2.0)]
+    report = odmlq.litert.verify(result.tflite, model, result.plan, result.scales, unseen,
+                                 variables=variables, raise_on_failure=False)
+    assert report.passed, str(report)
