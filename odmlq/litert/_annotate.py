@@ -191,7 +191,12 @@ class Annotation(FakeQuant):
     - an input read in the op's qtype: a composite, a QUANTIZE (requantize) on LiteRT;
     - a dynamic input: an identity marker; the hybrid kernel quantizes it per call;
     - ops the converter recognises only as a composite, or that lower better
-      another way (an unpadded int8 average pool as a depthwise convolution);
+      another way (an unpadded int8 average pool as a depthwise convolution,
+      an int16 padded max pool after a ReLU as PAD + a VALID pool);
+    - an int16 ADD's constant or weight operand: broadcast to the output's
+      shape first (litert-converter takes only same-shaped int16 ADD operands);
+    - constants and weights only float ops read: their plan values as float
+      constants (quantized, they would be dequantized at every invocation);
     - ops the plan keeps in float: their inputs and outputs pass an
       optimization barrier. litert-converter quantizes a lone float op
       between a DEQUANTIZE and a QUANTIZE (a skipped tanh became an int8
