@@ -74,6 +74,11 @@ def run(seeds: list[int]) -> list[dict]:
     return rows
 
 
+# An export this far from float is right (it computes what `simulate` says)
+# but useless; the table lists them.
+LOW_SQNR_DB = 15.0
+
+
 def table(rows: list[dict]) -> str:
     kinds = collections.Counter(r["kind"] for r in rows)
     lines = ["| outcome | models | share |", "|---|---|---|"]
@@ -86,6 +91,11 @@ def table(rows: list[dict]) -> str:
         lines.append("")
         lines.append(f"Exported: output SQNR vs float on unseen inputs, median {sqnr[len(sqnr) // 2]:.1f} dB, "
                      f"minimum {sqnr[0]:.1f} dB ({len(sqnr)} models).")
+        low = sorted((r["sqnr_db"], r["seed"]) for r in rows
+                     if r["kind"] == "exported" and r["sqnr_db"] is not None and r["sqnr_db"] < LOW_SQNR_DB)
+        if low:
+            lines.append(f"Exported but under {LOW_SQNR_DB:g} dB against float (right against simulate, "
+                         "an accuracy problem): " + ", ".join(f"seed {s} {q:.1f} dB" for q, s in low) + ".")
     details = collections.Counter((r["kind"], r["detail"][:120]) for r in rows if r["kind"] != "exported")
     if details:
         lines.append("")
