@@ -1,0 +1,16 @@
+"""Scales: the plan's specs turned into numbers (see `compute_scales`).
+
+`TensorScale` is how one tensor is quantized; `Scales` holds every edge's,
+weight's, bias's and constant's of a plan, which simulate and both backends
+quantize with.
+"""
+
+from odmlq.graph import flat_params
+from odmlq.scales._edges import MAX_EDGE_SCALE
+from odmlq.scales._scales import Scales, compute_scales, fake_quant_bias, quantized_params, weight_scale
+from odmlq.scales._tensor import TensorScale, constant_scale
+
+__all__ = [
+    "MAX_EDGE_SCALE", "Scales", "TensorScale", "compute_scales", "constant_scale", "fake_quant_bias",
+    "flat_params", "quantized_params", "weight_scale",
+]

@@ -1,0 +1,213 @@
+"""Activation edge scales (internal; `odmlq.scales.compute_scales` calls them).
+
+Each statically quantized edge gets its scale from the plan's constraint on
+it (fixed, the same as its input's, shared with the inputs of the op that
+reads it) or from calibration; a degenerate calibrated range is widened to
+a grid the producing integer kernel can compute on, and an absurd scale (a
+mask sentinel calibrated as data) is refused before any backend runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import numpy as np
+
+from odmlq.constraints import FixedScale, SameAsInput, SharedWithInputs
+from odmlq.errors import CalibrationError
+from odmlq.qarray import scale_shape
+from odmlq.qtypes import qtype as lookup_qtype
+from odmlq.scales._tensor import TensorScale, reshaped, tensor_scale
+
+
+def edge_scales(plan, calibration, conversions) -> dict[str, TensorScale]:
+    graph = plan.graph
+    out: dict[str, TensorScale] = {}
+    for edge_id, edge_plan in plan.edges.items():
+        spec = edge_plan.spec
+        edge = graph.edges[edge_id]
+        if spec is None or spec.dynamic or edge.alias is not None:
+            continue
+        constraint = edge_plan.constraint
+        if isinstance(constraint, FixedScale):
+            shape = (1,) * len(edge.shape)
+            out[edge_id] = TensorScale(qtype=spec.qtype, scale=np.full(shape, constraint.scale, np.float32),
+                                       zero_point=np.full(shape, constraint.zero_point, np.int32))
+            continue
+        if isinstance(constraint, SameAsInput):
+            same = _read_input_scale(plan, edge, spec, constraint, out, calibration, conversions)
+            if same is not None:
+                out[edge_id] = same
+                continue
+        out[edge_id] = _calibrated_scale(edge, spec, calibration, _resolution(plan, edge, out))
+    for key in plan.conversions:
+        _conversion_scale(plan, key, out, calibration, conversions)
+    _share_with_inputs(plan, out)
+    for edge_id, edge in graph.edges.items():
+        target = graph.resolve(edge_id)
+        if edge.alias is not None and target in out:
+            out[edge_id] = out[target]
+    return out
+
+
+# An activation scale over this is no tensor's range but a sentinel's: an
+# attention mask's finfo(float32).min (-3.4e38) or -1e9 reaching a calibrated
+# edge. Every real value on that edge rounds to zero, and LiteRT kernels can
+# overflow their fixed-point multipliers on it (seen: an abort while
+# allocating a SOFTMAX whose input scale was 1.3e36).
+MAX_EDGE_SCALE = 1e6
+
+
+def check_edge_scales(plan, edges: Mapping[str, TensorScale], conversions) -> None:
+    graph = plan.graph
+    found = [(edge_id, ts) for edge_id, ts in edges.items() if graph.edges[edge_id].alias is None]
+    found += [(edge_id, ts) for (edge_id, _), ts in conversions.items()]
+    for edge_id, ts in found:
+        scale = np.asarray(ts.scale, np.float64)
+        if np.all(np.isfinite(scale)) and np.all(scale > 0) and np.all(scale <= MAX_EDGE_SCALE):
+            continue
+        edge = graph.edges[edge_id]
+        if edge.producer is not None:
+            where = f"edge {edge_id!r} (op {edge.producer!r}, module {graph.op(edge.producer).module_path!r})"
+        else:
+            reader = edge.consumers[0] if edge.consumers else None
+            where = f"edge {edge_id!r} (a model input" + ("" if reader is None else
+                     f", read by op {reader!r}, module {graph.op(reader).module_path!r}") + ")"
+        value = float(np.max(scale)) if np.all(np.isfinite(scale)) else "not finite"
+        if isinstance(value, float) and value > MAX_EDGE_SCALE:
+            raise CalibrationError(
+                f"{where} gets the {ts.qtype} scale {value:.3g}: its calibrated range is dominated by a "
+                "huge constant, such as an attention mask's finfo(float32).min or -1e9, and every real "
+                "value would round to zero. Give the mask a finite bias (e.g. -30 where the scores "
+                "are small), keep the op that adds it in float with a skip rule, or calibrate the edge "
+                "with act_calibration=odmlq.FixedRange(lo, hi).")
+        raise CalibrationError(
+            f"{where} gets a {ts.qtype} scale that is {value if isinstance(value, str) else 'zero or negative'}; "
+            "its calibration statistics are not usable (NaN or infinite values reached it, or a "
+            "FixedRange is empty). Check the representative data, or calibrate the edge with "
+            "act_calibration=odmlq.FixedRange(lo, hi).")
+
+
+def _read_input_scale(plan, edge, spec, constraint, out, calibration, conversions) -> TensorScale | None:
+    """The scale of the producer's first quantized input, as the op reads it
+    (None: no per-tensor input of the same qtype; the edge is calibrated)."""
+    graph = plan.graph
+    producer = graph.op(edge.producer)
+    source = next((e for e in producer.inputs if graph.resolve(e) in out), None)
+    if source is None:
+        return None
+    key = (graph.resolve(source), spec.qtype)
+    base = (_conversion_scale(plan, key, out, calibration, conversions)
+            if key in plan.conversions else out[key[0]])
+    if base.qtype != spec.qtype or base.scale_axes:
+        return None
+    shape = (1,) * len(edge.shape)
+    return dataclasses.replace(
+        base, rounding=constraint.rounding.value, divisor=producer.attributes.get("window_size", 1),
+        scale=base.scale.reshape(shape),
+        zero_point=None if base.zero_point is None else base.zero_point.reshape(shape))
+
+
+def _conversion_scale(plan, key, edges, calibration, conversions) -> TensorScale:
+    """The scale of a conversion (`Plan.conversions`), computed once into
+    `conversions`. A quantized source's whole representable range is kept
+    (int8 -> int16 then moves each value by at most half an int16 step, and
+    nothing clips); a float source's range is its calibrated one."""
+    if key not in conversions:
+        conversion = plan.conversions[key]
+        edge = plan.graph.edges[conversion.edge]
+        source = edges.get(conversion.edge)
+        if source is None or source.scale_axes:
+            conversions[key] = _calibrated_scale(edge, conversion.spec, calibration)
+        else:
+            qt = source.qtype
+            s = np.asarray(source.scale, np.float64).reshape(())
+            zp = 0.0 if source.zero_point is None else float(np.asarray(source.zero_point).reshape(()))
+            lo = np.float32((qt.qmin + (1 if source.narrow_range else 0) - zp) * s)
+            hi = np.float32((qt.qmax - zp) * s)
+            conversions[key] = tensor_scale(conversion.spec, lo, hi, scale_shape(edge.shape, ()))
+    return conversions[key]
+
+
+def _share_with_inputs(plan, out: dict[str, TensorScale]) -> None:
+    """Ops whose kernel reads every input at its output's scale (an output
+    constrained `SharedWithInputs`) give that scale to each input edge they
+    alone consume, where the producer can requantize to it (a free output or
+    a model input) — as a converter does, folding the requantization into the
+    producer. Other inputs keep their scale and are requantized by a separate
+    op, which computes the same values. Ops are visited last to first, so
+    chains (max then min, a clip) share one scale.
+    """
+    graph = plan.graph
+    aliased = {e.alias for e in graph.edges.values() if e.alias is not None}
+    for op in reversed(graph.ops):
+        if len(op.outputs) != 1 or op.outputs[0] not in out:
+            continue
+        if not isinstance(plan.edges[op.outputs[0]].constraint, SharedWithInputs):
+            continue
+        target = out[op.outputs[0]]
+        if target.scale_axes:
+            continue
+        for edge_id in dict.fromkeys(op.inputs):
+            edge = graph.edges[edge_id]
+            if (edge_id not in out or edge.alias is not None or edge_id in aliased or edge.is_output
+                    or edge.consumers != (op.id,) or out[edge_id].qtype != target.qtype):
+                continue
+            if not isinstance(plan.edges[edge_id].constraint, (type(None), SharedWithInputs)):
+                continue
+            out[edge_id] = reshaped(target, len(edge.shape))
+
+
+# Ops whose integer output can take no value between multiples of a step set
+# by their inputs' scales: a sum of integers times the input scale (divided by
+# the count for a mean), a product of integers times the product of scales.
+_RESOLUTION_KINDS = frozenset({"mean", "reduce_sum", "add", "sub", "mul", "square"})
+# A calibrated grid is kept at most this much finer than that step.
+_FINER_THAN_RESOLUTION = 64.0
+
+
+def _resolution(plan, edge, out: Mapping[str, TensorScale]) -> float | None:
+    """The step below which the producer's integer result cannot vary: the
+    smallest input scale (divided by the count a mean averages), or None."""
+    if edge.producer is None:
+        return None
+    op = plan.graph.op(edge.producer)
+    if op.kind not in _RESOLUTION_KINDS:
+        return None
+    scales = [out[plan.graph.resolve(e)] for e in op.inputs if plan.graph.resolve(e) in out]
+    scales = [float(np.min(ts.scale)) for ts in scales if not ts.scale_axes]
+    if not scales or len(scales) != len(op.inputs):
+        return None
+    if op.kind == "square":
+        return scales[0] ** 2
+    if op.kind == "mul":
+        return float(np.prod(scales)) if len(scales) == 2 else None
+    step = min(scales)
+    if op.kind == "mean":
+        step /= max(1, int(np.prod(plan.graph.edges[op.inputs[0]].shape)) // max(1, int(np.prod(edge.shape))))
+    return step
+
+
+def _calibrated_scale(edge, spec, calibration, resolution: float | None = None) -> TensorScale:
+    """The edge's calibrated scale. Given the `resolution` its producer's
+    integer result has, a range so narrow that its grid would be far finer
+    (a degenerate edge: the mean of a just-normalized tensor, all within one
+    input LSB of zero) is widened to a grid `_FINER_THAN_RESOLUTION` times
+    finer: on a finer one, float32 rounding in `simulate` (1e-9) is many LSBs
+    and no backend computes the same integers."""
+    if calibration is None or edge.id not in calibration:
+        raise CalibrationError(
+            f"Edge {edge.id!r} is quantized statically ({spec.describe()}) but the calibration "
+            "has no statistics for it; run odmlq.calibrate(model, plan, rep_dataset) with this "
+            "plan, or make its rule dynamic (act_dynamic=True)."
+        )
+    lo, hi = calibration.range(edge.id, spec.qtype, symmetric=spec.symmetric)
+    if resolution is not None and not spec.scale_axes:
+        qt = lookup_qtype(spec.qtype)
+        width = resolution / _FINER_THAN_RESOLUTION * (qt.qmax - qt.qmin)
+        lo, hi = float(np.min(lo)), float(np.max(hi))
+        if hi - lo < width:
+            center = 0.0 if spec.symmetric else (lo + hi) / 2
+            lo, hi = min(lo, center - width / 2), max(hi, center + width / 2)
+    return tensor_scale(spec, lo, hi, scale_shape(edge.shape, spec.scale_axes))

@@ -1,0 +1,209 @@
+"""Scales: the plan's specs turned into numbers.
+
+`compute_scales(plan, calibration, params)` gives every quantized edge and
+weight its scale and zero point: weights from their own values (with the
+weight calibration method of their spec), edges from the calibration
+statistics (`odmlq.scales._edges`), biases of quantized matmuls and
+convolutions from the product of their input and weight scales (int32, as
+integer kernels add them to the int32 accumulator), constant operands of
+elementwise ops and values derived from parameters from their values
+(`constant_scale`). Backends and `simulate` all quantize with the same
+`Scales`, so their results line up value for value.
+
+Where the plan's targets constrain an edge (`EdgePlan.constraint`, resolved
+when the plan was made), its scale follows the constraint: its input's,
+shared with the inputs of the op that reads it, or fixed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from odmlq.calibration import Calibration, range_of
+from odmlq.constraints import SharedWithInputs
+from odmlq.errors import PlanError
+from odmlq.graph import flat_params, fold_params, operand_values, replace_params
+from odmlq.plan import op_qtype
+from odmlq.qarray import QArray, scale_shape
+from odmlq.scales._edges import check_edge_scales, edge_scales
+from odmlq.scales._tensor import TensorScale, constant_scale, reshaped, tensor_scale
+
+_INT32_MAX = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Scales:
+    """Scales of edges (by edge id), weights and biases (by parameter path), and
+    constant operands (by ``(op id, index in Op.constants)``)."""
+
+    edges: dict[str, TensorScale]
+    weights: dict[str, TensorScale]
+    biases: dict[str, np.ndarray]  # bias scale per output channel (int32, zero point 0)
+    constants: dict[tuple[str, int], TensorScale] = dataclasses.field(default_factory=dict)
+    # (edge id, qtype) -> the scale an op of that qtype reads the edge at (see
+    # `Plan.conversions`).
+    conversions: dict[tuple[str, str], TensorScale] = dataclasses.field(default_factory=dict)
+    # op id -> the int32 bias scale of an op with a folded BatchNorm (its bias
+    # is ``b * s + t``, computed where the op runs; `odmlq.graph.folded_bias`).
+    op_biases: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    # (op id, operand index) -> the scale an elementwise op reads a value
+    # derived from parameters at (`WeightPlan.read_as`).
+    derived: dict[tuple[str, int], TensorScale] = dataclasses.field(default_factory=dict)
+
+    def input_scale(self, plan, op, edge_id: str) -> TensorScale | None:
+        """The scale `op` reads input `edge_id` at: a conversion's, or the edge's."""
+        edge_id = plan.graph.resolve(edge_id)
+        target = op_qtype(plan, op)
+        if target is not None and (edge_id, target.qtype) in self.conversions:
+            return self.conversions[(edge_id, target.qtype)]
+        return self.edges.get(edge_id)
+
+
+def compute_scales(plan, calibration: Calibration | None, params: Any, *,
+                   weight_scales: Mapping[str, TensorScale] | None = None) -> Scales:
+    """Scale and zero point of every quantized edge, weight and bias of `plan`.
+
+    Args:
+      weight_scales: the weights' scales when they are already known (from
+        quantized params, see `odmlq.quantize_params`); `params` is then read
+        only for values derived from them by arithmetic that the plan
+        quantizes where they are read (`WeightPlan.read_as`).
+
+    Raises:
+      CalibrationError: a static edge has no statistics in `calibration`, or
+        its scale is not finite, zero, or absurd (over `MAX_EDGE_SCALE`).
+      PlanError: one parameter is given two different specs by two ops.
+    """
+    if weight_scales is None:
+        weights = _weight_scales(plan, flat_params(fold_params(plan.graph, params, plan.weight_specs())))
+    else:
+        weights = dict(weight_scales)
+    conversions: dict[tuple[str, str], TensorScale] = {}
+    edges = edge_scales(plan, calibration, conversions)
+    check_edge_scales(plan, edges, conversions)
+    scales = Scales(edges=edges, weights=weights, biases={}, constants={}, conversions=conversions)
+    biases, op_biases = _bias_scales(plan, scales, weights)
+    constants = _constant_scales(plan, edges)
+    derived = _derived_scales(plan, params)
+    return dataclasses.replace(scales, biases=biases, constants=constants, op_biases=op_biases,
+                               derived=derived)
+
+
+def _derived_scales(plan, params: Any) -> dict[tuple[str, int], TensorScale]:
+    """Scales of derived operands read as constants, from their values (one
+    float run: they depend on parameters only)."""
+    wanted: dict[str, list[tuple[int, Any]]] = {}
+    for op in plan.graph.ops:
+        weights = iter(plan.ops[op.id].weights)
+        for index, operand in enumerate(op.operands):
+            if operand.role in ("weight", "bias"):
+                w = next(weights)
+                if w.read_as is not None:
+                    wanted.setdefault(op.id, []).append((index, w.read_as))
+    if not wanted:
+        return {}
+    if params is None:
+        raise PlanError(
+            "This plan quantizes values derived from parameters where ops read them "
+            f"({', '.join(sorted(wanted))}); compute_scales needs the float params for them.")
+    params = jax.tree_util.tree_map(lambda x: x.dequantize() if isinstance(x, QArray) else x, params,
+                                    is_leaf=lambda x: isinstance(x, QArray))
+    values = operand_values(plan.graph, params, set(wanted))
+    return {(op_id, index): constant_scale(values[op_id][index], spec.qtype)
+            for op_id, items in wanted.items() for index, spec in items}
+
+
+def _weight_scales(plan, values: Mapping[str, Any]) -> dict[str, TensorScale]:
+    out: dict[str, TensorScale] = {}
+    for param, spec in plan.weight_specs().items():
+        if param not in values:
+            raise PlanError(f"The params have no {param!r}, which the plan quantizes.")
+        out[param] = weight_scale(np.asarray(values[param], np.float32), spec)
+    return out
+
+
+def weight_scale(x: np.ndarray, spec) -> TensorScale:
+    shape = scale_shape(x.shape, spec.scale_axes, spec.block_axis, spec.block_size)
+    if spec.block_size is not None:
+        # Split the block axis into (blocks, block_size) and keep the block index.
+        a, b = spec.block_axis, spec.block_size
+        blocked = x.reshape(x.shape[:a] + (x.shape[a] // b, b) + x.shape[a + 1:])
+        keep = tuple(ax if ax < a else ax + 1 for ax in spec.scale_axes) + (a,)
+        lo, hi = range_of(spec.calibration, blocked, spec.qtype, symmetric=spec.symmetric,
+                          keep_axes=tuple(sorted(keep)))
+    else:
+        lo, hi = range_of(spec.calibration, x, spec.qtype, symmetric=spec.symmetric,
+                          keep_axes=spec.scale_axes)
+    return tensor_scale(spec, lo, hi, shape)
+
+
+def _constant_scales(plan, edges: Mapping[str, TensorScale]) -> dict:
+    out: dict[tuple[str, int], TensorScale] = {}
+    for op in plan.graph.ops:
+        specs = plan.ops[op.id].constants
+        shared = len(op.outputs) == 1 and isinstance(plan.edges[op.outputs[0]].constraint, SharedWithInputs)
+        for index, (operand, spec) in enumerate(zip(op.constants, specs)):
+            if spec is None:
+                continue
+            output = edges.get(op.outputs[0]) if len(op.outputs) == 1 else None
+            if shared and output is not None and output.qtype == spec.qtype and not output.scale_axes:
+                # The kernel reads the constant at the output's scale, like its inputs.
+                out[(op.id, index)] = reshaped(output, len(operand.shape))
+            else:
+                out[(op.id, index)] = constant_scale(operand.value, spec.qtype)
+    return out
+
+
+def _bias_scales(plan, scales: Scales, weights) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Int32 bias scales by parameter path, and those of folded ops by op id
+    (their bias is computed from the folded BatchNorm, not read from a parameter)."""
+    out: dict[str, np.ndarray] = {}
+    folded: dict[str, np.ndarray] = {}
+    for op in plan.graph.ops:
+        fold = bool(op.attributes.get("fold"))
+        biases = [w for w in plan.ops[op.id].weights if w.role == "bias"]
+        kernels = [w for w in plan.ops[op.id].weights if w.role == "weight" and w.spec is not None]
+        if not (biases or fold) or len(kernels) != 1 or not op.inputs:
+            continue
+        source = scales.input_scale(plan, op, op.inputs[0])
+        if source is None or source.scale_axes or kernels[0].spec.block_size:
+            continue
+        if kernels[0].spec.qtype.kind != "int":
+            continue
+        kernel = weights[kernels[0].param]
+        if len(kernel.scale_axes) > 1:  # stacked layers: biases stay float for now
+            continue
+        w_scale = np.asarray(kernel.scale).reshape(-1)
+        in_scale = float(np.asarray(source.scale).reshape(-1)[0])
+        if fold:
+            folded[op.id] = (w_scale * in_scale).astype(np.float32)
+            continue
+        for b in biases:
+            out[b.param] = (w_scale * in_scale).astype(np.float32)
+    return out, folded
+
+
+def fake_quant_bias(x: jax.Array, scale: np.ndarray) -> jax.Array:
+    """What an int32 bias with this per-channel scale holds, in float."""
+    s = jnp.asarray(scale).reshape((1,) * (jnp.ndim(x) - 1) + (-1,)) if jnp.ndim(x) else scale
+    q = jnp.clip(jnp.round(x / s), -_INT32_MAX, _INT32_MAX)
+    return q * s
+
+
+def quantized_params(params: Any, scales: Scales,
+                     transform: Callable[[str, Any, TensorScale], Any] | None = None) -> Any:
+    """`params` with every quantized weight fake-quantized (or `transform`ed) and
+    every int32 bias rounded to its grid."""
+    values = flat_params(params)
+    new = {}
+    for path, ts in scales.weights.items():
+        new[path] = transform(path, values[path], ts) if transform else ts.fake_quant(values[path])
+    for path, s in scales.biases.items():
+        new[path] = fake_quant_bias(jnp.asarray(values[path]), s)
+    return replace_params(params, new)
