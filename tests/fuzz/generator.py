@@ -205,38 +205,39 @@ def _cnn_blocks(rng) -> tuple:
     return tuple(blocks)
 
 
-def _seq_blocks(rng) -> tuple:
+def _draw(rng, count: tuple[int, int], table) -> tuple:
+    """`rng.integers(*count)` blocks, each from the first row of `table`
+    (cumulative probability, ``make(rng) -> block``) above a uniform draw."""
     blocks = []
-    for _ in range(int(rng.integers(2, 6))):
+    for _ in range(int(rng.integers(*count))):
         r = rng.random()
-        if r < 0.3:
-            blocks.append(("attn", int(rng.choice([1, 2, 4])), bool(rng.random() < 0.5)))
-        elif r < 0.5:
-            blocks.append(("mlp",))
-        elif r < 0.65:
-            blocks.append(("ln",) if rng.random() < 0.7 else ("rms",))
-        elif r < 0.8:
-            blocks.append(("dense",))
-        elif r < 0.93:
-            blocks.append(("act", _act(rng)))
-        else:
-            blocks.append(("softmax",))
+        make = next((m for p, m in table if r < p), table[-1][1])
+        blocks.append(make(rng))
     return tuple(blocks)
+
+
+_SEQ_TABLE = (
+    (0.3, lambda rng: ("attn", int(rng.choice([1, 2, 4])), bool(rng.random() < 0.5))),
+    (0.5, lambda rng: ("mlp",)),
+    (0.65, lambda rng: ("ln",) if rng.random() < 0.7 else ("rms",)),
+    (0.8, lambda rng: ("dense",)),
+    (0.93, lambda rng: ("act", _act(rng))),
+    (1.0, lambda rng: ("softmax",)),
+)
+_MLP_TABLE = (
+    (0.4, lambda rng: ("dense", int(rng.choice([8, 16, 32])))),
+    (0.7, lambda rng: ("act", _act(rng))),
+    (0.85, lambda rng: ("res",)),
+    (1.0, lambda rng: ("ln",)),
+)
+
+
+def _seq_blocks(rng) -> tuple:
+    return _draw(rng, (2, 6), _SEQ_TABLE)
 
 
 def _mlp_blocks(rng) -> tuple:
-    blocks = []
-    for _ in range(int(rng.integers(1, 5))):
-        r = rng.random()
-        if r < 0.4:
-            blocks.append(("dense", int(rng.choice([8, 16, 32]))))
-        elif r < 0.7:
-            blocks.append(("act", _act(rng)))
-        elif r < 0.85:
-            blocks.append(("res",))
-        else:
-            blocks.append(("ln",))
-    return tuple(blocks)
+    return _draw(rng, (1, 5), _MLP_TABLE)
 
 
 def _randomize_batch_stats(variables: Any, rng) -> Any:
