@@ -31,7 +31,7 @@ from odmlq.plan._passes import (
     resolve_output_constraints,
 )
 from odmlq.plan._spec import QuantSpec, spec_or_none as _spec_or_none
-from odmlq.plan._specs_of import act_spec, constant_specs, derived_operand_spec, dynamic_input_spec, weight_spec
+from odmlq.plan._specs_of import act_spec, constant_operand_spec, constant_specs, dynamic_input_spec, weight_spec
 from odmlq.rules import Rule, rules_from_dicts, rules_to_dicts, warn_unmatched
 
 __all__ = ["EdgePlan", "OpPlan", "Plan", "QuantSpec", "WeightPlan", "check_rules", "plan", "plan_graph"]
@@ -341,6 +341,7 @@ def _weight_plans(op: Op, rule: Rule | None, index: int | None,
                   channel_axes_limit: int | None = None) -> tuple[WeightPlan, ...]:
     out = []
     quantized = rule is not None and not rule.skip and rule.weight_qtype is not None
+    read_as = constant_operand_spec(op, rule)
     for operand in op.weights:
         if not quantized:
             out.append(WeightPlan(param=operand.param, role=operand.role, spec=None))
@@ -352,7 +353,6 @@ def _weight_plans(op: Op, rule: Rule | None, index: int | None,
             out.append(WeightPlan(param=operand.param, role=operand.role, spec=None,
                                   note=f"{operand.dtype}: not a float weight"))
         elif operand.derived:
-            read_as = derived_operand_spec(op, rule)
             note = ("float: computed from parameters by arithmetic, not stored as them" if read_as is None
                     else f"computed from parameters by arithmetic; read as {read_as.describe()} "
                          "(quantized from its own value where the op reads it, like a constant operand)")
@@ -361,7 +361,7 @@ def _weight_plans(op: Op, rule: Rule | None, index: int | None,
         elif rule.act_dynamic and op.kind not in MATMUL_KINDS and op.kind != "gather":
             out.append(WeightPlan(param=operand.param, role=operand.role, spec=None,
                                   note="float: dynamic-range kernels quantize matmul, conv and embedding weights only"))
-        elif (read_as := derived_operand_spec(op, rule)) is not None and read_as.qtype != rule.weight_qtype:
+        elif read_as is not None and read_as.qtype != rule.weight_qtype:
             # An integer elementwise kernel reads every operand in its own
             # qtype (an int16 MUL of an int8 weight does not convert).
             out.append(WeightPlan(

@@ -9,7 +9,7 @@ from odmlq.plan._spec import QuantSpec
 from odmlq.qtypes import qtype as lookup_qtype
 from odmlq.rules import Rule
 
-__all__ = ["CONSTANT_OPERAND_KINDS", "act_spec", "constant_specs", "derived_operand_spec", "dynamic_input_spec",
+__all__ = ["CONSTANT_OPERAND_KINDS", "act_spec", "constant_specs", "constant_operand_spec", "dynamic_input_spec",
            "weight_spec"]
 
 
@@ -20,28 +20,24 @@ __all__ = ["CONSTANT_OPERAND_KINDS", "act_spec", "constant_specs", "derived_oper
 CONSTANT_OPERAND_KINDS = frozenset({"add", "sub", "mul", "div", "max", "min", "select_n"})
 
 
-def constant_specs(op: Op, rule: Rule | None) -> tuple[QuantSpec | None, ...]:
-    constants = op.constants
-    quantized = (rule is not None and not rule.skip and rule.act_qtype is not None
-                 and not rule.act_dynamic and op.kind in CONSTANT_OPERAND_KINDS)
-    if not quantized:
-        return (None,) * len(constants)
-    qt = lookup_qtype(rule.act_qtype)
-    return tuple(
-        QuantSpec(qtype=qt.name, symmetric=True)
-        if c.value is not None and c.dtype.startswith(("float", "bfloat")) and qt.is_integer else None
-        for c in constants)
-
-
-def derived_operand_spec(op: Op, rule: Rule | None) -> QuantSpec | None:
-    """How an elementwise op with integer activations reads a value derived
-    from parameters by arithmetic (not stored as a parameter): like a
-    constant operand, with the op's activation qtype, per tensor, symmetric."""
+def constant_operand_spec(op: Op, rule: Rule | None) -> QuantSpec | None:
+    """The spec an elementwise op with integer activations reads an operand
+    that is no activation at: a constant, a value derived from parameters by
+    arithmetic, or a weight of another qtype than its activations. Its
+    activation qtype, per tensor, symmetric; None where the op has no integer
+    elementwise kernel under `rule`."""
     if (rule is None or rule.skip or rule.act_qtype is None or rule.act_dynamic
             or op.kind not in CONSTANT_OPERAND_KINDS):
         return None
     qt = lookup_qtype(rule.act_qtype)
     return QuantSpec(qtype=qt.name, symmetric=True) if qt.is_integer else None
+
+
+def constant_specs(op: Op, rule: Rule | None) -> tuple[QuantSpec | None, ...]:
+    """One spec or None per float constant operand of `op` (`Op.constants`)."""
+    spec = constant_operand_spec(op, rule)
+    return tuple(spec if spec is not None and c.value is not None and c.dtype.startswith(("float", "bfloat"))
+                 else None for c in op.constants)
 
 
 def dynamic_input_spec(op: Op, rule: Rule | None) -> QuantSpec | None:
