@@ -170,7 +170,7 @@ def annotated_function(graph, plan, scales: Scales, params: Any, float_ops=()) -
             new[p] = fake_quant_bias(jnp.asarray(values[p]), s)
         qparams = replace_params(params, new)
 
-        return PlanHooks(plan, scales, Annotation(scales, keep_float, plan.graph)).evaluate(graph, qparams, *inputs)
+        return PlanHooks(plan, scales, Annotation(scales, plan.graph, keep_float)).evaluate(graph, qparams, *inputs)
 
     return fn
 
@@ -204,8 +204,8 @@ class Annotation(FakeQuant):
       which lowers to nothing, keeps it float.
     """
 
-    def __init__(self, scales: Scales, keep_float=frozenset(), graph=None):
-        self.scales, self.keep_float, self.graph = scales, keep_float, graph
+    def __init__(self, scales: Scales, graph, keep_float=frozenset()):
+        self.scales, self.graph, self.keep_float = scales, graph, keep_float
 
     def edge(self, edge_id, x, ts):
         if ts.scale_axes:
@@ -219,7 +219,7 @@ class Annotation(FakeQuant):
             # (quantized, it would be dequantized at every invocation).
             with jax.ensure_compile_time_eval():
                 return ts.fake_quant(jnp.asarray(value, jnp.float32))
-        if self.graph is not None and len(op.outputs) == 1:
+        if len(op.outputs) == 1:
             shape = self.graph.edges[op.outputs[0]].shape
             if int16_full_shape_operand(op, ts.qtype, value, shape):
                 value = jnp.broadcast_to(value, shape)
@@ -255,8 +255,7 @@ class Annotation(FakeQuant):
                 return [_pool_as_depthwise(op, inputs[0])]
         if op.kind == "max_pool" and len(inputs) == 1:
             out = scales.edges.get(op.outputs[0])
-            if (out is not None and out.qtype == "int16" and self.graph is not None
-                    and padded_max_pool_reads_nonnegative(op, self.graph)):
+            if out is not None and out.qtype == "int16" and padded_max_pool_reads_nonnegative(op, self.graph):
                 return [_max_pool_padded_with_zeros(op, inputs[0])]
         if op.kind != "gelu" or op.attributes.get("approximate", True) or len(inputs) != 1:
             return compute(*inputs)

@@ -93,7 +93,7 @@ def _int16_add_operands(op, qtype: str, graph) -> str | None:
     different shapes are refused."""
     if qtype != "int16":
         return None
-    shape = graph.edges[op.outputs[0]].shape if graph is not None and len(op.outputs) == 1 else None
+    shape = graph.edges[op.outputs[0]].shape if len(op.outputs) == 1 else None
     if shape is not None and all(
             tuple(o.shape) == tuple(shape)
             or (o.role != "input" and (not o.shape or len(o.shape) == len(shape)))
@@ -113,20 +113,24 @@ def int16_full_shape_operand(op, qtype: str, value, shape) -> bool:
             and np.ndim(value) in (0, len(shape)))
 
 
+def _padded(op) -> bool:
+    return any(lo or hi for lo, hi in op.attributes.get("padding", ()))
+
+
 def padded_max_pool_reads_nonnegative(op, graph) -> bool:
     """Whether a padded max pool reads a ReLU's output: padding it with zeros
     then gives the same maximum as padding with -inf (every window holds at
     least one value, and every value is >= 0)."""
-    if op.kind != "max_pool" or not any(lo or hi for lo, hi in op.attributes.get("padding", ())):
+    if op.kind != "max_pool" or not _padded(op):
         return False
     edge = graph.edges[graph.resolve(op.inputs[0])]
     return edge.producer is not None and graph.op(edge.producer).kind in ("relu", "relu6")
 
 
 def _int16_padded_max_pool(op, qtype: str, graph) -> str | None:
-    if qtype != "int16" or not any(lo or hi for lo, hi in op.attributes.get("padding", ())):
+    if qtype != "int16" or not _padded(op):
         return None
-    if graph is not None and padded_max_pool_reads_nonnegative(op, graph):
+    if padded_max_pool_reads_nonnegative(op, graph):
         return None  # lowered as PAD (zeros) + MAX_POOL_2D VALID
     return ("litert-converter 0.5.0 pads an int16 max pool with a PADV2 op, which has no int16 kernel "
             "(conversion fails); a pool after a ReLU is padded with zeros instead, this one's input "

@@ -44,11 +44,14 @@ class WeightPlan:
     """The plan for one weight operand of an op (`spec` None: float).
 
     Attributes:
-      read_as: for a value derived from parameters by arithmetic (an
-        embedding gathered at constant positions, ``scale * rsqrt(var)``) that
-        an elementwise integer kernel reads: the spec it is quantized to
-        where the op reads it, per tensor from its own value, like a constant
-        operand (the parameter itself is not stored quantized). None: not so.
+      read_as: for a value an elementwise integer kernel reads that is not
+        stored as the weight spec says (one derived from parameters by
+        arithmetic: an embedding gathered at constant positions,
+        ``scale * rsqrt(var)``; or a weight of another qtype than the op's
+        activations: an int16 MUL's LayerNorm scale): the spec it is quantized
+        to where the op reads it, per tensor from its own value, like a
+        constant operand (the parameter itself is not stored quantized).
+        None: not so.
     """
 
     param: str
