@@ -131,7 +131,8 @@ def test_a_degenerate_edge_gets_a_grid_its_integer_kernel_can_produce():
     assert mean >= mean_in / 16 / 64 * 0.999  # floored: input scale / count / 64
     lo, hi = result.calibration.range("LayerNorm_1/mean", "int8", symmetric=False)
     assert float(np.max(hi) - np.min(lo)) < mean  # the calibrated range alone is narrower than one LSB
-    assert float(np.max(scales["LayerNorm_1/square_1"].scale)) >= mean ** 2 / 64 * 0.999
+    # The LayerNorm is written two-pass (`graph/_norms`): no square of this mean is quantized.
+    assert not any(e.startswith("LayerNorm_1/square_") for e in scales)
     # A normal edge is untouched: the first LayerNorm's mean keeps its calibrated scale.
     lo, hi = result.calibration.range("LayerNorm_0/mean", "int8", symmetric=False)
     assert float(np.max(scales["LayerNorm_0/mean"].scale)) == pytest.approx(

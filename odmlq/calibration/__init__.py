@@ -15,20 +15,22 @@ from odmlq.calibration._methods import (
     RMS,
     AbsMax,
     CalibrationMethod,
+    Capped,
     Entropy,
     FixedRange,
     Masked,
     MinMax,
     MovingAverageMinMax,
     Percentile,
+    RelativeMSE,
     calibration_method_from_dict,
     parse_calibration_method,
 )
 from odmlq.calibration._statistics import Statistics, compute_range, merge, observe, range_of
 
 __all__ = [
-    "AbsMax", "CALIBRATION_METHODS", "MASK_SENTINEL", "Calibration", "CalibrationMethod", "Entropy", "FixedRange",
-    "HISTOGRAM_BINS", "MSE", "Masked", "MinMax", "MovingAverageMinMax", "Percentile", "RMS", "Statistics",
+    "AbsMax", "CALIBRATION_METHODS", "MASK_SENTINEL", "Calibration", "CalibrationMethod", "Capped", "Entropy", "FixedRange",
+    "HISTOGRAM_BINS", "MSE", "Masked", "MinMax", "MovingAverageMinMax", "Percentile", "RMS", "RelativeMSE", "Statistics",
     "calibrate", "calibration_method_from_dict", "compute_range", "merge", "observe",
     "parse_calibration_method", "range_of",
 ]

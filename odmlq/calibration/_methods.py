@@ -268,6 +268,36 @@ class MSE:
 
 
 @dataclasses.dataclass(frozen=True)
+class RelativeMSE:
+    """The clipping range that minimizes the expected squared *relative* error.
+
+    `MSE` with each value's error divided by the value: ``((x - q(x)) / x)^2``.
+    For a factor that multiplies other values (a norm's ``rsqrt(var + eps)``),
+    whose relative error is the product's: a few rows of small variance, whose
+    factor is 100x the others', would otherwise take the whole range, and every
+    other row's factor would be a few steps of it. Weighted per histogram bin
+    by 1 / (bin centre)^2; the resolution is the histogram's.
+    """
+
+    name: ClassVar[str] = "relative_mse"
+    needs_histogram: ClassVar[bool] = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"method": self.name}
+
+    def _range(self, stats: Statistics, qtype: QType, symmetric: bool) -> _Range:
+        counts, limit = _histogram_of(self, stats)
+        width = 2.0 * limit / counts.shape[0]
+        centres = -limit + width * (np.arange(counts.shape[0]) + 0.5)
+        weighted = counts / np.maximum(centres * centres, width * width / 4)
+        if symmetric:
+            bound = _histogram.mse_threshold(weighted, limit, float(_absmax(stats)), qtype)
+            return np.asarray(-bound), np.asarray(bound)
+        lo, hi = _histogram.mse_range(weighted, limit, float(stats.min), float(stats.max), qtype)
+        return np.asarray(lo), np.asarray(hi)
+
+
+@dataclasses.dataclass(frozen=True)
 class Entropy:
     """The clipping threshold whose quantized distribution loses least information.
 
@@ -364,8 +394,47 @@ class Masked:
         return (hi - 64.0 if degenerate else lo - pad), hi
 
 
+@dataclasses.dataclass(frozen=True)
+class Capped:
+    """A range from the values below `cap` only; values at or above it clip
+    to the top of the range.
+
+    For a quantity whose large values carry no information downstream. A
+    norm's ``rsqrt(var + eps)`` is the case odmlq's plan applies it to by
+    itself, with ``cap = 1 / sqrt(2 eps)``: a row whose variance is under the
+    norm's own eps (a row a ReLU zeroed) has ``rsqrt`` near ``1/sqrt(eps)``
+    (1000 for eps 1e-6), and calibrated as data that one row would leave the
+    other rows' ``1/sigma`` less than one step of the range. Such a row's
+    centered values are (near) zero, so clipping its factor changes nothing
+    that is read. The inner method calibrates the rest.
+    """
+
+    name: ClassVar[str] = "capped"
+    cap: float
+    method: Any = dataclasses.field(default_factory=lambda: MinMax())
+
+    def __post_init__(self):
+        object.__setattr__(self, "method", parse_calibration_method(self.method))
+        if isinstance(self.method, (Masked, Capped)):
+            raise CalibrationError(f"Capped wraps a plain method, not {self.method!r}.")
+        value = _real("Capped", "cap", self.cap, "a finite number > 0, e.g. 707.1",
+                      lambda v: v > 0 and math.isfinite(v))
+        object.__setattr__(self, "cap", value)
+
+    @property
+    def needs_histogram(self) -> bool:
+        return self.method.needs_histogram
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"method": self.name, "inner": self.method.to_dict(), "cap": self.cap}
+
+    def _range(self, stats: Statistics, qtype: QType, symmetric: bool) -> _Range:
+        return self.method._range(stats, qtype, symmetric)
+
+
 CalibrationMethod: TypeAlias = (
     AbsMax | MinMax | MovingAverageMinMax | RMS | FixedRange | Percentile | MSE | Entropy | Masked
+    | Capped | RelativeMSE
 )
 
 CALIBRATION_METHODS: dict[str, type] = {
@@ -376,8 +445,10 @@ CALIBRATION_METHODS: dict[str, type] = {
     "fixed_range": FixedRange,
     "percentile": Percentile,
     "mse": MSE,
+    "relative_mse": RelativeMSE,
     "entropy": Entropy,
     "masked": Masked,
+    "capped": Capped,
 }
 
 
@@ -393,9 +464,9 @@ def calibration_method_from_dict(d: dict[str, Any]) -> CalibrationMethod:
             f"A calibration method dict needs a 'method' key, e.g. {{'method': 'minmax'}}; got {d!r}."
         )
     cls = _method_class(d["method"])
-    if cls is Masked:
+    if cls in (Masked, Capped):
         d = {("method" if k == "inner" else k): v for k, v in d.items() if k != "method"}
-        return Masked(**d)
+        return cls(**d)
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(d) - fields - {"method"})
     if unknown:

@@ -18,6 +18,7 @@ from odmlq.calibration import _histogram
 from odmlq.calibration._methods import (
     CalibrationMethod,
     FixedRange,
+    Capped,
     Masked,
     MovingAverageMinMax,
     parse_calibration_method,
@@ -80,8 +81,8 @@ def _keep_axes(keep_axes: Sequence[int]) -> tuple[int, ...]:
 
 
 def _base(method: CalibrationMethod) -> CalibrationMethod:
-    """The method whose statistics `method` keeps (a `Masked` one keeps its inner method's)."""
-    return method.method if isinstance(method, Masked) else method
+    """The method whose statistics `method` keeps (`Masked` and `Capped` keep their inner method's)."""
+    return method.method if isinstance(method, (Masked, Capped)) else method
 
 
 def _batch_statistics(method: CalibrationMethod, x: Any, keep_axes: tuple[int, ...]) -> Statistics:
@@ -92,6 +93,14 @@ def _batch_statistics(method: CalibrationMethod, x: Any, keep_axes: tuple[int, .
         if keep_axes:
             raise CalibrationError("Masked calibration is per tensor; give it no keep_axes.")
         data = values[np.abs(values) < method.sentinel]
+        return _batch_statistics(method.method, data if data.size else np.zeros(1), ())
+    if isinstance(method, Capped):
+        # Values at or above the cap are no data (see `Capped`); a batch of
+        # nothing but them observes one zero.
+        values = np.asarray(x, np.float64)
+        if keep_axes:
+            raise CalibrationError("Capped calibration is per tensor; give it no keep_axes.")
+        data = values[values < method.cap]
         return _batch_statistics(method.method, data if data.size else np.zeros(1), ())
     values = np.asarray(x)
     if np.iscomplexobj(values) or values.dtype == object:

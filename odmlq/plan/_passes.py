@@ -13,10 +13,11 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
-from odmlq.calibration import MASK_SENTINEL, Masked
+from odmlq.calibration import MASK_SENTINEL, Capped, Masked, RelativeMSE
 from odmlq.graph import MATMUL_KINDS, Graph
 # Ops through which a mask's sentinel reaches the scores a softmax reads.
 _MASK_CARRIERS = frozenset({"select_n", "add", "sub", "max", "min", "broadcast_in_dim", "reshape",
@@ -41,6 +42,31 @@ def calibrate_masks(graph: Graph, by_edge: dict) -> None:
             continue
         spec = dataclasses.replace(plan.spec, calibration=Masked(plan.spec.calibration))
         by_edge[edge_id] = dataclasses.replace(plan, spec=spec, reason=plan.reason + "; masked")
+
+
+def calibrate_norms(graph: Graph, by_edge: dict) -> None:
+    """A norm's ``rsqrt(var + eps)`` (LayerNorm, RMSNorm: `graph/_norms`) is
+    calibrated with `Capped` at ``1/sqrt(2 eps)``: rows whose variance is
+    under the norm's own eps have centered values of (near) zero, so their
+    factor is read by nothing and must not set the range; the rest with
+    `RelativeMSE`, since the factor's relative error is the normalized
+    output's (rows of small variance would otherwise take the range)."""
+    for op in graph.ops:
+        if op.kind != "rsqrt" or len(op.inputs) != 1:
+            continue
+        producer = graph.edges[graph.resolve(op.inputs[0])].producer
+        add = graph.op(producer) if producer is not None else None
+        eps = [float(np.asarray(c.value).reshape(())) for c in (add.constants if add is not None else ())
+               if c.value is not None and np.size(c.value) == 1]
+        if add is None or add.kind != "add" or len(eps) != 1 or not eps[0] > 0:
+            continue
+        plan = by_edge.get(op.outputs[0])
+        if plan is None or plan.spec is None or plan.spec.dynamic or isinstance(plan.spec.calibration, (Capped, Masked)):
+            continue
+        cap = 1.0 / math.sqrt(2.0 * eps[0])
+        spec = dataclasses.replace(plan.spec, calibration=Capped(cap, RelativeMSE()))
+        by_edge[op.outputs[0]] = dataclasses.replace(
+            plan, spec=spec, reason=plan.reason + f"; norm factor: relative error, rows of variance < eps={eps[0]:.3g} left out")
 
 
 def fuse_activations(graph: Graph, by_edge: dict, constraints) -> None:

@@ -26,6 +26,7 @@ from odmlq.errors import PlanError, RuleError
 from odmlq.graph import MATMUL_KINDS, Graph, Op, trace
 from odmlq.plan._passes import (
     calibrate_masks,
+    calibrate_norms,
     dynamic_only_into_kernels,
     fuse_activations,
     resolve_output_constraints,
@@ -408,6 +409,7 @@ def _edge_plans(graph: Graph, rules, op_plans, constraints) -> dict[str, EdgePla
             by_edge[edge.id] = EdgePlan(edge=edge.id, spec=act_spec(edge, rule, index),
                                         rule=index, reason=how)
     calibrate_masks(graph, by_edge)
+    calibrate_norms(graph, by_edge)
     fuse_activations(graph, by_edge, constraints)
     dynamic_only_into_kernels(graph, by_edge)
     resolve_output_constraints(graph, by_edge, constraints)

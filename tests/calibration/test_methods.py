@@ -79,6 +79,42 @@ def test_method_dict_errors():
         cal.parse_calibration_method(3)
 
 
+def test_capped_leaves_values_at_the_cap_out_and_relative_mse_keeps_small_values_fine():
+    """A norm's rsqrt factor: rows of zero variance give 1/sqrt(eps) = 1000, a
+    few rows of small variance 20-40, most rows 1-3. Capped drops the 1000s;
+    RelativeMSE then weighs each row's relative error (each row's share of
+    the normalized output's error) and clips the few large factors."""
+    import numpy as np
+
+    from odmlq.calibration import Capped, Masked, RelativeMSE, compute_range, observe
+
+    rng = np.random.default_rng(0)
+    common = rng.uniform(1.0, 3.0, 2000)
+    values = np.concatenate([common, [20.0, 30.0, 40.0], np.full(50, 1000.0)])
+    minmax = Capped(707.1, MinMax())
+    lo, hi = compute_range(minmax, observe(minmax, None, values), "int8", symmetric=False)
+    assert float(hi) == 40.0  # the zero-variance rows are out, the small-variance ones set the range
+    relative = Capped(707.1, RelativeMSE())
+    rlo, rhi = compute_range(relative, observe(relative, None, values), "int8", symmetric=False)
+    assert 3.0 < float(rhi) < 40.0  # clips the three large factors, keeps the common ones
+
+    def relative_error(lo, hi):  # the normalized output's error: sum of ((r - q(r)) / r)^2
+        data = values[values < 707.1]
+        step = (float(hi) - min(float(lo), 0.0)) / 255
+        q = np.clip(np.round(data / step) * step, 0, float(hi))
+        return float(np.sum(((data - q) / data) ** 2))
+
+    assert relative_error(rlo, rhi) < 0.8 * relative_error(lo, hi)
+    for method in (relative, RelativeMSE()):
+        assert cal.parse_calibration_method(method.to_dict()) == method
+    only_capped = observe(relative, None, np.full(4, 1000.0))
+    assert tuple(float(v) for v in compute_range(relative, only_capped, "int8", symmetric=False)) == (0.0, 0.0)
+    with pytest.raises(CalibrationError, match="Capped.cap"):
+        Capped(-1.0)
+    with pytest.raises(CalibrationError, match="plain method"):
+        Capped(10.0, Masked())
+
+
 def test_masked_leaves_the_sentinel_out_and_extends_the_range_below_the_data():
     """ln(2**8) + 1 below the data: exp of that is under one int8 softmax step."""
     import math
