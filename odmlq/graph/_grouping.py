@@ -362,7 +362,9 @@ class _Builder:
             elif not w.params:
                 if rec.kind != "scan":
                     self.register_constant(rec, program, r, len([o for o in operands if o.role == "constant"]))
+                channel, contraction = axes.get(r, ((), ()))
                 operands.append(Operand(role="constant", shape=shape, dtype=dtype,
+                                        channel_axes=channel, contraction_axes=contraction,
                                         value=_small(self.w.constants.get(r))))
             else:
                 channel, contraction = axes.get(r, ((), ()))
@@ -376,10 +378,21 @@ class _Builder:
         attributes.update(rec.attributes)
         if rec.attributes.get("fold"):
             attributes["fold"] = self.fold_description(rec, ins)
+        if rec.kind == "conv":
+            conv = next(st for st in rec.steps if st.kind == "conv")
+            # Input dilation: a transposed convolution (nn.ConvTranspose, lax.conv_transpose).
+            attributes["transposed"] = any(d != 1 for d in conv.eqn.params.get("lhs_dilation") or ())
         if rec.kind in ("avg_pool", "max_pool"):
             window = rec.steps[0].eqn.params["window_dimensions"]
             if rec.kind == "avg_pool":
                 attributes["window_size"] = int(np.prod(window))
+                # Every window divided by the window size (count_include_pad,
+                # Flax's default), rather than by its count of real values.
+                divisor = rec.steps[-1].ins[1]
+                value = divisor.value if isinstance(divisor, _Lit) else self.w.constants.get(divisor)
+                attributes["counts_padding"] = bool(
+                    value is not None and np.size(value) == 1
+                    and float(np.asarray(value).reshape(())) == attributes["window_size"])
             params = rec.steps[0].eqn.params
             attributes["window"] = [int(w) for w in window]
             attributes["strides"] = [int(s) for s in params["window_strides"]]
@@ -427,7 +440,13 @@ class _Builder:
 
     def weight_axes(self, rec: _OpRec) -> dict[int, tuple]:
         """Output-channel and contraction axes of each weight, in its parameter's layout."""
-        local = {r: self.w.weights[r].axis_map for r in self.external_ins(rec) if r in self.w.weights}
+        local = {}
+        for r in self.external_ins(rec):
+            w = self.w.weights.get(r)
+            if w is not None:
+                # A constant (no parameter behind it) is laid out as it is read.
+                local[r] = (w.axis_map if w.axis_map is not None or w.params
+                            else tuple(range(len(self.w.avals[r].shape))))
         origin = {r: r for r in local}
         found: dict[int, tuple] = {}
         for step in rec.steps:

@@ -27,8 +27,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from odmlq.errors import OdmlqError
-from odmlq.litert.spec import int16_full_shape_operand, padded_max_pool_reads_nonnegative, pool_as_depthwise
-from odmlq.graph import flat_params, fold_params, replace_params
+from odmlq.litert.spec import (
+    int16_full_shape_operand,
+    padded_max_pool_reads_nonnegative,
+    pool_as_depthwise,
+    pool_pads_with_zeros,
+)
+from odmlq.graph import MATMUL_KINDS, flat_params, fold_params, replace_params
 from odmlq.scales import Scales, TensorScale, fake_quant_bias
 from odmlq.hooks import FakeQuant, PlanHooks
 
@@ -223,7 +228,20 @@ class Annotation(FakeQuant):
             shape = self.graph.edges[op.outputs[0]].shape
             if int16_full_shape_operand(op, ts.qtype, value, shape):
                 value = jnp.broadcast_to(value, shape)
+        operand = op.constants[index]
         with jax.named_scope(f"{op.id}/constant_{index}"):
+            if (op.kind in MATMUL_KINDS and operand.value is not None and np.ndim(operand.value) >= 2
+                    and operand.channel_axes):
+                # A constant matrix is stored like a weight, in the kernel's
+                # layout (output channels first), so the converter folds the
+                # transpose into it rather than transposing at every invocation;
+                # from its value folded at trace time (what reaches here may be
+                # the steps computing it, which the converter leaves as ops).
+                channel = operand.channel_axes[0]
+                perm = (channel, *[a for a in range(np.ndim(operand.value)) if a != channel])
+                with jax.ensure_compile_time_eval():
+                    native = ts.fake_quant(jnp.transpose(jnp.asarray(operand.value, jnp.float32), perm))
+                return jnp.transpose(fake_quant_composite(native, ts), tuple(int(i) for i in np.argsort(perm)))
             return fake_quant_composite(ts.fake_quant(jnp.asarray(value, jnp.float32)), ts)
 
     def converted_input(self, op, index, x, ts):
@@ -253,6 +271,8 @@ class Annotation(FakeQuant):
             out = scales.edges.get(op.outputs[0])
             if out is not None and pool_as_depthwise(op, out.qtype):
                 return [_pool_as_depthwise(op, inputs[0])]
+            if out is not None and pool_pads_with_zeros(op):
+                return [_avg_pool_padded_with_zeros(op, inputs[0])]
         if op.kind == "max_pool" and len(inputs) == 1:
             out = scales.edges.get(op.outputs[0])
             if out is not None and out.qtype == "int16" and padded_max_pool_reads_nonnegative(op, self.graph):
@@ -277,14 +297,28 @@ def _max_pool_padded_with_zeros(op, x: jax.Array) -> jax.Array:
                                  tuple(op.attributes["strides"]), "VALID")
 
 
+def _avg_pool_padded_with_zeros(op, x: jax.Array) -> jax.Array:
+    """An average pool that counts its padding (``count_include_pad``) as PAD
+    (zeros) and a VALID AVERAGE_POOL_2D: the same sums and divisor. Handed
+    over as it is traced, litert-converter 0.5.0 leaves a float
+    STABLEHLO_REDUCE_WINDOW and MUL."""
+    padded = jnp.pad(x, [tuple(p) for p in op.attributes["padding"]])
+    total = jax.lax.reduce_window(padded, 0.0, jax.lax.add, tuple(op.attributes["window"]),
+                                  tuple(op.attributes["strides"]), "VALID")
+    return total / float(op.attributes["window_size"])
+
+
 def _pool_as_depthwise(op, x: jax.Array) -> jax.Array:
     """An NHWC average pool as a depthwise convolution with weights 1/n.
 
     XNNPACK does not take int8 AVERAGE_POOL_2D, so a model with one runs in
-    several delegate partitions; the depthwise convolution it takes. The
+    several delegate partitions; the depthwise convolution it takes. A pool
+    that counts its padding pads with zeros first (PAD). The
     weight 1/n is stored as 127 with scale 1/(127 n), exactly, per channel.
     """
     _, h, w, _ = op.attributes["window"]
+    if pool_pads_with_zeros(op):
+        x = jnp.pad(x, [tuple(p) for p in op.attributes["padding"]])
     channels = x.shape[-1]
     n = h * w
     scale = np.full((1, 1, 1, channels), 1.0 / (127.0 * n), np.float32)

@@ -123,6 +123,17 @@ def check_plan(plan: Plan, *, allow_float_ops: bool = False) -> list[str]:
                 raise PlanError(f"{where}: weight {w.param!r} has {spec.describe()}; LiteRT takes one "
                                 "scale per tensor or per output channel. Use PerChannel() or PerTensor().")
         _check_one_activation_type(plan, op, where)
+        read = [e for e in op.inputs if plan.edges[e].spec is not None and not plan.edges[e].spec.dynamic]
+        if read and op.outputs and not any(plan.graph.edges[e].is_float for e in op.outputs):
+            # GREATER, ARG_MAX...: litert-converter 0.5.0 runs them on the
+            # dequantized input (measured, Q/DQ on every input).
+            dtypes = sorted({plan.graph.edges[e].dtype for e in op.outputs})
+            message = (f"{where} reads quantized {read[0]!r} and writes {', '.join(dtypes)}; LiteRT has no "
+                       f"integer kernel for {op.kind!r} (litert-converter 0.5.0 runs comparisons and "
+                       "ARG_MAX on dequantized values). Pass allow_float_ops=True to run it in float")
+            if not allow_float_ops:
+                raise FloatOpsError(message + ".")
+            float_ops.append(op.id)
         for edge_id in op.outputs:
             spec = plan.edges[edge_id].spec
             if spec is None:

@@ -42,7 +42,7 @@ from odmlq.constraints import (
     Target,
 )
 
-__all__ = ["OP_SPEC", "OpSpec", "TARGET", "pool_as_depthwise"]
+__all__ = ["OP_SPEC", "OpSpec", "TARGET", "pool_as_depthwise", "pool_pads_with_zeros"]
 
 SAME_AS_INPUT = SameAsInput()
 SHARED = SharedWithInputs()
@@ -138,6 +138,27 @@ def _int16_padded_max_pool(op, qtype: str, graph) -> str | None:
             "it in float with Rule(..., skip=True) and allow_float_ops=True")
 
 
+def _transposed_conv(op, qtype: str, graph) -> str | None:
+    if not op.attributes.get("transposed"):
+        return None
+    return ("a transposed convolution (input dilation, as nn.ConvTranspose and lax.conv_transpose "
+            "write it): litert-converter 0.5.0 lowers it to TRANSPOSE_CONV reading its kernel reversed "
+            "and transposed, which it does at every invocation on a dequantized int8 kernel (slower "
+            "than float). Keep it in float with Rule(..., skip=True) and allow_float_ops=True, or "
+            "upsample another way (jax.image.resize, then a convolution)")
+
+
+def _int16_gather_of_activation(op, qtype: str, graph) -> str | None:
+    """An embedding table (a weight) is gathered as int16; an activation is not."""
+    if qtype != "int16" or not any(o.role == "input" and o.dtype.startswith(("float", "bfloat"))
+                                   for o in op.operands):
+        return None
+    return ("litert-converter 0.5.0 takes no int16 GATHER_ND of an activation ('tfl.gather_nd' op "
+            "operand #0 must be ... 8-bit signless integer; a nearest resize gathers so). Use int8 "
+            "activations for this op, or keep it in float with Rule(..., skip=True) and "
+            "allow_float_ops=True")
+
+
 def _softmax_axis(op, qtype: str, graph) -> str | None:
     axis = op.attributes.get("axis")
     ndim = len(op.operands[0].shape)
@@ -166,13 +187,23 @@ def pool_as_depthwise(op, qtype: str | None) -> bool:
     if window is None or len(window) != 4 or op.attributes.get("dilated"):
         return False
     return (window[0] == window[3] == 1 and strides[0] == strides[3] == 1
-            and all(lo == hi == 0 for lo, hi in op.attributes["padding"]))
+            and (not _padded(op) or pool_pads_with_zeros(op)))
+
+
+def pool_pads_with_zeros(op) -> bool:
+    """Whether a padded average pool divides every window by the full window
+    size (``count_include_pad=True``, Flax's default): it is then PAD (zeros)
+    and a VALID pool, exactly. (Divided by each window's count of real
+    values, it is LiteRT's own SAME AVERAGE_POOL_2D.)"""
+    return op.kind == "avg_pool" and _padded(op) and bool(op.attributes.get("counts_padding"))
+
+
 _INT8 = frozenset({"int8"})
 
 OP_SPEC: dict[str, OpSpec] = {
     "dot_general": OpSpec(_BOTH, fuses=_FUSES),
     "einsum": OpSpec(_BOTH, fuses=_FUSES),
-    "conv": OpSpec(_BOTH, fuses=_FUSES),
+    "conv": OpSpec(_BOTH, fuses=_FUSES, limitation=_transposed_conv),
     "add": OpSpec(_BOTH, limitation=_int16_add_operands, fuses=_FUSES),
     "sub": OpSpec(_BOTH, fuses=_FUSES),
     "mul": OpSpec(_BOTH, fuses=_FUSES),
@@ -184,6 +215,9 @@ OP_SPEC: dict[str, OpSpec] = {
     "max": OpSpec(_BOTH, SHARED),
     "min": OpSpec(_BOTH, SHARED),
     "reduce_sum": OpSpec(_BOTH),
+    # REDUCE_MAX / REDUCE_MIN pick values: the output keeps the input's scale.
+    "reduce_max": OpSpec(_BOTH, SAME_AS_INPUT),
+    "reduce_min": OpSpec(_BOTH, SAME_AS_INPUT),
     "mean": OpSpec(_BOTH),
     # LayerNorm, RMSNorm and L2-norm pieces (x * x, 1 / sqrt, sqrt): MUL,
     # RSQRT and SQRT. x * x is an int16 MUL too (exact); LiteRT's int16 RSQRT
@@ -192,7 +226,7 @@ OP_SPEC: dict[str, OpSpec] = {
     "square": OpSpec(_BOTH),
     # An embedding lookup: GATHER_ND on the int8 table, then requantized to
     # the output's calibrated scale (a QUANTIZE to int16 in 16x8 models).
-    "gather": OpSpec(_BOTH),
+    "gather": OpSpec(_BOTH, limitation=_int16_gather_of_activation),
     "rsqrt": OpSpec(_INT8),
     "sqrt": OpSpec(_INT8),
     # litert-converter 0.5.0 rejects an i16 tfl.concatenation operand.

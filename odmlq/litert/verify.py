@@ -264,12 +264,25 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
         floats = {e: np.asarray(interpreter.get_tensor(i)) for e, i in island_outputs.items()}
         _, fed = simulator(*inputs, capture=True, feed={**floats, **litert})
         for e in mapping:
-            lsb = np.abs(np.asarray(fed[e]) - litert[e]) / np.asarray(scales.edges[e].scale)
+            want = np.asarray(fed[e])
+            if litert[e].size != want.size:
+                raise VerificationError(
+                    f"Exported op {plan.graph.edges[e].producer!r} (module {_module_path(plan, e)!r}, "
+                    f"edge {e!r}) computes a tensor of shape {litert[e].shape} where the model's is "
+                    f"{want.shape}: litert-converter lowered it to other semantics. Keep it in float "
+                    "with Rule(..., skip=True) and check the float export, or write the op another way.")
+            lsb = np.abs(want - litert[e].reshape(want.shape)) / np.asarray(scales.edges[e].scale)
             s = stats[e]
             s[0], s[1], s[2] = max(s[0], float(lsb.max())), s[1] + float(lsb.sum()), s[2] + lsb.size
         expected = np.asarray(simulator(*inputs)).reshape(-1)
         got = np.concatenate([from_output(interpreter.get_tensor(d["index"]), d).reshape(-1)
                               for d in interpreter.get_output_details()])
+        if got.size != expected.size:
+            shapes = [tuple(int(n) for n in d["shape"]) for d in interpreter.get_output_details()]
+            raise VerificationError(
+                f"The exported model's outputs have shapes {shapes} ({got.size} values) where the model's "
+                f"have {expected.size} values: litert-converter lowered an op to other semantics. Export "
+                "with the ops kept in float one by one (Rule(..., skip=True)) to find it.")
         out_scale = _output_scale(plan, scales)
         out_err = max(out_err, float(np.max(np.abs(got - expected)) / out_scale))
         out_sig += float(np.sum(expected.astype(np.float64) ** 2))

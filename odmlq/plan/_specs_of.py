@@ -26,8 +26,14 @@ def constant_operand_spec(op: Op, rule: Rule | None) -> QuantSpec | None:
     arithmetic, or a weight of another qtype than its activations. Its
     activation qtype, per tensor, symmetric; None where the op has no integer
     elementwise kernel under `rule`."""
-    if (rule is None or rule.skip or rule.act_qtype is None or rule.act_dynamic
-            or op.kind not in CONSTANT_OPERAND_KINDS):
+    if rule is None or rule.skip or rule.act_qtype is None or rule.act_dynamic:
+        return None
+    if op.kind in MATMUL_KINDS and rule.weight_qtype is not None:
+        # A matmul with a constant matrix (jax.image.resize's interpolation
+        # weights) reads it like a weight: the weight qtype, per tensor.
+        qt = lookup_qtype(rule.weight_qtype)
+        return QuantSpec(qtype=qt.name, symmetric=True, narrow_range=True) if qt.is_integer else None
+    if op.kind not in CONSTANT_OPERAND_KINDS:
         return None
     qt = lookup_qtype(rule.act_qtype)
     return QuantSpec(qtype=qt.name, symmetric=True) if qt.is_integer else None

@@ -1,0 +1,61 @@
+"""Matmuls of a constant matrix written activation first (internal; used by `_trace`).
+
+``jax.image.resize`` (bilinear, cubic, lanczos) interpolates with
+``dot_general(weights, x)``: the constant interpolation matrix is the left
+operand. litert-converter 0.5.0 lowers a dot_general's left operand to
+FULLY_CONNECTED's input and the right one to its weights, so the activation
+became the "weights" (a float TRANSPOSE and FULLY_CONNECTED at every
+invocation). Written as ``transpose(dot_general(x, weights))`` (the same
+values), the constant is the weight: an int8 FULLY_CONNECTED reading it in
+its own layout, and an int8 TRANSPOSE.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from odmlq.graph._program import _Lit, _Region, _Step
+
+
+def activation_first_matmuls(walker, steps: list) -> None:
+    """Rewrites each ``dot_general(constant, activation)`` of `steps` (and of scan bodies) in place."""
+    for step in list(steps):
+        if isinstance(step, _Region):
+            activation_first_matmuls(walker, step.body.steps)
+            continue
+        if not isinstance(step, _Step) or step.kind != "dot_general" or step.eqn is None or step.einsum:
+            continue
+        lhs, rhs = step.ins[:2]
+        if (isinstance(lhs, _Lit) or isinstance(rhs, _Lit) or lhs not in walker.weights
+                or walker.weights[lhs].params or walker.is_weight(rhs)):
+            continue
+        (lc, rc), (lb, rb) = step.eqn.params["dimension_numbers"]
+        if lb or rb:
+            continue
+        _swap(walker, steps, step, lhs, rhs, tuple(lc), tuple(rc))
+
+
+def _swap(walker, steps: list, step, lhs, rhs, lc, rc) -> None:
+    params = step.eqn.params
+    x_aval, c_aval = walker.avals[rhs], walker.avals[lhs]
+
+    def swapped(x, c):
+        y = lax.dot_general(x, c, ((rc, lc), ((), ())), precision=params.get("precision"),
+                            preferred_element_type=params.get("preferred_element_type"))
+        nx, nc = x.ndim - len(rc), c.ndim - len(lc)
+        return jnp.transpose(y, [nx + i for i in range(nc)] + list(range(nx)))
+
+    closed = jax.make_jaxpr(swapped)(jax.ShapeDtypeStruct(x_aval.shape, x_aval.dtype),
+                                     jax.ShapeDtypeStruct(c_aval.shape, c_aval.dtype))
+    if closed.out_avals[0].shape != walker.avals[step.outs[0]].shape:
+        return
+    env = dict(zip(closed.jaxpr.invars, (rhs, lhs)))
+    new: list = []
+    walker.walk(closed.jaxpr, closed.consts, env, step.stack, new)
+    produced = env[closed.jaxpr.outvars[0]]
+    last = next(s for s in new if produced in s.outs)
+    last.outs = [step.outs[0] if v == produced else v for v in last.outs]
+    at = steps.index(step)
+    steps[at:at + 1] = new
