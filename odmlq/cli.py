@@ -4,6 +4,7 @@
   odmlq plan SAMPLE|module:function [--rules rules.yaml] [--json]
   odmlq export module:function --out model.tflite [--rules R] [--calibration C.npz] [--data D.npz]
   odmlq inspect model.tflite
+  odmlq ops                              what each op kind becomes on LiteRT, per schema
   odmlq diff model.tflite --inputs in.npz --device-tensors dump.npz [--min-sqnr 30]
              [--model module:function [--rules R] [--calibration C.npz]] [--json] [--html out.html]
              [--model-explorer out.json]
@@ -205,6 +206,13 @@ def _write_html(path: str, report) -> None:
     print(f"# wrote {path}", file=sys.stderr)
 
 
+def _cmd_ops(args) -> int:
+    from odmlq.litert import coverage
+
+    print(coverage.markdown(), end="")
+    return 0
+
+
 def _cmd_demo(args) -> int:
     try:
         digits_cnn = importlib.import_module(DEMO_MODULE)
@@ -237,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--batch-size", type=int, default=32)
     e.add_argument("--no-verify", action="store_true", help="skip the op-by-op check")
     e.add_argument("--allow-float-ops", action="store_true")
+    sub.add_parser("ops", help="what each op kind becomes on LiteRT, per schema (docs/OPS.md)")
     i = sub.add_parser("inspect", help="ops, quantization and float islands of a .tflite")
     i.add_argument("model", help="the .tflite file")
     f = sub.add_parser("diff", help="compare tensors dumped on a device with the host interpreter")
@@ -261,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
                 print("samples: " + ", ".join(sorted(_samples())))
                 return 0 if args.list else 2
             return _cmd_plan(args)
-        commands = {"demo": _cmd_demo, "export": _cmd_export, "inspect": _cmd_inspect, "diff": _cmd_diff}
+        commands = {"demo": _cmd_demo, "export": _cmd_export, "inspect": _cmd_inspect, "diff": _cmd_diff,
+                    "ops": _cmd_ops}
         return commands[args.command](args)
     except OdmlqError as e:
         print(f"odmlq: error: {e}", file=sys.stderr)

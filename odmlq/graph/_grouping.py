@@ -378,6 +378,9 @@ class _Builder:
         attributes.update(rec.attributes)
         if rec.attributes.get("fold"):
             attributes["fold"] = self.fold_description(rec, ins)
+        if rec.kind == "gather":
+            mode = rec.steps[0].eqn.params.get("mode")
+            attributes["mode"] = getattr(mode, "name", str(mode)).lower()  # fill_or_drop, clip, ...
         if rec.kind == "conv":
             conv = next(st for st in rec.steps if st.kind == "conv")
             # Input dilation: a transposed convolution (nn.ConvTranspose, lax.conv_transpose).

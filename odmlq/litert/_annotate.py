@@ -228,9 +228,11 @@ class Annotation(FakeQuant):
             shape = self.graph.edges[op.outputs[0]].shape
             if int16_full_shape_operand(op, ts.qtype, value, shape):
                 value = jnp.broadcast_to(value, shape)
-        operand = op.constants[index]
+        # (A matmul reads only constants this way; elementwise ops read derived
+        # values too, by operand index.)
+        operand = op.constants[index] if op.kind in MATMUL_KINDS and index < len(op.constants) else None
         with jax.named_scope(f"{op.id}/constant_{index}"):
-            if (op.kind in MATMUL_KINDS and operand.value is not None and np.ndim(operand.value) >= 2
+            if (operand is not None and operand.value is not None and np.ndim(operand.value) >= 2
                     and operand.channel_axes):
                 # A constant matrix is stored like a weight, in the kernel's
                 # layout (output channels first), so the converter folds the

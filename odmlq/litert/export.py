@@ -22,7 +22,7 @@ from odmlq.litert import _annotate, _convert, _repair
 from odmlq.litert._probe import LiteRTCrashError, probe
 from odmlq.litert.inspect import ModelSummary, inspect
 from odmlq.constraints import SharedWithInputs
-from odmlq.litert.spec import OP_SPEC, TARGET, pool_as_depthwise
+from odmlq.litert.spec import OP_SPEC, TARGET, WITHOUT_KERNEL, pool_as_depthwise
 from odmlq.litert.verify import VerificationReport, verify as verify_model
 from odmlq.plan import Plan, plan as make_plan
 from odmlq.scales import Scales, compute_scales
@@ -159,9 +159,13 @@ def check_plan(plan: Plan, *, allow_float_ops: bool = False) -> list[str]:
                 float_ops.append(op.id)
                 continue
             kind_spec = OP_SPEC.get(op.kind)
-            if op.kind != "scan" and (kind_spec is None or spec.qtype not in kind_spec.schemas):
-                message = (f"{where}: LiteRT has no {spec.qtype} kernel for {op.kind!r}; keep it in "
-                           "float with Rule(..., skip=True) and allow_float_ops=True")
+            fused = any(plan.edges[e].fused_into == op.id for e in op.inputs)  # the producer's kernel applies it
+            if op.kind != "scan" and not fused and (kind_spec is None or spec.qtype not in kind_spec.schemas):
+                why = (WITHOUT_KERNEL.get(op.kind) if kind_spec is None
+                       else (kind_spec.refused or {}).get(spec.qtype))
+                message = (f"{where}: LiteRT has no {spec.qtype} kernel for {op.kind!r}"
+                           + (f" ({why})" if why else "")
+                           + "; keep it in float with Rule(..., skip=True) and allow_float_ops=True")
                 if not allow_float_ops:
                     raise FloatOpsError(message + ".")
                 float_ops.append(op.id)

@@ -42,7 +42,7 @@ from odmlq.constraints import (
     Target,
 )
 
-__all__ = ["OP_SPEC", "OpSpec", "TARGET", "pool_as_depthwise", "pool_pads_with_zeros"]
+__all__ = ["OP_SPEC", "OpSpec", "TARGET", "WITHOUT_KERNEL", "pool_as_depthwise", "pool_pads_with_zeros"]
 
 SAME_AS_INPUT = SameAsInput()
 SHARED = SharedWithInputs()
@@ -76,6 +76,11 @@ class OpSpec:
     fuses: frozenset = frozenset()
 
     limitation: Callable[[Any, str, Any], str | None] | None = None
+    # The LiteRT op(s) it becomes; why a schema it lacks is refused; what
+    # `limitation` refuses, in words (for docs/OPS.md).
+    becomes: str = ""
+    refused: dict | None = None
+    note: str = ""
     # Kernels that approximate (rather than round) their function: the most
     # LSBs of the output they may differ from simulate's exact value, by qtype.
     tolerance_lsb: dict | None = None
@@ -148,15 +153,33 @@ def _transposed_conv(op, qtype: str, graph) -> str | None:
             "upsample another way (jax.image.resize, then a convolution)")
 
 
-def _int16_gather_of_activation(op, qtype: str, graph) -> str | None:
-    """An embedding table (a weight) is gathered as int16; an activation is not."""
-    if qtype != "int16" or not any(o.role == "input" and o.dtype.startswith(("float", "bfloat"))
-                                   for o in op.operands):
+def _int16_gather(op, qtype: str, graph) -> str | None:
+    """An embedding table (a weight) gathered in mode 'fill' (nn.Embed,
+    jnp.take's default) is int16; a gather of an activation, or in another
+    mode (jnp.take(..., mode='clip'), a nearest resize), is not."""
+    if qtype != "int16":
         return None
-    return ("litert-converter 0.5.0 takes no int16 GATHER_ND of an activation ('tfl.gather_nd' op "
-            "operand #0 must be ... 8-bit signless integer; a nearest resize gathers so). Use int8 "
-            "activations for this op, or keep it in float with Rule(..., skip=True) and "
-            "allow_float_ops=True")
+    if any(o.role == "input" and o.dtype.startswith(("float", "bfloat")) for o in op.operands):
+        what = "of an activation (a nearest resize gathers so)"
+    elif op.attributes.get("mode", "fill_or_drop") != "fill_or_drop":
+        what = f"in mode {op.attributes['mode']!r} (jnp.take(..., mode='fill'), nn.Embed's, converts)"
+    else:
+        return None
+    return (f"litert-converter 0.5.0 takes no int16 GATHER_ND {what}: 'tfl.gather_nd' op operand #0 "
+            "must be ... 8-bit signless integer. Use int8 activations for this op, or keep it in float "
+            "with Rule(..., skip=True) and allow_float_ops=True")
+
+
+def _copying_broadcast(op, qtype: str, graph) -> str | None:
+    """A broadcast that only adds axes of size 1 is a RESHAPE; one that copies
+    values is a BROADCAST_TO, which litert-converter 0.5.0 keeps in float."""
+    out = graph.edges[op.outputs[0]].shape if len(op.outputs) == 1 else None
+    if out is None or int(np.prod(out)) <= int(np.prod(op.operands[0].shape)):
+        return None
+    return ("a broadcast that copies an activation (BROADCAST_TO, jnp.broadcast_to or jnp.tile): "
+            "litert-converter 0.5.0 keeps it in float. Let the op that reads it broadcast instead "
+            "(x + y with shapes (b, 1, n) and (b, 3, n)), or keep it in float with "
+            "Rule(..., skip=True) and allow_float_ops=True")
 
 
 def _softmax_axis(op, qtype: str, graph) -> str | None:
@@ -200,61 +223,105 @@ def pool_pads_with_zeros(op) -> bool:
 
 _INT8 = frozenset({"int8"})
 
+_NO_INT16 = "litert-converter 0.5.0 takes no int16 operand for 'tfl.{}' (conversion fails)"
+
 OP_SPEC: dict[str, OpSpec] = {
-    "dot_general": OpSpec(_BOTH, fuses=_FUSES),
-    "einsum": OpSpec(_BOTH, fuses=_FUSES),
-    "conv": OpSpec(_BOTH, fuses=_FUSES, limitation=_transposed_conv),
-    "add": OpSpec(_BOTH, limitation=_int16_add_operands, fuses=_FUSES),
-    "sub": OpSpec(_BOTH, fuses=_FUSES),
-    "mul": OpSpec(_BOTH, fuses=_FUSES),
-    "div": OpSpec(_INT8),
-    "relu": OpSpec(_BOTH),
-    "relu6": OpSpec(_BOTH),
-    "gelu": OpSpec(_INT8),  # GELU's int8 kernel is a 256-entry table of the float function
-    "hard_swish": OpSpec(_INT8),
-    "max": OpSpec(_BOTH, SHARED),
-    "min": OpSpec(_BOTH, SHARED),
-    "reduce_sum": OpSpec(_BOTH),
+    "dot_general": OpSpec(_BOTH, fuses=_FUSES, becomes="FULLY_CONNECTED, BATCH_MATMUL"),
+    "einsum": OpSpec(_BOTH, fuses=_FUSES, becomes="FULLY_CONNECTED, BATCH_MATMUL"),
+    "conv": OpSpec(_BOTH, fuses=_FUSES, limitation=_transposed_conv, becomes="CONV_2D, DEPTHWISE_CONV_2D",
+                   note="transposed convolutions refused (TRANSPOSE_CONV reads a dequantized kernel)"),
+    "add": OpSpec(_BOTH, limitation=_int16_add_operands, fuses=_FUSES, becomes="ADD",
+                  note="int16: activations of one shape (constants are stored broadcast)"),
+    "sub": OpSpec(_BOTH, fuses=_FUSES, becomes="SUB"),
+    "mul": OpSpec(_BOTH, fuses=_FUSES, becomes="MUL"),
+    "div": OpSpec(_BOTH, becomes="DIV"),
+    "relu": OpSpec(_BOTH, becomes="RELU (or fused)"),
+    # int16: fused into the op before it only (no int16 RELU6 kernel of its own).
+    "relu6": OpSpec(_INT8, becomes="RELU6 (or fused)", refused={"int16": _NO_INT16.format("relu6")},
+                    note="int16: fused into a matmul, convolution, ADD, SUB or MUL before it"),
+    # GELU's int8 kernel is a 256-entry table of the float function.
+    "gelu": OpSpec(_INT8, becomes="GELU", refused={"int16": _NO_INT16.format("gelu")}),
+    "hard_swish": OpSpec(_INT8, becomes="HARD_SWISH", refused={"int16": _NO_INT16.format("hard_swish")}),
+    "max": OpSpec(_BOTH, SHARED, becomes="MAXIMUM"),
+    "min": OpSpec(_BOTH, SHARED, becomes="MINIMUM"),
+    "reduce_sum": OpSpec(_BOTH, becomes="SUM"),
     # REDUCE_MAX / REDUCE_MIN pick values: the output keeps the input's scale.
-    "reduce_max": OpSpec(_BOTH, SAME_AS_INPUT),
-    "reduce_min": OpSpec(_BOTH, SAME_AS_INPUT),
-    "mean": OpSpec(_BOTH),
+    "reduce_max": OpSpec(_BOTH, SAME_AS_INPUT, becomes="REDUCE_MAX"),
+    "reduce_min": OpSpec(_BOTH, SAME_AS_INPUT, becomes="REDUCE_MIN"),
+    "mean": OpSpec(_BOTH, becomes="MEAN"),
     # LayerNorm, RMSNorm and L2-norm pieces (x * x, 1 / sqrt, sqrt): MUL,
-    # RSQRT and SQRT. x * x is an int16 MUL too (exact); LiteRT's int16 RSQRT
-    # was measured up to 74 int16 LSB from the exact value (an approximation
-    # with no documented bound), so 1 / sqrt and sqrt stay int8 only.
-    "square": OpSpec(_BOTH),
+    # RSQRT and SQRT. x * x and SQRT are int16 kernels too (exact).
+    "square": OpSpec(_BOTH, becomes="MUL"),
+    # LiteRT's int16 RSQRT approximates 1/sqrt: measured up to 8 int16 LSB
+    # (mean ~1) on the zoo transformers' LayerNorms, whose factor range the
+    # plan calibrates for relative error without zero-variance rows; 74 LSB
+    # when such rows set the range.
+    "rsqrt": OpSpec(_BOTH, becomes="RSQRT", tolerance_lsb={"int16": 16.0}),
+    "sqrt": OpSpec(_BOTH, becomes="SQRT"),
     # An embedding lookup: GATHER_ND on the int8 table, then requantized to
     # the output's calibrated scale (a QUANTIZE to int16 in 16x8 models).
-    "gather": OpSpec(_BOTH, limitation=_int16_gather_of_activation),
-    "rsqrt": OpSpec(_INT8),
-    "sqrt": OpSpec(_INT8),
-    # litert-converter 0.5.0 rejects an i16 tfl.concatenation operand.
-    "concatenate": OpSpec(_INT8, SHARED),
-    "avg_pool": OpSpec(_BOTH, SAME_AS_INPUT,
-                       rounding=lambda op, qtype: Rounding.HALF_EVEN if pool_as_depthwise(op, qtype) else Rounding.HALF_AWAY),
-    "tanh": OpSpec(_BOTH, _TANH_LIKE),
-    "logistic": OpSpec(_BOTH, _SIGMOID_LIKE),
-    "sigmoid": OpSpec(_BOTH, _SIGMOID_LIKE),
+    "gather": OpSpec(_BOTH, limitation=_int16_gather, becomes="GATHER_ND",
+                     note="int16: embedding tables gathered in mode 'fill' only (nn.Embed)"),
+    "concatenate": OpSpec(_INT8, SHARED, becomes="CONCATENATION",
+                          refused={"int16": _NO_INT16.format("concatenation")}),
+    "avg_pool": OpSpec(_BOTH, SAME_AS_INPUT, becomes="DEPTHWISE_CONV_2D (int8), AVERAGE_POOL_2D",
+                       rounding=lambda op, qtype: Rounding.HALF_EVEN if pool_as_depthwise(op, qtype) else Rounding.HALF_AWAY,
+                       note="a pool that counts its padding is PAD + a VALID pool"),
+    # int16 TANH interpolates a table: measured up to 3 LSB from the exact value.
+    "tanh": OpSpec(_BOTH, _TANH_LIKE, becomes="TANH", tolerance_lsb={"int16": 4.0}),
+    "logistic": OpSpec(_BOTH, _SIGMOID_LIKE, becomes="LOGISTIC"),
+    "sigmoid": OpSpec(_BOTH, _SIGMOID_LIKE, becomes="LOGISTIC"),
     # int16 SOFTMAX evaluates exp and 1/x by interpolating lookup tables: it
     # is within 1/256 of the exact softmax (seen: <= 125 int16 LSB on MiniLM),
     # not within one rounding step.
-    "softmax": OpSpec(_BOTH, _SIGMOID_LIKE, limitation=_softmax_axis, tolerance_lsb={"int16": 128.0}),
-    "reshape": OpSpec(_BOTH, SAME_AS_INPUT),
-    "squeeze": OpSpec(_BOTH, SAME_AS_INPUT),
-    "transpose": OpSpec(_BOTH, SAME_AS_INPUT),
-    "broadcast_in_dim": OpSpec(_BOTH, SAME_AS_INPUT),
-    "max_pool": OpSpec(_BOTH, SAME_AS_INPUT, limitation=_int16_padded_max_pool),
-    "slice": OpSpec(_BOTH, SAME_AS_INPUT),
-    "split": OpSpec(_BOTH, SAME_AS_INPUT),  # one SLICE per output
+    "softmax": OpSpec(_BOTH, _SIGMOID_LIKE, limitation=_softmax_axis, tolerance_lsb={"int16": 128.0},
+                      becomes="SOFTMAX", note="over the last axis only"),
+    "reshape": OpSpec(_BOTH, SAME_AS_INPUT, becomes="RESHAPE"),
+    "squeeze": OpSpec(_BOTH, SAME_AS_INPUT, becomes="RESHAPE"),
+    "transpose": OpSpec(_BOTH, SAME_AS_INPUT, becomes="TRANSPOSE"),
+    "broadcast_in_dim": OpSpec(_BOTH, SAME_AS_INPUT, becomes="RESHAPE", limitation=_copying_broadcast,
+                               note="one that copies values (BROADCAST_TO) is refused"),
+    "max_pool": OpSpec(_BOTH, SAME_AS_INPUT, limitation=_int16_padded_max_pool, becomes="MAX_POOL_2D",
+                       note="int16 padded: only after a ReLU (PAD + a VALID pool)"),
+    "slice": OpSpec(_BOTH, SAME_AS_INPUT, becomes="SLICE, STRIDED_SLICE"),
+    "split": OpSpec(_BOTH, SAME_AS_INPUT, becomes="SLICE (one per output)"),
     # SELECT_V2 picks values: both value operands and the output share a scale.
-    "select_n": OpSpec(_INT8, SHARED),
-    # Lookup-table kernels (int8): measured to export full-integer and verify.
-    "exp": OpSpec(_INT8),
-    "log": OpSpec(_INT8),
-    "abs": OpSpec(_INT8),
-    "leaky_relu": OpSpec(_INT8),
-    "pad": OpSpec(_BOTH, SAME_AS_INPUT),
+    "select_n": OpSpec(_BOTH, SHARED, becomes="SELECT_V2"),
+    # Lookup-table kernels (int8): measured to export full-integer and verify;
+    # EXP, ABS and LEAKY_RELU in int16 too.
+    "exp": OpSpec(_BOTH, becomes="EXP"),
+    "log": OpSpec(_INT8, becomes="LOG", refused={"int16": _NO_INT16.format("log")}),
+    "abs": OpSpec(_BOTH, becomes="ABS"),
+    "leaky_relu": OpSpec(_BOTH, becomes="LEAKY_RELU"),
+    "pad": OpSpec(_BOTH, SAME_AS_INPUT, becomes="PAD"),
+}
+
+# Op kinds odmlq recognises that LiteRT runs in float only, and why (each was
+# forced through export with an integer spec: it failed to convert, stayed
+# float between QUANTIZE/DEQUANTIZE, or missed simulate by many LSBs).
+WITHOUT_KERNEL: dict[str, str] = {
+    "silu": "x * sigmoid(x): litert-converter 0.5.0 keeps LOGISTIC and MUL float inside it",
+    "elu": "converted to GREATER, EXP and SUB in float",
+    "softplus": "converted to a float chain (EXP, LOG, ...)",
+    "log_softmax": "LiteRT's int8 LOG_SOFTMAX requires an output scale of 16/256 (allocation fails)",
+    "erf": "expanded into a float polynomial",
+    "sin": "SIN has no integer kernel", "cos": "COS has no integer kernel",
+    "pow": "POW has no integer kernel",
+    "cumsum": "CUMSUM has no integer kernel",
+    "selu": "converted to GREATER, EXP, SUB and MUL in float",
+    "celu": "converted to RELU, EXP, SUB and ADD in float",
+    "soft_sign": "converted to ABS, ADD and DIV in float",
+    "log_sigmoid": "converted to a float chain (EXP, LOG, SELECT, ...)",
+    "mish": "converted to a float chain (EXP, LOG, TANH, MUL, ...)",
+    "hard_tanh": "its comparisons (GREATER, LESS) stay float; write jnp.clip(x, -1, 1) for MAXIMUM/MINIMUM",
+    "hard_sigmoid": "converted to ADD and MUL in float",
+    "glu": "converted to LOGISTIC and MUL in float",
+    "squareplus": "converted to MUL, ADD and SQRT in float",
+    "sparse_plus": "its comparisons stay float",
+    "argmax": "ARG_MAX runs on dequantized values", "argmin": "ARG_MIN runs on dequantized values",
+    "gt": "comparisons run on dequantized values", "ge": "comparisons run on dequantized values",
+    "lt": "comparisons run on dequantized values", "le": "comparisons run on dequantized values",
+    "eq": "comparisons run on dequantized values", "ne": "comparisons run on dequantized values",
 }
 
 

@@ -2,7 +2,9 @@
 
 `make_case(seed)` builds one small model from a seed: a Linen CNN (convolutions
 with strides, dilation, groups and depthwise; BatchNorm with random statistics;
-activations; residual adds; concatenations; max and average pools; constants),
+activations; residual adds; concatenations; max and average pools, padded
+average pools that count their padding; bilinear and nearest resizes and
+transposed convolutions; constants),
 a Linen sequence model (dense, LayerNorm / RMSNorm, attention with and without
 a causal mask, residual MLPs), a Linen MLP, or an NNX CNN with BatchNorm and
 Dropout. The same seed gives the same model, weights and data.
@@ -86,6 +88,13 @@ class FuzzCnn(nn.Module):
                 x = nn.max_pool(x, (block[1], block[1]), strides=(block[2], block[2]), padding=block[3])
             elif kind == "avgpool":
                 x = nn.avg_pool(x, (block[1], block[1]), strides=(block[2], block[2]))
+            elif kind == "avgpool_same":
+                x = nn.avg_pool(x, (block[1], block[1]), padding="SAME")
+            elif kind == "resize":
+                b, h, w, c = x.shape
+                x = jax.image.resize(x, (b, 2 * h, 2 * w, c), block[1])
+            elif kind == "conv_transpose":
+                x = nn.ConvTranspose(block[1], (2, 2), strides=(2, 2))(x)
             elif kind == "scale":
                 x = x * block[1] + block[2]
         x = jnp.mean(x, axis=(1, 2))
@@ -191,12 +200,26 @@ def _cnn_blocks(rng) -> tuple:
             blocks.append(("concat", extra))
             channels += extra
         elif r < 0.82 and size >= 4:
-            if rng.random() < 0.5:
+            q = rng.random()
+            if q < 0.4:
                 padding = "SAME" if rng.random() < 0.4 else "VALID"
                 blocks.append(("maxpool", 2, 2, padding))
-            else:
+                size //= 2
+            elif q < 0.7:
                 blocks.append(("avgpool", 2, 2))
-            size //= 2
+                size //= 2
+            else:  # Flax's default: SAME padding counted in the average
+                blocks.append(("avgpool_same", 3))
+        elif r < 0.88 and size <= 12:
+            # Upsampling: an interpolating resize, or a transposed convolution
+            # (refused before any work: TRANSPOSE_CONV reads a dequantized kernel).
+            if rng.random() < 0.8:
+                blocks.append(("resize", str(rng.choice(["bilinear", "nearest"]))))
+            else:
+                features = int(rng.choice([4, 8]))
+                blocks.append(("conv_transpose", features))
+                channels = features
+            size *= 2
         elif r < 0.9:
             blocks.append(("bn",))
         else:

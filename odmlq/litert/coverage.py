@@ -1,0 +1,86 @@
+"""Op coverage as data: what each op kind odmlq recognises becomes on LiteRT,
+per schema, from the op table (`odmlq.litert.spec`). `docs/OPS.md` is this
+module's `markdown()` (a test keeps it so); `odmlq ops` prints it.
+
+Schemas:
+- int8 / int16x8 (full integer): the op's integer kernel, or why it is
+  refused before any work (the export then needs the op kept in float and
+  ``allow_float_ops=True``);
+- dynamic-range: matmuls and convolutions read int8 weights and quantize
+  their inputs at run time; every other op runs in float;
+- weight-only: weights stored quantized, every op computes in float.
+"""
+
+from __future__ import annotations
+
+from odmlq.constraints import FixedOutput, SameAsInput, SharedWithInputs
+from odmlq.graph import MATMUL_KINDS
+from odmlq.litert.spec import OP_SPEC, WITHOUT_KERNEL
+
+__all__ = ["markdown", "rows"]
+
+_SCHEMAS = (("int8", "int8"), ("int16", "int16x8"))
+
+
+def _output(spec) -> str:
+    if isinstance(spec.output, SameAsInput):
+        return "input's scale"
+    if isinstance(spec.output, SharedWithInputs):
+        return "shared with inputs"
+    if isinstance(spec.output, FixedOutput):
+        return "fixed: " + ", ".join(f"{q} {s.scale:.6g}/{s.zero_point}" for q, s in spec.output.scales.items())
+    return "calibrated"
+
+
+def rows() -> list[dict[str, str]]:
+    """One row per op kind: LiteRT op, per-schema support, output scale, tolerance, notes."""
+    out = []
+    for kind in sorted(OP_SPEC):
+        spec = OP_SPEC[kind]
+        row = {"kind": kind, "litert": spec.becomes}
+        for qtype, name in _SCHEMAS:
+            if qtype in spec.schemas:
+                row[name] = "integer"
+            else:
+                row[name] = "refused: " + (spec.refused or {}).get(qtype, f"no {qtype} kernel")
+        row["dynamic-range"] = ("int8 weights, inputs quantized at run time" if kind in MATMUL_KINDS
+                                else "int8 table, float output" if kind == "gather" else "float")
+        row["weight-only"] = ("quantized weights, float compute" if kind in MATMUL_KINDS
+                              else "quantized table, float output" if kind == "gather" else "float")
+        row["output scale"] = _output(spec)
+        tolerance = spec.tolerance_lsb or {}
+        row["tolerance"] = ", ".join(f"{'int16x8' if q == 'int16' else q} {tolerance.get(q, 1.0):g} LSB"
+                                     for q, _ in _SCHEMAS if q in spec.schemas)
+        row["notes"] = spec.note
+        out.append(row)
+    for kind in sorted(WITHOUT_KERNEL):
+        reason = "refused: " + WITHOUT_KERNEL[kind]
+        out.append({"kind": kind, "litert": "(float)", "int8": reason, "int16x8": reason,
+                    "dynamic-range": "float", "weight-only": "float", "output scale": "-",
+                    "tolerance": "-", "notes": ""})
+    return out
+
+
+def markdown() -> str:
+    """The docs/OPS.md page."""
+    columns = ["kind", "litert", "int8", "int16x8", "dynamic-range", "weight-only", "output scale",
+               "tolerance", "notes"]
+    lines = [
+        "# Op coverage on LiteRT",
+        "",
+        "Generated from odmlq's op table (`odmlq/litert/spec.py`) by `odmlq ops`; do not edit.",
+        "",
+        "Every op kind odmlq recognises in a traced model, and what it becomes in each LiteRT",
+        "schema. \"refused\" ops are named before any work (the plan check) with the option to",
+        "keep them in float (`Rule(..., skip=True)` and `allow_float_ops=True`); each refusal is",
+        "tested by forcing the op through export, where it fails to convert, stays float or",
+        "misses simulate. \"tolerance\" is what verification allows against simulate per",
+        "element (approximating kernels get more than one rounding step). Op kinds not listed",
+        "are refused as having no integer kernel.",
+        "",
+        "| " + " | ".join(columns) + " |",
+        "|" + "---|" * len(columns),
+    ]
+    for row in rows():
+        lines.append("| " + " | ".join(row[c].replace("|", "\\|") for c in columns) + " |")
+    return "\n".join(lines) + "\n"
