@@ -57,7 +57,7 @@ td{{padding:4px 6px;border-bottom:1px solid #edf0f3;vertical-align:top}} #edges 
 td.num,th.num{{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}}
 td.code{{font-family:ui-monospace,"DejaVu Sans Mono",Menlo,monospace;font-size:12px}}
 td.bad{{color:{_OUTLIER};font-weight:600}} td.good{{color:#1a7f37;font-weight:600}} .who-local{{font-weight:600}}
-.who-inherited{{color:#656d76}}
+.who-inherited{{color:#656d76}} .who-shared{{font-style:italic}}
 .grid{{display:grid;grid-template-columns:repeat(auto-fill,minmax(350px,1fr));gap:14px 18px}}
 svg{{display:block;max-width:100%;height:auto}} svg text{{font:11px {_FONT};fill:#3d444d}}
 svg text.band{{fill:#8c959f;font-style:italic}}

@@ -14,7 +14,9 @@ same inputs and lines the runs up edge by edge (by plan edge id):
 - device: given also a device dump of that .tflite's tensors, the device's.
 
 Edges are ranked by their local SQNR, worst first: the top of the table is
-where accuracy is lost, not where it is noticed. The report also holds each
+where accuracy is lost, not where it is noticed. Edges that share one scale
+(a max pool, reshape or transpose keeps its input's) rank together, the edge
+whose range sets the scale first; the others' own error reads "shared". The report also holds each
 quantized weight's per-channel range with outlier channels flagged
 (`WeightRange`), and advice for the worst edges (`Advice`): rules to put
 first, measured with ``try_fixes=True``.
@@ -45,6 +47,7 @@ from odmlq.report import _text as _report_text
 from odmlq.report._advice import Advice, Measured
 from odmlq.report._metrics import EdgeMetrics, ErrorHistogram, edge_metrics
 from odmlq.report._weights import OUTLIER_RATIO, WeightRange
+from odmlq.constraints import SameAsInput
 from odmlq.errors import OdmlqError
 from odmlq.litert.device import NOT_ODMLQ
 
@@ -73,6 +76,9 @@ class EdgeReport:
     spec: str
     runs: dict[str, EdgeMetrics]
     index: int = -1
+    # The edge whose range sets this edge's scale (a max pool, reshape or
+    # transpose keeps its input's scale); None when it has its own.
+    scale_from: str | None = None
 
     @property
     def local_sqnr_db(self) -> float:
@@ -88,7 +94,10 @@ class EdgeReport:
         # Error powers add (roughly): local noise vs the total noise at this edge.
         local_noise = 10 ** (-local.sqnr_db / 10) if not math.isinf(local.sqnr_db) else 0.0
         total_noise = 10 ** (-total.sqnr_db / 10)
-        return "local" if local_noise >= 0.5 * total_noise else "inherited"
+        if local_noise < 0.5 * total_noise:
+            return "inherited"
+        # Its own error comes from a scale another edge's statistics set.
+        return "local" if self.scale_from is None else "shared"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -119,7 +128,8 @@ class Report:
 
           {"format": "odmlq.report", "version": 2, "runs": [run, ...],
            "edges": [{"edge", "op", "module_path", "spec", "index", "who",
-                      "runs": {run: metrics}}, ...],          # worst local SQNR first
+                      "scale_from": edge | null,              # whose range sets its scale
+                      "runs": {run: metrics}}, ...],          # worst first (see `compare`)
            "outputs": {name: metrics}, "unmapped_tensors": [name, ...],
            "weights": [{"param", "module_path", "spec", "axis", "min": [...],
                         "max": [...], "outliers": [channel, ...], "levels",
@@ -137,7 +147,7 @@ class Report:
         return {
             "format": "odmlq.report", "version": FORMAT_VERSION, "runs": list(self.runs),
             "edges": [{"edge": e.edge, "op": e.op, "module_path": e.module_path, "spec": e.spec,
-                       "index": e.index, "who": e.who,
+                       "index": e.index, "who": e.who, "scale_from": e.scale_from,
                        "runs": {k: m.to_dict() for k, m in e.runs.items()}} for e in self.edges],
             "outputs": {k: m.to_dict() for k, m in self.outputs.items()},
             "unmapped_tensors": list(self.unmapped_tensors),
@@ -219,7 +229,8 @@ class Report:
             raise ReportError(f"Report format version {d.get('version')!r} is not supported (this odmlq "
                               f"reads version {FORMAT_VERSION}); run compare() again.")
         edges = tuple(EdgeReport(edge=e["edge"], op=e["op"], module_path=e["module_path"], spec=e["spec"],
-                                 index=e["index"], runs={k: EdgeMetrics.from_dict(m) for k, m in e["runs"].items()})
+                                 index=e["index"], scale_from=e.get("scale_from"),
+                                 runs={k: EdgeMetrics.from_dict(m) for k, m in e["runs"].items()})
                       for e in d["edges"])
         return cls(edges=edges, outputs={k: EdgeMetrics.from_dict(m) for k, m in d["outputs"].items()},
                    unmapped_tensors=tuple(d["unmapped_tensors"]),
@@ -360,12 +371,50 @@ def _edge_reports(plan, scales, floats: dict, own: dict, backends: dict) -> list
                 runs[name] = edge_metrics(floats[edge_id], values[edge_id], bts,
                                           simulate=own["simulate"][edge_id] if bts is not None else None)
         producer = plan.graph.edges[edge_id].producer
+        source = _scale_source(plan, edge_id)
         reports.append(EdgeReport(
             edge=edge_id, op=producer, index=index,
             module_path=plan.graph.op(producer).module_path if producer else "",
-            spec=edge_plan.spec.describe() if edge_plan.spec else "float", runs=runs))
-    reports.sort(key=lambda e: (e.local_sqnr_db, e.runs["simulate"].sqnr_db))
-    return reports
+            spec=edge_plan.spec.describe() if edge_plan.spec else "float", runs=runs,
+            scale_from=None if source == edge_id else source))
+    return _ranked(reports)
+
+
+def _scale_source(plan, edge_id: str) -> str:
+    """The edge whose range sets `edge_id`'s scale: up through ops that keep
+    their input's scale (SameAsInput: pools, reshapes, transposes)."""
+    seen = set()
+    while edge_id not in seen:
+        seen.add(edge_id)
+        edge_plan, edge = plan.edges.get(edge_id), plan.graph.edges[edge_id]
+        if edge_plan is None or not isinstance(edge_plan.constraint, SameAsInput) or edge.producer is None:
+            return edge_id
+        inputs = plan.graph.op(edge.producer).inputs
+        if not inputs:
+            return edge_id
+        edge_id = plan.graph.resolve(inputs[0])
+    return edge_id
+
+
+def _ranked(reports: list[EdgeReport]) -> list[EdgeReport]:
+    """Worst local SQNR first, except that edges sharing one scale rank
+    together, at their worst member's place, the edge whose range sets the
+    scale first: a range fault there clips every edge of the group, and the
+    group's pools (which keep the maxima) often clip most."""
+    by_edge = {e.edge: e for e in reports}
+    group: dict[str, list[EdgeReport]] = {}
+    for e in reports:
+        group.setdefault(e.scale_from or e.edge, []).append(e)
+
+    def key(e: EdgeReport):
+        root = e.scale_from or e.edge
+        members = group[root]
+        worst = min(m.local_sqnr_db for m in members)
+        worst_sim = min(m.runs["simulate"].sqnr_db for m in members)
+        own = (0, e.local_sqnr_db) if e.edge == root or root not in by_edge else (1, e.local_sqnr_db)
+        return (worst, worst_sim, root, *own, e.runs["simulate"].sqnr_db)
+
+    return sorted(reports, key=key)
 
 
 def _outputs(reference: list, values: list, run: str) -> dict[str, EdgeMetrics]:

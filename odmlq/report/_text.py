@@ -47,7 +47,8 @@ def _edges(report) -> list[str]:
         cells.append(e.who)
         rows.append(cells)
     return ["Edges, worst local SQNR first (local: this op on float inputs; simulate: "
-            "everything quantized; vs float)", table(headers, rows)]
+            "everything quantized; vs float; edges sharing a scale together, the one whose "
+            "range sets it first, the others 'shared')", table(headers, rows)]
 
 
 def _weights(weights) -> list[str]:

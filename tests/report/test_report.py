@@ -4,6 +4,8 @@ import functools
 import json
 import math
 
+import flax.linen as nn
+import jax
 import numpy as np
 import pytest
 
@@ -140,8 +142,9 @@ def test_json_follows_the_contract_and_reads_back(cnn):
     assert data["version"] == 2 and data["runs"] == ["local", "simulate"]
     order = list(plan.graph.edges)
     for e in data["edges"]:
-        assert {"edge", "op", "module_path", "spec", "index", "who", "runs"} <= set(e)
-        assert order[e["index"]] == e["edge"] and e["who"] in ("local", "inherited", "-")
+        assert {"edge", "op", "module_path", "spec", "index", "who", "scale_from", "runs"} <= set(e)
+        assert order[e["index"]] == e["edge"] and e["who"] in ("local", "inherited", "shared", "-")
+        assert e["scale_from"] is None or e["scale_from"] in order
         for m in e["runs"].values():
             assert {"sqnr_db", "cosine", "max_abs", "mean_abs", "lsb", "clipped", "nan", "hist"} <= set(m)
             hist = m["hist"]
@@ -207,3 +210,40 @@ def test_a_tflite_odmlq_did_not_make_is_compared_at_its_outputs_only(cnn):
     assert report.runs == ("local", "simulate", "litert")
     with pytest.raises(odmlq.OdmlqError, match="compare.device=.... needs tflite="):
         odmlq.compare(model, plan, scales, digits.x_test[:1], variables=variables, device={})
+
+
+class _PoolCnn(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(8, (3, 3), name="conv")(x))
+        x = nn.max_pool(x, (2, 2), strides=(2, 2))
+        return nn.Dense(4, name="head")(x.reshape((x.shape[0], -1)))
+
+
+def test_a_fault_behind_a_max_pool_ranks_first_through_the_shared_scale():
+    """The ReLU's range made 10x too small: the max pool and the reshape keep
+    its scale, so they clip too, the pool most (it keeps the maxima). The
+    fault's own edge ranks first (it was third, behind both), and the others
+    name it as the source of their scale."""
+    model = _PoolCnn()
+    rng = np.random.default_rng(0)
+    data = [rng.normal(size=(16, 8, 8, 3)).astype(np.float32) for _ in range(4)]
+    variables = model.init(jax.random.key(0), data[0][:1])
+    plan = odmlq.plan(model, INT8, data[0][:1], variables=variables)
+    calibration = odmlq.calibrate(model, plan, data, variables=variables)
+    lo, hi = calibration.range("conv/relu", "int8", symmetric=False)
+    faulty = odmlq.Calibration(dict(calibration))
+    faulty.observe("fault", FixedRange(float(lo) / 10, float(hi) / 10), np.zeros(1))
+    entries = dict(calibration)
+    entries["conv/relu"] = faulty["fault"]
+    scales = odmlq.compute_scales(plan, odmlq.Calibration(entries), variables)
+    report = odmlq.compare(model, plan, scales, data[0], variables=variables)
+    order = [e.edge for e in report.edges]
+    assert order[0] == "conv/relu", str(report)
+    shared = [e for e in report.edges if e.scale_from == "conv/relu"]
+    assert {plan.graph.op(e.op).kind for e in shared} >= {"max_pool", "reshape"}
+    assert [e.edge for e in report.edges[1:1 + len(shared)]] == [e.edge for e in shared]
+    pool = next(e for e in shared if plan.graph.op(e.op).kind == "max_pool")
+    assert pool.local_sqnr_db < report.edges[0].local_sqnr_db  # it clips more, yet ranks behind
+    assert pool.who == "shared" and report.edges[0].who == "local"
+    assert Report.from_json(report.to_json()).edges[1].scale_from == "conv/relu"
