@@ -10,6 +10,25 @@ from collections.abc import Iterator
 from odmlq.errors import OdmlqError
 
 
+def check_output_path(path: str | os.PathLike) -> str:
+    """`path` as a string, if a file can be written there (checked before any work).
+
+    Raises:
+      OdmlqError: `path` is a directory, or its directory does not exist or is
+        not writable.
+    """
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise OdmlqError(f"Cannot write {path!r}: it is a directory; give a file path, e.g. "
+                         f"{os.path.join(path, 'model.tflite')!r}.")
+    if not os.path.isdir(directory):
+        raise OdmlqError(f"Cannot write {path!r}: directory {directory!r} does not exist.")
+    if not os.access(directory, os.W_OK):
+        raise OdmlqError(f"Cannot write {path!r}: directory {directory!r} is not writable; choose another.")
+    return path
+
+
 @contextlib.contextmanager
 def atomic_output(path: str | os.PathLike) -> Iterator[str]:
     """Yields a temporary path beside `path`; on success it replaces `path`.
@@ -22,10 +41,8 @@ def atomic_output(path: str | os.PathLike) -> Iterator[str]:
     Raises:
       OdmlqError: the directory does not exist or is not writable.
     """
-    path = os.fspath(path)
+    path = check_output_path(path)
     directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise OdmlqError(f"Cannot write {path!r}: directory {directory!r} does not exist.")
     try:
         handle, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
                                              dir=directory)

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from odmlq.graph import GraphCache, check_inputs, params_for
+from odmlq.graph import GraphCache, check_finite_params, check_inputs, params_for
 from odmlq.calibration._calibration import Calibration
 from odmlq.errors import CalibrationError
 
@@ -42,6 +42,7 @@ def calibrate(model: Any, plan, rep_dataset: Iterable | Callable[[], Iterable], 
       ...                               variables=variables)
     """
     params = params_for(model, variables, "calibrate")
+    check_finite_params(params)
     cache = GraphCache(model, plan, variables)
     edges = {e: p.spec for e, p in plan.edges.items()
              if p.spec is not None and not p.spec.dynamic and plan.graph.edges[e].alias is None}

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
 
 __all__ = ["flat_params", "param_path", "params_tree", "replace_params"]
 
@@ -65,3 +66,18 @@ def replace_params(params: Any, new: Mapping[str, Any]) -> Any:
     leaves, tree = jax.tree_util.tree_flatten_with_path(params_tree(params))
     out = [new.get(param_path(path), leaf) for path, leaf in leaves]
     return jax.tree_util.tree_unflatten(tree, out)
+
+
+def check_finite_params(params: Any) -> None:
+    """Raises CalibrationError naming each parameter with NaN or Inf values."""
+    from odmlq.errors import CalibrationError
+
+    bad = []
+    for path, value in flat_params(params).items():
+        x = np.asarray(value)
+        if np.issubdtype(x.dtype, np.floating) and not np.all(np.isfinite(x)):
+            bad.append(f"{path!r} ({int(x.size - np.count_nonzero(np.isfinite(x)))} of {x.size})")
+    if bad:
+        raise CalibrationError(
+            f"Parameters with NaN or Inf values: {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}; "
+            "no scale can be computed from them. Check the checkpoint or the training run that made them.")

@@ -14,10 +14,10 @@ import jax
 import numpy as np
 
 from odmlq.calibration import calibrate
-from odmlq.files import atomic_output
-from odmlq.graph import params_for
+from odmlq.files import atomic_output, check_output_path
+from odmlq.graph import check_finite_params, params_for
 from odmlq.calibration import Calibration
-from odmlq.errors import OdmlqError, PlanError
+from odmlq.errors import CalibrationError, OdmlqError, PlanError
 from odmlq.litert import _annotate, _convert, _repair
 from odmlq.litert._probe import LiteRTCrashError, probe
 from odmlq.litert.inspect import ModelSummary, inspect
@@ -235,12 +235,25 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
       ...     act_qtype='int8')], batches, 'model.tflite', variables=variables)
       >>> print(result)
     """
+    if path is not None:
+        check_output_path(path)  # before any work
     params = params_for(model, variables, "export_tflite")
+    check_finite_params(params)
     batches = list(rep_dataset() if callable(rep_dataset) else rep_dataset or [])
     if example_inputs is None:
         if not batches:
             raise PlanError("export_tflite needs example_inputs= or a non-empty rep_dataset.")
         first = batches[0] if isinstance(batches[0], (tuple, list)) else (batches[0],)
+        for i, x in enumerate(first):
+            kind = np.asarray(x).dtype.kind
+            if kind in "biuf" and np.ndim(x) and np.shape(x)[0] == 0:
+                raise CalibrationError(f"rep_dataset batch 0, input {i} is empty (shape {np.shape(x)}); "
+                                       "give batches with at least one row.")
+            if kind not in "biuf" or np.ndim(x) == 0:
+                raise CalibrationError(
+                    f"rep_dataset batch 0, input {i}: {type(x).__name__} of dtype {np.asarray(x).dtype} and "
+                    f"shape {np.shape(x)}; each batch is an array (or a tuple of arrays, one per model "
+                    "input) of numbers with the batch dimension first.")
         if not isinstance(batch_size, int) or batch_size < 1 or batch_size > int(np.shape(first[0])[0]):
             raise PlanError(f"batch_size={batch_size!r}: give an integer from 1 to the first batch's "
                             f"{int(np.shape(first[0])[0])} rows, or example_inputs= of the shape to export.")

@@ -276,6 +276,10 @@ def plan(model: Any, rules: Sequence[Rule] | Rule, *example_inputs: Any,
 def check_rules(rules) -> tuple[Rule, ...]:
     if isinstance(rules, Rule):
         rules = [rules]
+    if isinstance(rules, (str, bytes)) or not hasattr(rules, "__iter__"):
+        raise RuleError(f"rules is a {type(rules).__name__} ({rules!r}), not a list of odmlq.Rule; write e.g. "
+                        "[odmlq.Rule('.*', weight_qtype='int8', act_qtype='int8')], or read a rules file "
+                        "with odmlq.load_rules(path).")
     rules = tuple(rules)
     for i, r in enumerate(rules):
         if not isinstance(r, Rule):
