@@ -137,3 +137,11 @@ def test_truncated_and_foreign_tflite_files_are_named(mlp, tmp_path):
     with pytest.raises(OdmlqError, match=r"LiteRT"):
         odmlq.compare(model, result.plan, result.scales, batches[0], variables=variables,
                       tflite=truncated.read_bytes())
+
+
+def test_verification_also_runs_on_inputs_no_calibration_range_covers(mlp):
+    """The held-back rows, then the first four scaled 1.5x (beyond every
+    calibrated range) and with noise: 8 + 4 + 4 rows, every op checked."""
+    model, variables, batches = mlp
+    result = odmlq.export_tflite(model, INT8, batches, variables=variables)
+    assert result.verification.samples == 16 and result.verification.passed

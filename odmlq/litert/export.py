@@ -206,7 +206,10 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
         `Export` reports it.
       calibration: statistics to use instead of calibrating.
       verify: run the model in the LiteRT interpreter and check every op
-        against `simulate` (within 1 LSB) — on by default.
+        against `simulate` (within 1 LSB, or the op table's tolerance of an
+        approximating kernel) — on by default — on up to `verify_samples`
+        held-back rows and on perturbed copies of the first rows that no
+        calibration range covers (x 1.5, and with noise).
       allow_float_ops: let ops without an integer kernel stay in float
         (listed and warned about) instead of failing.
       io_dtype: 'float' (the model quantizes its inputs and dequantizes its
@@ -301,6 +304,7 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
     report = None
     if verify:
         samples = _limit(held_back, verify_samples)
+        samples = samples + _unseen(samples)
         report = verify_model(tflite, model, plan, scales, samples, variables=variables,
                               min_output_sqnr_db=_MIN_SQNR_DB.get(schema))
     written = _write_atomically(path, tflite) if path is not None else None
@@ -448,6 +452,36 @@ def _limit(batches: list, samples: int) -> list:
             out.append(tuple(np.asarray(x)[:take] for x in inputs))
             count += take
     return out
+
+
+# Rows of the held-back batch verified again perturbed (calibration saw none
+# of them): scaled beyond the calibrated ranges (clipping), and with noise.
+_UNSEEN_ROWS, _UNSEEN_SCALE, _UNSEEN_NOISE = 4, 1.5, 0.3
+
+
+def _unseen(samples: list) -> list:
+    """Perturbed copies of the first held-back rows' float inputs (integer
+    inputs, token ids and masks, are kept): end to end and op by op, the
+    export must also agree with simulate on inputs that set no range."""
+    if not samples:
+        return []
+    first = samples[0]
+    rows = min(_UNSEEN_ROWS, int(np.shape(first[0])[0]))
+    floats = [np.issubdtype(np.asarray(x).dtype, np.floating) for x in first]
+    if not any(floats):
+        return []
+    rng = np.random.default_rng(0)
+    scaled, noisy = [], []
+    for x, is_float in zip(first, floats):
+        x = np.asarray(x)[:rows]
+        if not is_float:
+            scaled.append(x)
+            noisy.append(x)
+            continue
+        spread = float(np.std(x)) or 1.0
+        scaled.append((_UNSEEN_SCALE * x).astype(x.dtype))
+        noisy.append((x + _UNSEEN_NOISE * spread * rng.standard_normal(x.shape)).astype(x.dtype))
+    return [tuple(scaled), tuple(noisy)]
 
 
 def _input_names(model: Any, n: int) -> list[str]:

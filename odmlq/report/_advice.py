@@ -31,7 +31,7 @@ import warnings
 
 import numpy as np
 
-from odmlq.calibration import MSE, FixedRange, MinMax, Percentile
+from odmlq.calibration import MSE, Capped, FixedRange, Masked, MinMax, Percentile
 from odmlq.errors import OdmlqError
 from odmlq.granularity import PerChannel
 from odmlq.rules import Rule, UnmatchedRuleWarning
@@ -171,7 +171,8 @@ def _suggestions(e, op, base: Rule, spec, plan, by_param, calibration, floats):
     out = []
     if spec is not None and not spec.dynamic:
         method = _stored_method(e.edge, spec, calibration)
-        if clipped >= CLIPPED and not isinstance(method, MinMax):
+        # (Masked and Capped clip on purpose: a mask's sentinel, a norm's zero-variance rows.)
+        if clipped >= CLIPPED and not isinstance(method, (MinMax, Masked, Capped)):
             out.append(("act_calibration=MinMax()", dataclasses.replace(base, module_path=path, act_calibration=MinMax()),
                         f"{clipped:.1%} of the float values are clipped, outside the edge's range "
                         f"(calibrated with {_name(method)}); the full observed range keeps them"))
