@@ -18,6 +18,7 @@ import math
 import numpy as np
 
 from odmlq.calibration import MASK_SENTINEL, Capped, Masked, RelativeMSE
+from odmlq.constraints import SameAsInput
 from odmlq.graph import MATMUL_KINDS, Graph
 # Ops through which a mask's sentinel reaches the scores a softmax reads.
 _MASK_CARRIERS = frozenset({"select_n", "add", "sub", "max", "min", "broadcast_in_dim", "reshape",
@@ -98,6 +99,29 @@ def resolve_output_constraints(graph: Graph, by_edge: dict, constraints) -> None
         constraint, _ = constraints(graph.op(edge.producer), plan.spec.qtype)
         if constraint is not None:
             by_edge[edge.id] = dataclasses.replace(plan, constraint=constraint)
+
+
+def share_scale_of_activations_beside_others(graph: Graph, by_edge: dict, constraints) -> None:
+    """An activation the producer's kernel would fuse, reading an edge that
+    other ops read too, keeps its input's scale. litert-converter 0.5.0 fuses
+    it anyway, into a duplicate of the producer that requantizes the
+    accumulator straight to the activation's scale (one rounding, where a
+    separate RELU rounds twice: 2 LSB apart); at the input's scale both
+    round once, to the same integers."""
+    for op in graph.ops:
+        if len(op.outputs) != 1 or len(op.inputs) != 1:
+            continue
+        edge = graph.edges[graph.resolve(op.inputs[0])]
+        source, out = by_edge.get(edge.id), by_edge.get(op.outputs[0])
+        if (source is None or source.spec is None or source.spec.dynamic or out is None or out.spec is None
+                or out.spec.dynamic or out.constraint is not None or edge.producer is None
+                or len(edge.consumers) < 2 or out.spec.qtype != source.spec.qtype):
+            continue
+        _, fuses = constraints(graph.op(edge.producer), source.spec.qtype)
+        if op.kind in fuses:
+            by_edge[op.outputs[0]] = dataclasses.replace(
+                out, constraint=SameAsInput(),
+                reason=out.reason + f"; input's scale ({edge.producer} fuses it, duplicated)")
 
 
 def dynamic_only_into_kernels(graph: Graph, by_edge: dict) -> None:

@@ -30,6 +30,7 @@ from odmlq.plan._passes import (
     dynamic_only_into_kernels,
     fuse_activations,
     resolve_output_constraints,
+    share_scale_of_activations_beside_others,
 )
 from odmlq.plan._spec import QuantSpec, spec_or_none as _spec_or_none
 from odmlq.plan._specs_of import act_spec, constant_operand_spec, constant_specs, dynamic_input_spec, weight_spec
@@ -417,6 +418,7 @@ def _edge_plans(graph: Graph, rules, op_plans, constraints) -> dict[str, EdgePla
     fuse_activations(graph, by_edge, constraints)
     dynamic_only_into_kernels(graph, by_edge)
     resolve_output_constraints(graph, by_edge, constraints)
+    share_scale_of_activations_beside_others(graph, by_edge, constraints)
     for edge in graph.edges.values():
         if edge.alias is not None:
             target = graph.resolve(edge.id)
