@@ -253,10 +253,11 @@ OP_SPEC: dict[str, OpSpec] = {
     # RSQRT and SQRT. x * x and SQRT are int16 kernels too (exact).
     "square": OpSpec(_BOTH, becomes="MUL"),
     # LiteRT's int16 RSQRT approximates 1/sqrt: measured up to 8 int16 LSB
-    # (mean ~1) on the zoo transformers' LayerNorms, whose factor range the
-    # plan calibrates for relative error without zero-variance rows; 74 LSB
-    # when such rows set the range.
-    "rsqrt": OpSpec(_BOTH, becomes="RSQRT", tolerance_lsb={"int16": 16.0}),
+    # (mean ~1) on BERT's and the TransformerLM's LayerNorms, 20 on GPT-2's,
+    # whose factor range the plan calibrates for relative error without
+    # zero-variance rows (74 LSB when such rows set the range). Allowed: 64
+    # int16 LSB, a quarter of one int8 step.
+    "rsqrt": OpSpec(_BOTH, becomes="RSQRT", tolerance_lsb={"int16": 64.0}),
     "sqrt": OpSpec(_BOTH, becomes="SQRT"),
     # An embedding lookup: GATHER_ND on the int8 table, then requantized to
     # the output's calibrated scale (a QUANTIZE to int16 in 16x8 models).

@@ -409,7 +409,7 @@ class _Int16Pieces(nn.Module):
 def test_int16_gather_and_square_verify_and_rsqrt_within_its_tolerance():
     """Their int16 kernels compute what `simulate` says, op by op within 1 LSB
     (the op table lists them for both schemas); int16 RSQRT approximates, and
-    is verified within the op table's 16 LSB."""
+    is verified within the op table's 64 LSB (a quarter of an int8 step)."""
     model = _Int16Pieces()
     rng = np.random.default_rng(0)
     batches = [rng.integers(0, 30, size=(8, 5)).astype(np.int32) for _ in range(3)]
@@ -427,7 +427,7 @@ def test_int16_gather_and_square_verify_and_rsqrt_within_its_tolerance():
     result = odmlq.export_tflite(norm, rules, x, variables=norm.init(jax.random.key(0), x[0][:1]))
     assert result.summary.float_islands == () and result.verification.passed, str(result.verification)
     rsqrt = next(c for c in result.verification.checks if c.edge == "fc/rsqrt")
-    assert 16.0 <= rsqrt.allowed_lsb < 17.0 and rsqrt.max_lsb <= rsqrt.allowed_lsb
+    assert 64.0 <= rsqrt.allowed_lsb < 65.0 and rsqrt.max_lsb <= rsqrt.allowed_lsb
 
 
 @pytest.mark.parametrize("after_relu", [True, False], ids=["after_relu", "signed_input"])
