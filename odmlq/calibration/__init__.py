@@ -9,20 +9,22 @@ from odmlq.calibration._calibrate import calibrate
 from odmlq.calibration._calibration import Calibration
 from odmlq.calibration._histogram import HISTOGRAM_BINS
 from odmlq.calibration._methods import (
-    CALIBRATION_METHODS,
-    MASK_SENTINEL,
     MSE,
     RMS,
     AbsMax,
-    CalibrationMethod,
-    Capped,
     Entropy,
     FixedRange,
-    Masked,
     MinMax,
     MovingAverageMinMax,
     Percentile,
     RelativeMSE,
+)
+from odmlq.calibration._wrapped import (
+    CALIBRATION_METHODS,
+    MASK_SENTINEL,
+    CalibrationMethod,
+    Capped,
+    Masked,
     calibration_method_from_dict,
     parse_calibration_method,
 )

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from odmlq.calibration._histogram import HISTOGRAM_BINS
-from odmlq.calibration._methods import CalibrationMethod, parse_calibration_method
+from odmlq.calibration._wrapped import CalibrationMethod, parse_calibration_method
 from odmlq.calibration._statistics import Statistics, compute_range, merge, observe
 from odmlq.errors import CalibrationError
 from odmlq.files import atomic_output

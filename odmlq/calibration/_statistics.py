@@ -15,14 +15,8 @@ import jax
 import numpy as np
 
 from odmlq.calibration import _histogram
-from odmlq.calibration._methods import (
-    CalibrationMethod,
-    FixedRange,
-    Capped,
-    Masked,
-    MovingAverageMinMax,
-    parse_calibration_method,
-)
+from odmlq.calibration._methods import FixedRange, MovingAverageMinMax
+from odmlq.calibration._wrapped import Capped, CalibrationMethod, Masked, parse_calibration_method
 from odmlq.errors import CalibrationError
 from odmlq.qtypes import QType
 from odmlq.qtypes import qtype as to_qtype

@@ -23,7 +23,7 @@ from odmlq.litert._probe import LiteRTCrashError, probe
 from odmlq.litert.inspect import ModelSummary, inspect
 from odmlq.constraints import SharedWithInputs
 from odmlq.litert.spec import OP_SPEC, TARGET, WITHOUT_KERNEL, pool_as_depthwise
-from odmlq.litert.verify import VerificationReport, verify as verify_model
+from odmlq.litert.verify import VerificationReport, verification_samples, verify as verify_model
 from odmlq.plan import Plan, plan as make_plan
 from odmlq.scales import Scales, compute_scales
 
@@ -303,8 +303,7 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
         raise LiteRTCrashError(f"{error}\nNothing was written.") from None
     report = None
     if verify:
-        samples = _limit(held_back, verify_samples)
-        samples = samples + _unseen(samples)
+        samples = verification_samples(held_back, verify_samples)
         report = verify_model(tflite, model, plan, scales, samples, variables=variables,
                               min_output_sqnr_db=_MIN_SQNR_DB.get(schema))
     written = _write_atomically(path, tflite) if path is not None else None
@@ -441,47 +440,6 @@ def _float_op_listing(ops, limit: int = 12) -> str:
              for path, kinds in groups.items()]
     more = len(items) - limit
     return "; ".join(items[:limit]) + (f"; and {more} more modules ({len(ops)} ops in all)" if more > 0 else "")
-
-
-def _limit(batches: list, samples: int) -> list:
-    out, count = [], 0
-    for batch in batches:
-        inputs = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
-        take = max(0, min(samples - count, int(np.shape(inputs[0])[0])))
-        if take:
-            out.append(tuple(np.asarray(x)[:take] for x in inputs))
-            count += take
-    return out
-
-
-# Rows of the held-back batch verified again perturbed (calibration saw none
-# of them): scaled beyond the calibrated ranges (clipping), and with noise.
-_UNSEEN_ROWS, _UNSEEN_SCALE, _UNSEEN_NOISE = 4, 1.5, 0.3
-
-
-def _unseen(samples: list) -> list:
-    """Perturbed copies of the first held-back rows' float inputs (integer
-    inputs, token ids and masks, are kept): end to end and op by op, the
-    export must also agree with simulate on inputs that set no range."""
-    if not samples:
-        return []
-    first = samples[0]
-    rows = min(_UNSEEN_ROWS, int(np.shape(first[0])[0]))
-    floats = [np.issubdtype(np.asarray(x).dtype, np.floating) for x in first]
-    if not any(floats):
-        return []
-    rng = np.random.default_rng(0)
-    scaled, noisy = [], []
-    for x, is_float in zip(first, floats):
-        x = np.asarray(x)[:rows]
-        if not is_float:
-            scaled.append(x)
-            noisy.append(x)
-            continue
-        spread = float(np.std(x)) or 1.0
-        scaled.append((_UNSEEN_SCALE * x).astype(x.dtype))
-        noisy.append((x + _UNSEEN_NOISE * spread * rng.standard_normal(x.shape)).astype(x.dtype))
-    return [tuple(scaled), tuple(noisy)]
 
 
 def _input_names(model: Any, n: int) -> list[str]:

@@ -377,3 +377,51 @@ def from_output(y: np.ndarray, detail: dict) -> np.ndarray:
         scale, zp = detail["quantization"]
         return (y.astype(np.float32) - zp) * scale
     return y.astype(np.float32)
+
+
+def verification_samples(held_back: list, samples: int) -> list:
+    """Up to `samples` held-back rows, then perturbed copies of the first ones
+    (see `_unseen`): what an export is verified on."""
+    rows = _limit(held_back, samples)
+    return rows + _unseen(rows)
+
+
+def _limit(batches: list, samples: int) -> list:
+    out, count = [], 0
+    for batch in batches:
+        inputs = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+        take = max(0, min(samples - count, int(np.shape(inputs[0])[0])))
+        if take:
+            out.append(tuple(np.asarray(x)[:take] for x in inputs))
+            count += take
+    return out
+
+
+# Rows of the held-back batch verified again perturbed (calibration saw none
+# of them): scaled beyond the calibrated ranges (clipping), and with noise.
+_UNSEEN_ROWS, _UNSEEN_SCALE, _UNSEEN_NOISE = 4, 1.5, 0.3
+
+
+def _unseen(samples: list) -> list:
+    """Perturbed copies of the first held-back rows' float inputs (integer
+    inputs, token ids and masks, are kept): end to end and op by op, the
+    export must also agree with simulate on inputs that set no range."""
+    if not samples:
+        return []
+    first = samples[0]
+    rows = min(_UNSEEN_ROWS, int(np.shape(first[0])[0]))
+    floats = [np.issubdtype(np.asarray(x).dtype, np.floating) for x in first]
+    if not any(floats):
+        return []
+    rng = np.random.default_rng(0)
+    scaled, noisy = [], []
+    for x, is_float in zip(first, floats):
+        x = np.asarray(x)[:rows]
+        if not is_float:
+            scaled.append(x)
+            noisy.append(x)
+            continue
+        spread = float(np.std(x)) or 1.0
+        scaled.append((_UNSEEN_SCALE * x).astype(x.dtype))
+        noisy.append((x + _UNSEEN_NOISE * spread * rng.standard_normal(x.shape)).astype(x.dtype))
+    return [tuple(scaled), tuple(noisy)]

@@ -57,3 +57,21 @@ def test_fuzz_slow_run():
             failures.append(f"seed {seed} ({case.family}: {case.description}): {outcome.kind}: {outcome.detail}")
     print(dict(kinds))
     assert not failures, "\n".join(failures)
+
+
+def test_a_relu_beside_other_readers_keeps_its_inputs_scale_and_verifies():
+    """Fuzz seed 282: x + Dense(relu(x)), x a Dense output, so the ReLU's input
+    has two readers. litert-converter fuses that ReLU into a duplicate
+    FULLY_CONNECTED which requantizes its accumulator straight to the ReLU's
+    scale; at a scale of its own the ReLU was 2 LSB from simulate's two
+    roundings (a VerificationError). At its input's scale both round once,
+    to the same integers."""
+    import odmlq
+    from odmlq.constraints import SameAsInput
+
+    case = make_case(282)
+    assert case.description == "('dense', 32) ('res',) ('dense', 32)"
+    plan = odmlq.plan(case.model, [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")], case.batches(1, 8, 0)[0][0], variables=case.variables)
+    assert isinstance(plan.edges["Dense_0/relu"].constraint, SameAsInput)
+    outcome = run_case(case)  # exported, then every op within 1 LSB on unseen inputs
+    assert outcome.kind == "exported", outcome
