@@ -260,11 +260,16 @@ class MSE:
 
     def _range(self, stats: Statistics, qtype: QType, symmetric: bool) -> _Range:
         counts, limit = _histogram_of(self, stats)
-        if symmetric:
-            bound = _histogram.mse_threshold(counts, limit, float(_absmax(stats)), qtype)
-            return np.asarray(-bound), np.asarray(bound)
-        lo, hi = _histogram.mse_range(counts, limit, float(stats.min), float(stats.max), qtype)
-        return np.asarray(lo), np.asarray(hi)
+        return _mse_search(counts, limit, stats, qtype, symmetric)
+
+
+def _mse_search(counts: np.ndarray, limit: float, stats: Statistics, qtype: QType, symmetric: bool) -> _Range:
+    """The range minimizing the squared error the (weighted) histogram counts."""
+    if symmetric:
+        bound = _histogram.mse_threshold(counts, limit, float(_absmax(stats)), qtype)
+        return np.asarray(-bound), np.asarray(bound)
+    lo, hi = _histogram.mse_range(counts, limit, float(stats.min), float(stats.max), qtype)
+    return np.asarray(lo), np.asarray(hi)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,11 +295,7 @@ class RelativeMSE:
         width = 2.0 * limit / counts.shape[0]
         centres = -limit + width * (np.arange(counts.shape[0]) + 0.5)
         weighted = counts / np.maximum(centres * centres, width * width / 4)
-        if symmetric:
-            bound = _histogram.mse_threshold(weighted, limit, float(_absmax(stats)), qtype)
-            return np.asarray(-bound), np.asarray(bound)
-        lo, hi = _histogram.mse_range(weighted, limit, float(stats.min), float(stats.max), qtype)
-        return np.asarray(lo), np.asarray(hi)
+        return _mse_search(weighted, limit, stats, qtype, symmetric)
 
 
 @dataclasses.dataclass(frozen=True)

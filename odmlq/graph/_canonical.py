@@ -12,7 +12,6 @@ its own layout, and an int8 TRANSPOSE.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -39,23 +38,14 @@ def activation_first_matmuls(walker, steps: list) -> None:
 
 def _swap(walker, steps: list, step, lhs, rhs, lc, rc) -> None:
     params = step.eqn.params
-    x_aval, c_aval = walker.avals[rhs], walker.avals[lhs]
-
     def swapped(x, c):
         y = lax.dot_general(x, c, ((rc, lc), ((), ())), precision=params.get("precision"),
                             preferred_element_type=params.get("preferred_element_type"))
         nx, nc = x.ndim - len(rc), c.ndim - len(lc)
         return jnp.transpose(y, [nx + i for i in range(nc)] + list(range(nx)))
 
-    closed = jax.make_jaxpr(swapped)(jax.ShapeDtypeStruct(x_aval.shape, x_aval.dtype),
-                                     jax.ShapeDtypeStruct(c_aval.shape, c_aval.dtype))
-    if closed.out_avals[0].shape != walker.avals[step.outs[0]].shape:
+    new = walker.walk_function(swapped, [rhs, lhs], step.outs[0], step.stack)
+    if new is None:
         return
-    env = dict(zip(closed.jaxpr.invars, (rhs, lhs)))
-    new: list = []
-    walker.walk(closed.jaxpr, closed.consts, env, step.stack, new)
-    produced = env[closed.jaxpr.outvars[0]]
-    last = next(s for s in new if produced in s.outs)
-    last.outs = [step.outs[0] if v == produced else v for v in last.outs]
     at = steps.index(step)
     steps[at:at + 1] = new

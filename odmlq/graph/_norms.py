@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -243,18 +242,11 @@ def _replace(walker, steps: list, stack: str, x, axes, eps, centered, scale, bia
             y = y + weights.pop(0)
         return y
 
-    avals = [jax.ShapeDtypeStruct(walker.avals[r].shape, walker.avals[r].dtype) for r in operands]
-    if any(a.dtype != jnp.float32 for a in avals):
+    if any(walker.avals[r].dtype != jnp.float32 for r in operands):
         return
-    closed = jax.make_jaxpr(norm)(*avals)
-    if closed.out_avals[0].shape != walker.avals[out].shape:
+    new = walker.walk_function(norm, operands, out, stack)
+    if new is None:
         return
-    env = dict(zip(closed.jaxpr.invars, operands))
-    new: list = []
-    walker.walk(closed.jaxpr, closed.consts, env, stack, new)
-    produced = env[closed.jaxpr.outvars[0]]
-    last = next(s for s in new if produced in s.outs)
-    last.outs = [out if v == produced else v for v in last.outs]
     at = steps.index(piece[-1])
     removed = {id(s) for s in piece}
     steps[:] = [s for s in steps[:at] if id(s) not in removed] + new + [

@@ -212,6 +212,22 @@ class _Walker:
         for v, x in zip(step.outs, outs):
             self.constants[v] = np.asarray(x)
 
+    def walk_function(self, fn, operands: list, out: int, stack: str) -> list | None:
+        """The steps of ``fn(*operands)`` walked like the model's own, its
+        result written to the existing value `out` (a rewrite of the steps
+        that computed it); None when its result has another shape."""
+        closed = jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(self.avals[r].shape, self.avals[r].dtype)
+                                      for r in operands])
+        if closed.out_avals[0].shape != self.avals[out].shape:
+            return None
+        env = dict(zip(closed.jaxpr.invars, operands))
+        new: list = []
+        self.walk(closed.jaxpr, closed.consts, env, stack, new)
+        produced = env[closed.jaxpr.outvars[0]]
+        last = next(s for s in new if produced in s.outs)
+        last.outs = [out if v == produced else v for v in last.outs]
+        return new
+
     def inline(self, eqn, key, ins, env, stack, steps):
         inner, consts = _subjaxpr(eqn, key)
         inner_env = {}

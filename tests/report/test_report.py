@@ -28,13 +28,13 @@ def trained_cnn():
     return digits, model, variables, plan, calibration
 
 
-def planted_fault(calibration):
-    """The calibration with edge conv2/relu's range made 10x too small."""
-    lo, hi = calibration.range("conv2/relu", "int8", symmetric=False)
+def planted_fault(calibration, edge="conv2/relu"):
+    """The calibration with `edge`'s range made 10x too small."""
+    lo, hi = calibration.range(edge, "int8", symmetric=False)
     faulty = odmlq.Calibration(dict(calibration))
-    faulty.observe("conv2/relu_fault", FixedRange(float(lo) / 10, float(hi) / 10), np.zeros(1))
+    faulty.observe(f"{edge}_fault", FixedRange(float(lo) / 10, float(hi) / 10), np.zeros(1))
     entries = dict(calibration)
-    entries["conv2/relu"] = faulty["conv2/relu_fault"]
+    entries[edge] = faulty[f"{edge}_fault"]
     return odmlq.Calibration(entries)
 
 
@@ -231,12 +231,7 @@ def test_a_fault_behind_a_max_pool_ranks_first_through_the_shared_scale():
     variables = model.init(jax.random.key(0), data[0][:1])
     plan = odmlq.plan(model, INT8, data[0][:1], variables=variables)
     calibration = odmlq.calibrate(model, plan, data, variables=variables)
-    lo, hi = calibration.range("conv/relu", "int8", symmetric=False)
-    faulty = odmlq.Calibration(dict(calibration))
-    faulty.observe("fault", FixedRange(float(lo) / 10, float(hi) / 10), np.zeros(1))
-    entries = dict(calibration)
-    entries["conv/relu"] = faulty["fault"]
-    scales = odmlq.compute_scales(plan, odmlq.Calibration(entries), variables)
+    scales = odmlq.compute_scales(plan, planted_fault(calibration, "conv/relu"), variables)
     report = odmlq.compare(model, plan, scales, data[0], variables=variables)
     order = [e.edge for e in report.edges]
     assert order[0] == "conv/relu", str(report)
