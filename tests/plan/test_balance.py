@@ -12,7 +12,6 @@ what the offsets built in allow; the output, whose error comes mostly from
 the other edges here, must lose no more than 0.5 dB.
 """
 
-import dataclasses
 
 import flax
 import flax.linen as nn
