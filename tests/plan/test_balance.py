@@ -160,3 +160,14 @@ def test_what_is_not_balanced(case):
     assert plan.balanced_sums == ()
     assert scales.shifts == {}
     assert not any(k.endswith("#channels") for k in calibration)
+
+
+def test_saved_calibrations_keep_the_per_channel_ranges(tmp_path):
+    model, variables = _model()
+    plan, calibration, scales = _quantized(model, variables)
+    calibration.save(tmp_path / "calibration.npz")
+    loaded = odmlq.Calibration.load(tmp_path / "calibration.npz")
+    again = odmlq.compute_scales(plan, loaded, params_for(model, variables, "test"))
+    assert sorted(again.shifts) == sorted(scales.shifts)
+    for op_id, shift in scales.shifts.items():
+        np.testing.assert_array_equal(again.shifts[op_id], shift)
