@@ -10,8 +10,7 @@ import jax
 import numpy as np
 
 from odmlq.graph import GraphCache, check_finite_params, check_inputs, params_for
-from odmlq.calibration._calibration import Calibration, channel_key
-from odmlq.calibration._methods import MinMax
+from odmlq.calibration._calibration import Calibration
 from odmlq.errors import CalibrationError
 
 __all__ = ["calibrate"]
@@ -51,12 +50,6 @@ def calibrate(model: Any, plan, rep_dataset: Iterable | Callable[[], Iterable], 
         # A float edge read by an integer op (after a float island) is
         # quantized where it is read: its range is calibrated too.
         edges.setdefault(conversion.edge, conversion.spec)
-    # key -> (edge, method, axes kept): each edge's own statistics, and the
-    # per-channel ranges of the operands of sums that balance their offsets.
-    observed = {e: (e, spec.calibration, spec.scale_axes) for e, spec in edges.items()}
-    for balanced in plan.balanced_sums:
-        for edge_id in balanced.edges:
-            observed[channel_key(edge_id)] = (edge_id, MinMax(), (balanced.axis,))
     out = Calibration() if calibration is None else calibration
     dataset = rep_dataset() if callable(rep_dataset) else rep_dataset
     total = len(dataset) if hasattr(dataset, "__len__") else None
@@ -70,12 +63,11 @@ def calibrate(model: Any, plan, rep_dataset: Iterable | Callable[[], Iterable], 
         graph = cache.graph_for(inputs)
         key = id(graph)
         if key not in collectors:
-            collectors[key] = jax.jit(_collector(graph, {e for e, _, _ in observed.values()}))
+            collectors[key] = jax.jit(_collector(graph, edges))
         values = collectors[key](params, *inputs)
-        for name, (edge_id, method, keep_axes) in observed.items():
-            if edge_id in values:
-                out.observe(name, method, np.asarray(values[edge_id]), keep_axes=keep_axes,
-                            batch_index=index)
+        for edge_id, value in values.items():
+            out.observe(edge_id, edges[edge_id].calibration, np.asarray(value),
+                        keep_axes=edges[edge_id].scale_axes, batch_index=index)
         count += 1
         if show:
             print(f"\rcalibrating: batch {count}" + (f"/{total}" if total else ""),

@@ -10,10 +10,6 @@ elementwise ops and values derived from parameters from their values
 (`constant_scale`). Backends and `simulate` all quantize with the same
 `Scales`, so their results line up value for value.
 
-Where the plan balances a sum's offsets (`Plan.balanced_sums`), the two
-operands' ranges come from their per-channel calibration once shifted, and
-`Scales.shifts` holds each op's shift (`odmlq.scales._balance`).
-
 Where the plan's targets constrain an edge (`EdgePlan.constraint`, resolved
 when the plan was made), its scale follows the constraint: its input's,
 shared with the inputs of the op that reads it, or fixed.
@@ -35,7 +31,6 @@ from odmlq.errors import PlanError
 from odmlq.graph import flat_params, fold_params, operand_values, replace_params
 from odmlq.plan import op_qtype
 from odmlq.qarray import QArray, scale_shape
-from odmlq.scales._balance import balance_shifts
 from odmlq.scales._edges import check_edge_scales, edge_scales
 from odmlq.scales._tensor import TensorScale, constant_scale, reshaped, tensor_scale
 
@@ -60,10 +55,6 @@ class Scales:
     # (op id, operand index) -> the scale an elementwise op reads a value
     # derived from parameters at (`WeightPlan.read_as`).
     derived: dict[tuple[str, int], TensorScale] = dataclasses.field(default_factory=dict)
-    # op id -> a per-channel shift of an op's output, added to its folded bias
-    # (``b * s + t + shift``): one side of a sum whose operands trade their
-    # offsets (`Plan.balanced_sums`); the other side's is its negation.
-    shifts: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     def input_scale(self, plan, op, edge_id: str) -> TensorScale | None:
         """The scale `op` reads input `edge_id` at: a conversion's, or the edge's."""
@@ -94,15 +85,14 @@ def compute_scales(plan, calibration: Calibration | None, params: Any, *,
     else:
         weights = dict(weight_scales)
     conversions: dict[tuple[str, str], TensorScale] = {}
-    shifts, balanced = balance_shifts(plan, calibration)
-    edges = edge_scales(plan, calibration, conversions, balanced)
+    edges = edge_scales(plan, calibration, conversions)
     check_edge_scales(plan, edges, conversions)
     scales = Scales(edges=edges, weights=weights, biases={}, constants={}, conversions=conversions)
     biases, op_biases = _bias_scales(plan, scales, weights)
     constants = _constant_scales(plan, edges)
     derived = _derived_scales(plan, params)
     return dataclasses.replace(scales, biases=biases, constants=constants, op_biases=op_biases,
-                               derived=derived, shifts=shifts)
+                               derived=derived)
 
 
 def _derived_scales(plan, params: Any) -> dict[tuple[str, int], TensorScale]:
