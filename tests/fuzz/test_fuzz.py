@@ -71,7 +71,8 @@ def test_a_relu_beside_other_readers_keeps_its_inputs_scale_and_verifies():
 
     case = make_case(282)
     assert case.description == "('dense', 32) ('res',) ('dense', 32)"
-    plan = odmlq.plan(case.model, [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")], case.batches(1, 8, 0)[0][0], variables=case.variables)
+    rules = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
+    plan = odmlq.plan(case.model, rules, case.batches(1, 8, 0)[0][0], variables=case.variables)
     assert isinstance(plan.edges["Dense_0/relu"].constraint, SameAsInput)
     outcome = run_case(case)  # exported, then every op within 1 LSB on unseen inputs
     assert outcome.kind == "exported", outcome
