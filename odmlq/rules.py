@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 
 from odmlq import calibration as calibration_lib
+from odmlq.algorithms import parse_weight_algorithm
 from odmlq.errors import RuleError
 from odmlq.granularity import Granularity, PerBlock, PerChannel, PerTensor, granularity_from_dict
 from odmlq.qtypes import qtype as lookup_qtype
@@ -42,6 +43,8 @@ DEFAULTS: dict[str, Any] = {
     "weight_granularity": PerChannel(),
     "weight_symmetric": True,
     "weight_calibration": calibration_lib.AbsMax(),
+    # Round to nearest.
+    "weight_algorithm": None,
     "act_granularity": PerTensor(),
     # int8 activations are asymmetric (LiteRT's int8 scheme); int16 activations
     # must be symmetric (LiteRT's 16x8 kernels require zero point 0); fp8 has no
@@ -52,7 +55,7 @@ DEFAULTS: dict[str, Any] = {
     "act_calibration": calibration_lib.MinMax(),
 }
 
-_WEIGHT_FIELDS = ("weight_granularity", "weight_symmetric", "weight_calibration")
+_WEIGHT_FIELDS = ("weight_granularity", "weight_symmetric", "weight_calibration", "weight_algorithm")
 _ACT_FIELDS = ("act_granularity", "act_symmetric", "act_calibration", "act_dynamic")
 
 
@@ -71,6 +74,9 @@ class Rule:
       weight_symmetric: symmetric weights (default True; int weights then use
         the narrow range [-qmax, qmax]).
       weight_calibration: how the weight range is chosen (default `AbsMax()`).
+      weight_algorithm: how matmul and convolution weights are rounded to
+        their grid: `GPTQ()` rounds against the calibration data's inputs
+        (needs `odmlq.calibrate`); default None, to nearest.
       act_qtype: qtype of the op's output edge (None: output stays float).
       act_granularity: `PerTensor()` (default) or `PerChannel(axis)`.
       act_symmetric: default False for int8 (zero point), True for int16.
@@ -91,6 +97,7 @@ class Rule:
     weight_granularity: Granularity | None = None
     weight_symmetric: bool | None = None
     weight_calibration: Any = None
+    weight_algorithm: Any = None
     act_qtype: str | None = None
     act_granularity: Granularity | None = None
     act_symmetric: bool | None = None
@@ -109,6 +116,11 @@ class Rule:
                     object.__setattr__(self, name, calibration_lib.parse_calibration_method(value))
                 except Exception as e:  # re-raised as a RuleError that names the field
                     raise RuleError(f"Rule {self.module_path!r}: {name}={value!r}: {e}") from None
+        if self.weight_algorithm is not None:
+            try:
+                object.__setattr__(self, "weight_algorithm", parse_weight_algorithm(self.weight_algorithm))
+            except RuleError as e:
+                raise RuleError(f"Rule {self.module_path!r}: weight_algorithm: {e}") from None
 
     @property
     def pattern(self) -> re.Pattern:
@@ -231,6 +243,11 @@ def _check_qtype_fields(rule: Rule, where: str) -> None:
                 f"{where}: {prefix}_qtype={qt.name!r} has no zero point, so "
                 f"{prefix}_symmetric=False is impossible; remove it or use an int qtype."
             )
+    if rule.weight_algorithm is not None and rule.weight_qtype is not None and (
+            lookup_qtype(rule.weight_qtype).kind != "int"):
+        raise RuleError(
+            f"{where}: weight_algorithm={rule.weight_algorithm!r} rounds to an integer grid, but "
+            f"weight_qtype={rule.weight_qtype!r} is not an integer type; use int8/int4 or drop it.")
     if isinstance(rule.act_granularity, PerBlock):
         raise RuleError(
             f"{where}: act_granularity=PerBlock is for weights; activations take "

@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from odmlq.calibration import Calibration
-from odmlq.graph import GraphCache, fold_params, params_for
+from odmlq.graph import GraphCache, params_for
 from odmlq.hooks import FakeQuant, PlanHooks
-from odmlq.scales import Scales, compute_scales, quantized_params
+from odmlq.scales import Scales, compute_scales, folded_weights, quantized_params
 
 __all__ = ["simulate", "Simulator"]
 
@@ -35,7 +35,7 @@ class Simulator:
         self.plan, self.scales = plan, scales
         self._graphs = GraphCache(model, plan, variables)
         self._qparams = quantized_params(
-            fold_params(plan.graph, params_for(model, variables, "simulate"), scales.weights), scales)
+            folded_weights(plan.graph, params_for(model, variables, "simulate"), scales), scales)
         self._jitted: dict = {}
 
     def __call__(self, *inputs: Any, capture: bool = False,

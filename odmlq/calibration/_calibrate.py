@@ -7,19 +7,28 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from odmlq.graph import GraphCache, check_finite_params, check_inputs, params_for
+from odmlq.graph import WeightLayout, GraphCache, check_finite_params, check_inputs, params_for, weight_inputs
 from odmlq.calibration._calibration import Calibration
+from odmlq.calibration._gram import Gram
 from odmlq.errors import CalibrationError
 
 __all__ = ["calibrate"]
+
+# Rows of one batch a weight's input Gram sums at most (a strided sample of
+# the output positions beyond): a convolution over a large image has far more
+# patches than its second moment needs, and each costs taps**2 to add.
+_MAX_ROWS = 16384
 
 
 def calibrate(model: Any, plan, rep_dataset: Iterable | Callable[[], Iterable], *,
               variables: Any = None, progress: bool | None = None,
               calibration: Calibration | None = None) -> Calibration:
-    """Collects statistics of every statically quantized edge of `plan`.
+    """Collects statistics of every statically quantized edge of `plan`, and
+    the input second moment (`Gram`) of every weight a weight algorithm rounds
+    against the data (`odmlq.GPTQ`).
 
     Args:
       model: the model the plan was made from (Linen: pass `variables`).
@@ -35,7 +44,9 @@ def calibrate(model: Any, plan, rep_dataset: Iterable | Callable[[], Iterable], 
 
     Raises:
       CalibrationError: no batches; a batch with NaN or Inf (names the batch
-        index and input); a batch of the wrong shape or dtype.
+        index and input); a batch of the wrong shape or dtype; a weight whose
+        algorithm needs its inputs, read otherwise than by one matmul or
+        convolution (names the op and module).
 
     Example:
       >>> calibration = odmlq.calibrate(model, plan, [x[i:i + 32] for i in range(0, 320, 32)],
@@ -50,6 +61,7 @@ def calibrate(model: Any, plan, rep_dataset: Iterable | Callable[[], Iterable], 
         # A float edge read by an integer op (after a float island) is
         # quantized where it is read: its range is calibrated too.
         edges.setdefault(conversion.edge, conversion.spec)
+    rounded = {p: spec.algorithm.required for p, spec in plan.weight_specs().items() if spec.algorithm is not None}
     out = Calibration() if calibration is None else calibration
     dataset = rep_dataset() if callable(rep_dataset) else rep_dataset
     total = len(dataset) if hasattr(dataset, "__len__") else None
@@ -63,11 +75,17 @@ def calibrate(model: Any, plan, rep_dataset: Iterable | Callable[[], Iterable], 
         graph = cache.graph_for(inputs)
         key = id(graph)
         if key not in collectors:
-            collectors[key] = jax.jit(_collector(graph, edges))
-        values = collectors[key](params, *inputs)
+            layouts: dict = {}
+            collectors[key] = (jax.jit(_collector(graph, edges, rounded, layouts)), layouts)
+        collector, layouts = collectors[key]
+        values, grams = collector(params, *inputs)
         for edge_id, value in values.items():
             out.observe(edge_id, edges[edge_id].calibration, np.asarray(value),
                         keep_axes=edges[edge_id].scale_axes, batch_index=index)
+        for param, (matrix, fourth) in grams.items():
+            layout, rows = layouts[param]
+            out.observe_gram(param, Gram(np.asarray(matrix, np.float64), rows, layout,
+                                         np.asarray(fourth, np.float64)))
         count += 1
         if show:
             print(f"\rcalibrating: batch {count}" + (f"/{total}" if total else ""),
@@ -82,19 +100,77 @@ def calibrate(model: Any, plan, rep_dataset: Iterable | Callable[[], Iterable], 
     return out
 
 
-def _collector(graph, edges):
+def _collector(graph, edges, rounded: dict[str, bool], layouts: dict):
+    """The jittable statistics of one batch: edge values, and the input Gram
+    matrix of each weight in `rounded` (param -> whether its algorithm
+    requires one: where not, a weight GPTQ cannot read is left out);
+    `layouts` gets each such weight's (`WeightLayout`, rows per batch) as the
+    function is traced."""
+    reads = {op.id: [(i, o.param) for i, o in enumerate(op.operands) if o.role == "weight" and o.param in rounded]
+             for op in graph.ops}
+    reads = {op_id: found for op_id, found in reads.items() if found}
+
     def collect(params, *inputs):
-        seen = {}
+        seen, grams, traced = {}, {}, {}
 
         def on_edge(edge_id, x):
             if edge_id in edges:
                 seen[edge_id] = x
             return x
 
-        graph.evaluate(params, *inputs, on_edge=on_edge)
-        return seen
+        def on_op(op_id, compute, *operands):
+            for index, param in reads.get(op_id, ()):
+                found = _weight_inputs(graph, graph.op(op_id), compute, operands, index, rounded[param])
+                if found is None:
+                    continue
+                layout, patches = found
+                if patches.shape[0] > _MAX_ROWS:  # an even sample of the positions is enough
+                    patches = patches[::-(-patches.shape[0] // _MAX_ROWS)]
+                gram = jnp.einsum("rgi,rgj->gij", patches, patches, precision=jax.lax.Precision.HIGHEST)
+                fourth = jnp.sum(jnp.sum(patches * patches, axis=-1) ** 2, axis=0)
+                before = grams.get(param, (0, 0))
+                grams[param] = (before[0] + gram, before[1] + fourth)
+                known_layout, rows = traced.get(param, (layout, 0))
+                if known_layout != layout:
+                    raise CalibrationError(
+                        f"Weight {param!r} is read in two layouts ({known_layout}, and {layout} by op "
+                        f"{op_id!r}); its algorithm needs one. Round it to nearest (a rule for this "
+                        "module without weight_algorithm).")
+                traced[param] = (layout, rows + patches.shape[0])
+            return compute(*operands)
+
+        graph.evaluate(params, *inputs, on_edge=on_edge, on_op=on_op if reads else None)
+        layouts.clear()
+        layouts.update(traced)  # static: known once the function is traced
+        return seen, grams
 
     return collect
+
+
+def _weight_inputs(graph, op, compute, operands, index: int, required: bool):
+    """The weight's layout, in the parameter's own axes, and its input patches
+    (None where there are none and they are not `required`).
+
+    The op may read the parameter laid out otherwise (GPT-2's Conv1D reads its
+    kernel transposed): a 2-d weight is mapped back by its contracted axis;
+    any other must be read as stored."""
+    operand = op.operands[index]
+    found = weight_inputs(compute, operands, index)
+    if not isinstance(found, str):
+        layout, patches = found
+        stored = tuple(graph.params[operand.param][0])
+        if stored == tuple(operand.shape) and operand.channel_axes == layout.out_axes:
+            return layout, patches
+        if len(stored) == 2 and len(layout.in_axes) == 1 and len(operand.contraction_axes or ()) == 1:
+            (axis,) = operand.contraction_axes
+            return WeightLayout(out_axes=(1 - axis,), in_axes=(axis,)), patches
+        found = "it reads the parameter laid out otherwise than stored"
+    if not required:
+        return None
+    raise CalibrationError(
+        f"Op {op.id!r} (module {op.module_path!r}): weight {operand.param!r} has a weight algorithm, "
+        f"which needs the inputs of the matmul that reads it, but {found}; round it to nearest "
+        "(a rule for this module without weight_algorithm).")
 
 
 def _check_finite(inputs: tuple, index: int) -> None:

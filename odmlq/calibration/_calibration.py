@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from odmlq.calibration._gram import Gram
 from odmlq.calibration._histogram import HISTOGRAM_BINS
 from odmlq.calibration._wrapped import CalibrationMethod, parse_calibration_method
 from odmlq.calibration._statistics import Statistics, compute_range, merge, observe
@@ -58,7 +59,10 @@ _FIELDS: dict[str, tuple[type, bool]] = {
 class Calibration(Mapping[str, tuple[CalibrationMethod, Statistics]]):
     """Statistics per edge of a model: edge id -> (method, Statistics).
 
-    Observing mutates the calibration in place; `merge` returns a new one.
+    Besides edges, it holds the inputs' second moment (`Gram`) of each weight
+    a data-driven weight algorithm rounds (`odmlq.GPTQ`), by parameter path
+    (`grams`). Observing mutates the calibration in place; `merge` returns a
+    new one.
 
     Example:
       >>> cal = Calibration()
@@ -68,10 +72,12 @@ class Calibration(Mapping[str, tuple[CalibrationMethod, Statistics]]):
       (array(-1., dtype=float32), array(1., dtype=float32))
     """
 
-    def __init__(self, entries: Mapping[str, tuple[CalibrationMethod, Statistics]] | None = None):
+    def __init__(self, entries: Mapping[str, tuple[CalibrationMethod, Statistics]] | None = None,
+                 grams: Mapping[str, Gram] | None = None):
         self._entries: dict[str, tuple[CalibrationMethod, Statistics]] = {}
         for edge_id, (method, stats) in (entries or {}).items():
             self._entries[str(edge_id)] = (parse_calibration_method(method), stats)
+        self._grams: dict[str, Gram] = dict(grams or {})
 
     def __getitem__(self, edge_id: str) -> tuple[CalibrationMethod, Statistics]:
         if edge_id not in self._entries:
@@ -100,6 +106,20 @@ class Calibration(Mapping[str, tuple[CalibrationMethod, Statistics]]):
     def edges(self) -> tuple[str, ...]:
         """Edge ids, in the order they were first observed."""
         return tuple(self._entries)
+
+    @property
+    def grams(self) -> Mapping[str, Gram]:
+        """Parameter path -> the second moment of the weight's inputs (read-only)."""
+        return dict(self._grams)
+
+    def observe_gram(self, param: str, gram: Gram) -> None:
+        """Adds one batch's `Gram` of the inputs of weight `param`.
+
+        Raises:
+          CalibrationError: the weight was observed before with another layout.
+        """
+        previous = self._grams.get(param)
+        self._grams[param] = gram if previous is None else previous.merged(gram, f"Weight {param!r}")
 
     def observe(
         self,
@@ -161,7 +181,13 @@ class Calibration(Mapping[str, tuple[CalibrationMethod, Statistics]]):
                 merged[edge_id] = (method, merge(method, stats, other_stats))
             except CalibrationError as e:
                 raise CalibrationError(f"Cannot merge edge {edge_id!r}: {e}") from e
-        return Calibration(merged)
+        if set(self._grams) != set(other._grams):
+            only = sorted(set(self._grams) ^ set(other._grams))
+            raise CalibrationError(
+                f"Cannot merge calibrations: the inputs of weight {only[0]!r} were observed in "
+                "only one of them; calibrate the same plan.")
+        grams = {p: g.merged(other._grams[p], f"Cannot merge weight {p!r}") for p, g in self._grams.items()}
+        return Calibration(merged, grams)
 
     def range(self, edge_id: str, qtype: QType | str, *, symmetric: bool) -> tuple[np.ndarray, np.ndarray]:
         """The (lo, hi) float32 range of an edge; see `compute_range`."""
@@ -189,6 +215,8 @@ class Calibration(Mapping[str, tuple[CalibrationMethod, Statistics]]):
             for field in _FIELDS:
                 if getattr(stats, field) is not None:
                     arrays[f"edge{i}.{field}"] = np.asarray(getattr(stats, field))
+        for i, gram in enumerate(self._grams.values()):
+            arrays[f"gram{i}"] = gram.matrix
         arrays["metadata"] = np.frombuffer(json.dumps(metadata).encode(), np.uint8)
         with atomic_output(path) as temporary:
             with open(temporary, "wb") as f:
@@ -216,6 +244,8 @@ class Calibration(Mapping[str, tuple[CalibrationMethod, Statistics]]):
                     {f: data[f"edge{i}.{f}"] for f in _FIELDS if f"edge{i}.{f}" in data.files}
                     for i in range(len(edges))
                 ]
+                grams = _grams(metadata, [data[f"gram{i}"] if f"gram{i}" in data.files else None
+                                          for i in range(len(_gram_entries(metadata, path)))], path)
         except CalibrationError as e:
             if path in str(e):
                 raise
@@ -227,7 +257,7 @@ class Calibration(Mapping[str, tuple[CalibrationMethod, Statistics]]):
                 f"{path!r} is not a readable odmlq calibration file ({type(e).__name__}: {e}); "
                 "write it with Calibration.save."
             ) from e
-        return cls._build(edges, arrays, path)
+        return cls._build(edges, arrays, path, grams)
 
     def to_json(self) -> str:
         """A JSON string of everything (arrays as lists); for small calibrations."""
@@ -238,6 +268,8 @@ class Calibration(Mapping[str, tuple[CalibrationMethod, Statistics]]):
                 for f in _FIELDS
                 if getattr(stats, f) is not None
             }
+        for entry, gram in zip(metadata["grams"], self._grams.values()):
+            entry["matrix"] = gram.matrix.tolist()
         return json.dumps(metadata)
 
     @classmethod
@@ -259,7 +291,9 @@ class Calibration(Mapping[str, tuple[CalibrationMethod, Statistics]]):
             if not isinstance(stats, dict):
                 raise CalibrationError(f"The {where} has no statistics for edge {entry['id']!r}.")
             arrays.append(stats)
-        return cls._build(edges, arrays, where)
+        grams = _grams(metadata, [entry.get("matrix") if isinstance(entry, dict) else None
+                                  for entry in _gram_entries(metadata, where)], where)
+        return cls._build(edges, arrays, where, grams)
 
     def _metadata(self) -> dict[str, Any]:
         return {
@@ -269,17 +303,40 @@ class Calibration(Mapping[str, tuple[CalibrationMethod, Statistics]]):
                 {"id": e, "method": m.to_dict(), "keep_axes": list(s.keep_axes)}
                 for e, (m, s) in self._entries.items()
             ],
+            "grams": [{"param": p, **g.metadata()} for p, g in self._grams.items()],
         }
 
     @classmethod
     def _build(
         cls, edges: list[tuple[str, CalibrationMethod, tuple[int, ...]]],
-        arrays: list[Mapping[str, Any]], where: str,
+        arrays: list[Mapping[str, Any]], where: str, grams: Mapping[str, Gram],
     ) -> Calibration:
         entries = {}
         for (edge_id, method, keep_axes), fields in zip(edges, arrays):
             entries[edge_id] = (method, _statistics(fields, keep_axes, f"{where}, edge {edge_id!r}"))
-        return cls(entries)
+        return cls(entries, grams)
+
+
+def _gram_entries(metadata: Any, where: str) -> list:
+    """The metadata's list of weight input statistics (absent in files without any)."""
+    entries = metadata.get("grams", []) if isinstance(metadata, dict) else []
+    if not isinstance(entries, list):
+        raise CalibrationError(f"{where} has a malformed list of weight input statistics.")
+    return entries
+
+
+def _grams(metadata: Any, matrices: list[Any], where: str) -> dict[str, Gram]:
+    """Parameter path -> Gram, from validated metadata and the stored matrices."""
+    entries = _gram_entries(metadata, where)
+    out = {}
+    for entry, matrix in zip(entries, matrices):
+        if not isinstance(entry, dict) or not isinstance(entry.get("param"), str) or matrix is None:
+            raise CalibrationError(f"{where} has a weight input statistics entry without a "
+                                   f"parameter or matrix: {str(entry)[:80]}.")
+        if entry["param"] in out:
+            raise CalibrationError(f"{where} lists weight {entry['param']!r} twice.")
+        out[entry["param"]] = Gram.from_parts(entry, matrix, f"{where}, weight {entry['param']!r}")
+    return out
 
 
 def _edge_entries(metadata: Any, where: str) -> list[tuple[str, CalibrationMethod, tuple[int, ...]]]:

@@ -6,6 +6,7 @@ function into a `Graph` (see `_trace`, `_program`, `_grouping`, `_patterns`);
 """
 
 from odmlq.graph._fold import affine_of, fold_params, folded_bias, folded_operands, folded_ops, operand_values
+from odmlq.graph._linear import WeightLayout, weight_inputs
 from odmlq.graph._graph import MATMUL_KINDS, MAX_CONSTANT_SIZE, Edge, Graph, Op, Operand
 from odmlq.graph._trace import trace
 from odmlq.graph._params import check_finite_params, flat_params, param_path, params_tree, replace_params, split_nnx
@@ -15,4 +16,5 @@ __all__ = [
     "Edge", "Graph", "GraphCache", "affine_of", "fold_params", "folded_bias", "folded_operands", "folded_ops", "MATMUL_KINDS", "MAX_CONSTANT_SIZE", "Op", "Operand", "check_inputs",
     "operand_values", "check_finite_params",
     "flat_params", "param_path", "params_for", "params_tree", "replace_params", "split_nnx", "trace",
+    "WeightLayout", "weight_inputs",
 ]

@@ -33,8 +33,8 @@ from odmlq.litert.spec import (
     pool_as_depthwise,
     pool_pads_with_zeros,
 )
-from odmlq.graph import MATMUL_KINDS, flat_params, fold_params, replace_params
-from odmlq.scales import Scales, TensorScale, fake_quant_bias
+from odmlq.graph import MATMUL_KINDS, flat_params, replace_params
+from odmlq.scales import Scales, TensorScale, fake_quant_bias, folded_weights
 from odmlq.hooks import FakeQuant, PlanHooks
 
 _DTYPES = {"int8": "i8", "int16": "i16", "int4": "i4"}
@@ -141,7 +141,7 @@ def annotated_function(graph, plan, scales: Scales, params: Any, float_ops=()) -
         op_id for op_id in (*plan.float_ops, *float_ops)
         if any(plan.graph.resolve(e) in scales.edges for e in plan.graph.op(op_id).inputs)
         or any(e in scales.edges or e in converted for e in plan.graph.op(op_id).outputs))
-    values = {k: np.asarray(v) for k, v in flat_params(fold_params(plan.graph, params, scales.weights)).items()}
+    values = {k: np.asarray(v) for k, v in flat_params(folded_weights(plan.graph, params, scales)).items()}
     layouts = _native_layouts(plan)
     # The converter re-derives the integers from the composite's input. Given
     # values already on the grid (our integers times the scale) it cannot round

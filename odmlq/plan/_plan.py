@@ -322,8 +322,9 @@ def _share_weight_specs(op_plans: dict[str, OpPlan]) -> None:
     """A parameter several ops read (a tied embedding: a gather and the output
     projection) is stored once, so it gets one spec: where the ops' specs
     differ only in granularity, the scale axes they share (per tensor for a
-    gather and a per-channel matmul). Other differences stay, and
-    `Plan.weight_specs` names them."""
+    gather and a per-channel matmul), and a weight algorithm only where every
+    reader names it (GPTQ rounds against a matmul's inputs; a gather has
+    none). Other differences stay, and `Plan.weight_specs` names them."""
     uses: dict[str, list[tuple[str, int]]] = {}
     for op_id, op_plan in op_plans.items():
         for i, w in enumerate(op_plan.weights):
@@ -333,11 +334,14 @@ def _share_weight_specs(op_plans: dict[str, OpPlan]) -> None:
         specs = [op_plans[o].weights[i].spec for o, i in places]
         if len(set(specs)) <= 1:
             continue
-        plain = {dataclasses.replace(s, scale_axes=(), block_axis=None, block_size=None) for s in specs}
+        plain = {dataclasses.replace(s, scale_axes=(), block_axis=None, block_size=None, algorithm=None)
+                 for s in specs}
         if len(plain) != 1:
             continue
         axes = tuple(sorted(set.intersection(*(set(s.scale_axes) for s in specs))))
-        shared = dataclasses.replace(plain.pop(), scale_axes=axes)
+        algorithms = {s.algorithm for s in specs}
+        shared = dataclasses.replace(plain.pop(), scale_axes=axes,
+                                     algorithm=algorithms.pop() if len(algorithms) == 1 else None)
         readers = ", ".join(o for o, _ in places)
         for op_id, i in places:
             weights = list(op_plans[op_id].weights)

@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any
 
 from odmlq import calibration as calibration_lib
+from odmlq.algorithms import parse_weight_algorithm
 from odmlq.qtypes import BACKENDS, QType, qtype as lookup_qtype
 
 __all__ = ["QuantSpec", "spec_or_none"]
@@ -27,6 +28,8 @@ class QuantSpec:
       narrow_range: int codes in [-qmax, qmax] (symmetric int weights).
       calibration: how the range is chosen (None for dynamic activations).
       dynamic: the range is taken from the tensor itself at run time.
+      algorithm: how a weight's values are rounded to the grid (`odmlq.GPTQ`);
+        None: to nearest.
     """
 
     qtype: QType
@@ -37,9 +40,12 @@ class QuantSpec:
     narrow_range: bool = False
     calibration: Any = None
     dynamic: bool = False
+    algorithm: Any = None
 
     def __post_init__(self):
         object.__setattr__(self, "qtype", lookup_qtype(self.qtype))
+        if self.algorithm is not None:
+            object.__setattr__(self, "algorithm", parse_weight_algorithm(self.algorithm))
 
     def describe(self) -> str:
         if self.block_size is not None:
@@ -57,6 +63,8 @@ class QuantSpec:
             parts.append("dynamic")
         elif self.calibration is not None:
             parts.append(_method_str(self.calibration))
+        if self.algorithm is not None:
+            parts.append(_method_str(self.algorithm, "algorithm"))
         emulated = [b for b in BACKENDS if not self.qtype.runs_natively_on(b)]
         if emulated:
             parts.append(f"(emulated on {'/'.join(emulated)})")
@@ -67,6 +75,7 @@ class QuantSpec:
         d["qtype"] = self.qtype.name
         d["scale_axes"] = list(self.scale_axes)
         d["calibration"] = None if self.calibration is None else self.calibration.to_dict()
+        d["algorithm"] = None if self.algorithm is None else self.algorithm.to_dict()
         return d
 
     @classmethod
@@ -78,9 +87,9 @@ class QuantSpec:
         return cls(**d)
 
 
-def _method_str(method) -> str:
+def _method_str(method, key: str = "method") -> str:
     d = method.to_dict()
-    name = d.pop("method")
+    name = d.pop(key)
     return name + (f"({', '.join(f'{k}={v}' for k, v in d.items())})" if d else "")
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from odmlq.errors import GranularityError
+from odmlq.errors import GranularityError, PlanError
 from odmlq.granularity import PerBlock, PerChannel, PerTensor
 from odmlq.graph import MATMUL_KINDS, Edge, Op, Operand
 from odmlq.plan._spec import QuantSpec
@@ -100,8 +100,22 @@ def weight_spec(op: Op, operand: Operand, rule: Rule, index: int,
     return QuantSpec(
         qtype=qt.name, scale_axes=tuple(sorted(set(stacked + axes))), block_axis=block_axis,
         block_size=block_size, symmetric=symmetric, narrow_range=symmetric and qt.is_integer,
-        calibration=rule.resolved("weight_calibration"),
+        calibration=rule.resolved("weight_calibration"), algorithm=_algorithm(op, operand, rule, where),
     )
+
+
+def _algorithm(op: Op, operand: Operand, rule: Rule, where: str):
+    """The rule's weight algorithm where it applies: a matmul or convolution's
+    kernel (a norm's scale or a bias is rounded to nearest)."""
+    algorithm = rule.resolved("weight_algorithm")
+    if algorithm is None or op.kind not in MATMUL_KINDS or operand.role != "weight":
+        return None
+    if operand.stacked_axes:
+        raise PlanError(
+            f"{where}: {algorithm!r} rounds one layer's weight against that layer's inputs, but this "
+            f"weight stacks layers along axes {list(operand.stacked_axes)} (nn.scan); add a rule "
+            "for this module without weight_algorithm.")
+    return algorithm
 
 
 def _normalize_axis(axis: int, ndim: int, where: str) -> int:

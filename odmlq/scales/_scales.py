@@ -32,6 +32,7 @@ from odmlq.graph import flat_params, fold_params, operand_values, replace_params
 from odmlq.plan import op_qtype
 from odmlq.qarray import QArray, scale_shape
 from odmlq.scales._edges import check_edge_scales, edge_scales
+from odmlq.scales._rounded import rounded_weights
 from odmlq.scales._tensor import TensorScale, constant_scale, reshaped, tensor_scale
 
 _INT32_MAX = 2**31 - 1
@@ -55,6 +56,9 @@ class Scales:
     # (op id, operand index) -> the scale an elementwise op reads a value
     # derived from parameters at (`WeightPlan.read_as`).
     derived: dict[tuple[str, int], TensorScale] = dataclasses.field(default_factory=dict)
+    # parameter path -> the weight as its spec's algorithm rounded it (`odmlq.GPTQ`),
+    # float32 values on its grid (folded, where a BatchNorm is); see `folded_weights`.
+    weight_values: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     def input_scale(self, plan, op, edge_id: str) -> TensorScale | None:
         """The scale `op` reads input `edge_id` at: a conversion's, or the edge's."""
@@ -69,6 +73,9 @@ def compute_scales(plan, calibration: Calibration | None, params: Any, *,
                    weight_scales: Mapping[str, TensorScale] | None = None) -> Scales:
     """Scale and zero point of every quantized edge, weight and bias of `plan`.
 
+    Weights whose spec names an algorithm (`odmlq.GPTQ`) are rounded here too,
+    against the calibration's statistics of their inputs (`Scales.weight_values`).
+
     Args:
       weight_scales: the weights' scales when they are already known (from
         quantized params, see `odmlq.quantize_params`); `params` is then read
@@ -77,22 +84,36 @@ def compute_scales(plan, calibration: Calibration | None, params: Any, *,
 
     Raises:
       CalibrationError: a static edge has no statistics in `calibration`, or
-        its scale is not finite, zero, or absurd (over `MAX_EDGE_SCALE`).
+        its scale is not finite, zero, or absurd (over `MAX_EDGE_SCALE`); a
+        weight's algorithm finds no statistics of its inputs.
       PlanError: one parameter is given two different specs by two ops.
     """
-    if weight_scales is None:
-        weights = _weight_scales(plan, flat_params(fold_params(plan.graph, params, plan.weight_specs())))
-    else:
-        weights = dict(weight_scales)
     conversions: dict[tuple[str, str], TensorScale] = {}
     edges = edge_scales(plan, calibration, conversions)
     check_edge_scales(plan, edges, conversions)
-    scales = Scales(edges=edges, weights=weights, biases={}, constants={}, conversions=conversions)
+    scales = Scales(edges=edges, weights={}, biases={}, constants={}, conversions=conversions)
+    weight_values: dict[str, np.ndarray] = {}
+    if weight_scales is None:
+        folded = flat_params(fold_params(plan.graph, params, plan.weight_specs()))
+        weights = _weight_scales(plan, folded)
+        weight_values = rounded_weights(plan, folded, weights, calibration,
+                                        lambda op, edge: scales.input_scale(plan, op, edge))
+    else:
+        weights = dict(weight_scales)
+    scales = dataclasses.replace(scales, weights=weights)
     biases, op_biases = _bias_scales(plan, scales, weights)
     constants = _constant_scales(plan, edges)
     derived = _derived_scales(plan, params)
     return dataclasses.replace(scales, biases=biases, constants=constants, op_biases=op_biases,
-                               derived=derived)
+                               derived=derived, weight_values=weight_values)
+
+
+def folded_weights(graph, params: Any, scales: Scales) -> Any:
+    """`params` as the quantized weights are made from them: each folded
+    BatchNorm in its kernel (`odmlq.graph.fold_params`), and each weight an
+    algorithm rounded replaced by its rounded values (`Scales.weight_values`)."""
+    folded = fold_params(graph, params, scales.weights)
+    return replace_params(folded, scales.weight_values) if scales.weight_values else folded
 
 
 def _derived_scales(plan, params: Any) -> dict[tuple[str, int], TensorScale]:

@@ -20,7 +20,7 @@ import numpy as np
 from odmlq.graph import fold_params, folded_ops, param_path, params_tree
 from odmlq.errors import PlanError
 from odmlq.qarray import QArray, scale_shape
-from odmlq.scales import TensorScale, weight_scale
+from odmlq.scales import TensorScale, algorithm_applies, compute_scales, weight_scale
 from odmlq.qarray import packed_size
 
 __all__ = ["quantize_params", "weight_specs", "flat_leaves", "check_paths", "weight_scale_of"]
@@ -75,7 +75,7 @@ def _listing(items: list[str], limit: int = 12) -> str:
     return f"({len(items)}): {shown}" + (f", ... {len(items) - limit} more" if len(items) > limit else "")
 
 
-def quantize_params(params: Any, plan, *, prefix: str | None = None) -> Any:
+def quantize_params(params: Any, plan, *, prefix: str | None = None, calibration=None) -> Any:
     """Quantizes the weights of `params` as `plan` says, without running the model.
 
     Args:
@@ -97,6 +97,8 @@ def quantize_params(params: Any, plan, *, prefix: str | None = None) -> Any:
     Raises:
       PlanError: paths missing from or not in the plan, or leaves of another
         shape than traced (all listed in one message).
+      CalibrationError: a weight's algorithm finds no statistics of its inputs
+        in `calibration`.
 
     Example:
       >>> plan = odmlq.plan(model, [odmlq.Rule('.*', weight_qtype='int8')], x)
@@ -104,6 +106,7 @@ def quantize_params(params: Any, plan, *, prefix: str | None = None) -> Any:
       >>> layer = odmlq.quantize_params(load('layers/3'), plan, prefix='layers/3')
     """
     specs = weight_specs(plan)
+    rounded = _rounded(params, plan, prefix, calibration)
     params = _folded(params, plan, prefix)
     leaves, tree = flat_leaves(params)
     base = "" if not prefix else prefix.strip("/") + "/"
@@ -116,9 +119,27 @@ def quantize_params(params: Any, plan, *, prefix: str | None = None) -> Any:
             out.append(leaf)
         elif isinstance(leaf, jax.ShapeDtypeStruct):
             out.append(abstract_qarray(tuple(leaf.shape), spec))
+        elif path in rounded:
+            ts, values = rounded[path]
+            out.append(ts.quantize(values))
         else:
             out.append(weight_scale(np.asarray(leaf, np.float32), spec).quantize(leaf))
     return jax.tree_util.tree_unflatten(tree, out)
+
+
+def _rounded(params: Any, plan, prefix: str | None, calibration) -> dict[str, tuple[TensorScale, Any]]:
+    """Parameter path -> (scale, values) of each weight a weight algorithm
+    rounds, as `odmlq.compute_scales` rounds it (against the calibration's
+    statistics of its inputs, and the rounding noise of its input edge)."""
+    if not any(algorithm_applies(p, spec, calibration) for p, spec in weight_specs(plan).items()):
+        return {}
+    if prefix is not None:
+        raise PlanError(
+            "quantize_params with a prefix quantizes part of the params, but this plan rounds "
+            "weights with an algorithm that reads the whole model's scales; pass all params "
+            "(no prefix), or round to nearest (rules without weight_algorithm).")
+    scales = compute_scales(plan, calibration, params)
+    return {p: (scales.weights[p], values) for p, values in scales.weight_values.items()}
 
 
 def _folded(params: Any, plan, prefix: str | None) -> Any:

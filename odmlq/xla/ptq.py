@@ -194,7 +194,7 @@ def ptq(model: Any, rules: Sequence | Plan, params: Any = None, calibration: Cal
         plan = make_plan(traced, rules, *example_inputs, variables=variables, target=target)
     leaves, _ = _params.flat_leaves(params)
     _params.check_paths(dict(leaves), plan, partial=False)
-    qparams = _params.quantize_params(params, plan)
+    qparams = _params.quantize_params(params, plan, calibration=calibration)
     specs = _params.weight_specs(plan)
     leaves, tree = _params.flat_leaves(qparams)
     for path, leaf in leaves:

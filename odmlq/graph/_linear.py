@@ -1,0 +1,148 @@
+"""How a matmul or convolution reads its weight: the weight as a matrix, and
+its input as the rows that matrix multiplies (internal; `odmlq.graph`).
+
+Algorithms that round weights against the data (GPTQ) need, for one weight,
+the second moment of what multiplies it: for ``y = x @ W`` the rows of ``x``;
+for a convolution, every input patch a kernel window covers (an im2col). Both
+come from the op as traced, with no knowledge of strides, padding or layouts:
+the op's one matmul or convolution that reads the weight is found in
+``jax.make_jaxpr`` of the op (its *anchor*), and
+
+- a ``dot_general`` gives the rows of its other operand, contracted axes
+  last, in the weight's order of contracted axes;
+- a ``conv_general_dilated`` gives its input patches by convolving the input
+  with an identity kernel (one output feature per kernel tap), with the op's
+  own strides, padding, dilations and feature groups.
+
+`WeightLayout.matrix` lays the weight out as ``(groups, outputs per group,
+taps)``, columns in the patches' order, so that ``patches @ matrix[g].T`` is
+the op's output for group ``g`` (before any epilogue).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jcore
+
+__all__ = ["WeightLayout", "weight_inputs"]
+
+_ANCHORS = ("dot_general", "conv_general_dilated")
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightLayout:
+    """Where a weight's outputs and contracted axes are.
+
+    Attributes:
+      out_axes: the weight's axes that index outputs (in order).
+      in_axes: the weight's contracted axes, in the order of a patch's
+        columns (a convolution's input features first, then its taps).
+      groups: feature groups (a depthwise convolution has one per channel).
+    """
+
+    out_axes: tuple[int, ...]
+    in_axes: tuple[int, ...]
+    groups: int = 1
+
+    def matrix(self, w: np.ndarray) -> np.ndarray:
+        """`w` as ``(groups, outputs per group, taps)``."""
+        w = np.asarray(w)
+        outputs = math.prod(w.shape[a] for a in self.out_axes)
+        m = np.transpose(w, self.out_axes + self.in_axes).reshape(outputs, -1)
+        return m.reshape(self.groups, outputs // self.groups, m.shape[-1])
+
+    def from_matrix(self, m: np.ndarray, shape: Sequence[int]) -> np.ndarray:
+        """Inverse of `matrix`, for a weight of `shape`."""
+        order = self.out_axes + self.in_axes
+        w = np.reshape(m, [shape[a] for a in order])
+        return np.transpose(w, np.argsort(order))
+
+    def to_dict(self) -> dict:
+        return {"out_axes": list(self.out_axes), "in_axes": list(self.in_axes), "groups": self.groups}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "WeightLayout":
+        return cls(tuple(d["out_axes"]), tuple(d["in_axes"]), int(d["groups"]))
+
+
+def weight_inputs(compute: Callable, operands: Sequence[Any], weight_index: int
+                  ) -> tuple[WeightLayout, jax.Array] | str:
+    """``(layout, patches)`` of the weight `operands[weight_index]` of an op, or
+    why there are none (a string).
+
+    `patches` has shape ``(rows, groups, taps)``: one row per output position
+    (batch included), what the weight's matrix (`WeightLayout.matrix`)
+    multiplies. Traceable (calibration runs it under `jax.jit`).
+    """
+    closed = jax.make_jaxpr(compute)(*operands)
+    invars = closed.jaxpr.invars
+    weight = invars[weight_index]
+    readers = [i for i, e in enumerate(closed.jaxpr.eqns) if weight in e.invars]
+    if len(readers) != 1 or closed.jaxpr.eqns[readers[0]].primitive.name not in _ANCHORS:
+        return "its weight is read by other than one matmul or convolution, as it is"
+    eqn = closed.jaxpr.eqns[readers[0]]
+    side = eqn.invars.index(weight)
+    x = _value_before(closed, readers[0], eqn.invars[1 - side], operands)
+    w_shape = tuple(np.shape(operands[weight_index]))
+    if eqn.primitive.name == "dot_general":
+        return _dot_inputs(eqn.params["dimension_numbers"], side, x, w_shape)
+    if side != 1:
+        return "its convolution reads the weight as the input"
+    return _conv_inputs(eqn.params, x, w_shape)
+
+
+def _value_before(closed, index: int, var, operands: Sequence[Any]) -> jax.Array:
+    """The value `var` holds when equation `index` runs."""
+    if isinstance(var, jcore.Literal):
+        return jnp.asarray(var.val)
+    if var in closed.jaxpr.invars:
+        return operands[closed.jaxpr.invars.index(var)]
+    if var in closed.jaxpr.constvars:
+        return closed.consts[closed.jaxpr.constvars.index(var)]
+    jaxpr = closed.jaxpr
+    info = jcore.DebugInfo("odmlq", "weight_inputs", tuple(f"x{i}" for i in range(len(jaxpr.invars))),
+                           ("y0",))
+    head = jcore.Jaxpr(constvars=jaxpr.constvars, invars=jaxpr.invars, outvars=[var],
+                       eqns=jaxpr.eqns[:index], effects=jaxpr.effects, debug_info=info)
+    (value,) = jax.core.eval_jaxpr(head, closed.consts, *operands, propagate_source_info=False)
+    return value
+
+
+def _dot_inputs(dimension_numbers, side: int, x: jax.Array, w_shape: tuple[int, ...]):
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
+    if lhs_batch or rhs_batch:
+        return "its matmul has batch dimensions on the weight"
+    w_contract, x_contract = (lhs_contract, rhs_contract) if side == 0 else (rhs_contract, lhs_contract)
+    layout = WeightLayout(out_axes=tuple(a for a in range(len(w_shape)) if a not in w_contract),
+                          in_axes=tuple(w_contract))
+    x = jnp.moveaxis(x, tuple(x_contract), tuple(range(x.ndim - len(x_contract), x.ndim)))
+    taps = math.prod(w_shape[a] for a in w_contract)
+    return layout, x.reshape(-1, 1, taps)
+
+
+def _conv_inputs(params: dict, x: jax.Array, w_shape: tuple[int, ...]):
+    if params["batch_group_count"] != 1:
+        return "its convolution has batch groups"
+    dn = params["dimension_numbers"]
+    out_axis, in_axis, spatial = dn.rhs_spec[0], dn.rhs_spec[1], tuple(dn.rhs_spec[2:])
+    groups = params["feature_group_count"]
+    window = tuple(w_shape[a] for a in spatial)
+    taps = w_shape[in_axis] * math.prod(window)
+    # Output feature g * taps + t of group g reads (input feature, window
+    # position) number t of that group: an identity over each group's taps.
+    identity = np.tile(np.eye(taps, dtype=np.float32), (groups, 1)).reshape(
+        groups * taps, w_shape[in_axis], *window)
+    kernel = np.moveaxis(identity, tuple(range(identity.ndim)), (out_axis, in_axis, *spatial))
+    patches = lax.conv_general_dilated_p.bind(
+        x, jnp.asarray(kernel, x.dtype), **{**params, "preferred_element_type": None})
+    patches = jnp.moveaxis(patches, dn.out_spec[1], -1)
+    layout = WeightLayout(out_axes=(out_axis,), in_axes=(in_axis, *spatial), groups=groups)
+    return layout, patches.reshape(-1, groups, taps)
