@@ -123,7 +123,10 @@ class PlanHooks:
                                                          self.scales.derived[(op_id, index)])
         if op.attributes.get("fold") and self._folded(op):
             # The kernel arrives folded (`fold_params`); the BatchNorm becomes its bias.
-            bias = self.materializer.folded_bias(op, folded_bias(op, operands), self.scales.op_biases.get(op_id))
+            bias = folded_bias(op, operands)
+            if op_id in self.scales.shifts:  # a balanced sum's offset (`Plan.balanced_sums`)
+                bias = bias + self.scales.shifts[op_id]
+            bias = self.materializer.folded_bias(op, bias, self.scales.op_biases.get(op_id))
             operands = folded_operands(op, operands, bias)
         return self.materializer.op(op, compute, operands)
 

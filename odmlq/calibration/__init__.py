@@ -6,7 +6,7 @@ methods (`MinMax()`, `Percentile(99.99)`, `MSE()`, ...) are objects; a
 """
 
 from odmlq.calibration._calibrate import calibrate
-from odmlq.calibration._calibration import Calibration
+from odmlq.calibration._calibration import Calibration, channel_key
 from odmlq.calibration._gram import Gram
 from odmlq.calibration._histogram import HISTOGRAM_BINS
 from odmlq.calibration._methods import (
@@ -34,6 +34,6 @@ from odmlq.calibration._statistics import Statistics, compute_range, merge, obse
 __all__ = [
     "AbsMax", "CALIBRATION_METHODS", "MASK_SENTINEL", "Calibration", "CalibrationMethod", "Capped", "Entropy", "FixedRange",
     "Gram", "HISTOGRAM_BINS", "MSE", "Masked", "MinMax", "MovingAverageMinMax", "Percentile", "RMS", "RelativeMSE", "Statistics",
-    "calibrate", "calibration_method_from_dict", "compute_range", "merge", "observe",
+    "calibrate", "calibration_method_from_dict", "channel_key", "compute_range", "merge", "observe",
     "parse_calibration_method", "range_of",
 ]

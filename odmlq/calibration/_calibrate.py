@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from odmlq.graph import WeightLayout, GraphCache, check_finite_params, check_inputs, params_for, weight_inputs
-from odmlq.calibration._calibration import Calibration
+from odmlq.calibration._calibration import Calibration, channel_key
 from odmlq.calibration._gram import Gram
+from odmlq.calibration._methods import MinMax
 from odmlq.errors import CalibrationError
 
 __all__ = ["calibrate"]
@@ -61,6 +62,12 @@ def calibrate(model: Any, plan, rep_dataset: Iterable | Callable[[], Iterable], 
         # A float edge read by an integer op (after a float island) is
         # quantized where it is read: its range is calibrated too.
         edges.setdefault(conversion.edge, conversion.spec)
+    # key -> (edge, method, axes kept): each edge's own statistics, and the
+    # per-channel ranges of the operands of sums that balance their offsets.
+    observed = {e: (e, spec.calibration, spec.scale_axes) for e, spec in edges.items()}
+    for balanced in plan.balanced_sums:
+        for edge_id in balanced.edges:
+            observed[channel_key(edge_id)] = (edge_id, MinMax(), (balanced.axis,))
     rounded = {p: spec.algorithm.required for p, spec in plan.weight_specs().items() if spec.algorithm is not None}
     out = Calibration() if calibration is None else calibration
     dataset = rep_dataset() if callable(rep_dataset) else rep_dataset
@@ -76,12 +83,14 @@ def calibrate(model: Any, plan, rep_dataset: Iterable | Callable[[], Iterable], 
         key = id(graph)
         if key not in collectors:
             layouts: dict = {}
-            collectors[key] = (jax.jit(_collector(graph, edges, rounded, layouts)), layouts)
+            collectors[key] = (jax.jit(_collector(graph, {e for e, _, _ in observed.values()}, rounded, layouts)),
+                               layouts)
         collector, layouts = collectors[key]
         values, grams = collector(params, *inputs)
-        for edge_id, value in values.items():
-            out.observe(edge_id, edges[edge_id].calibration, np.asarray(value),
-                        keep_axes=edges[edge_id].scale_axes, batch_index=index)
+        for name, (edge_id, method, keep_axes) in observed.items():
+            if edge_id in values:
+                out.observe(name, method, np.asarray(values[edge_id]), keep_axes=keep_axes,
+                            batch_index=index)
         for param, (matrix, fourth) in grams.items():
             layout, rows = layouts[param]
             out.observe_gram(param, Gram(np.asarray(matrix, np.float64), rows, layout,

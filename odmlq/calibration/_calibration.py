@@ -37,7 +37,7 @@ from odmlq.errors import CalibrationError
 from odmlq.files import atomic_output
 from odmlq.qtypes import QType
 
-__all__ = ["Calibration"]
+__all__ = ["Calibration", "channel_key"]
 
 _FORMAT = "odmlq.calibration"
 _VERSION = 1
@@ -54,6 +54,13 @@ _FIELDS: dict[str, tuple[type, bool]] = {
     "histogram": (np.int64, False),
     "histogram_limit": (np.float64, False),
 }
+
+
+def channel_key(edge_id: str) -> str:
+    """The entry holding an edge's per-channel minima and maxima, observed
+    besides its own statistics where the plan balances a sum's offsets
+    (`Plan.balanced_sums`)."""
+    return f"{edge_id}#channels"
 
 
 class Calibration(Mapping[str, tuple[CalibrationMethod, Statistics]]):

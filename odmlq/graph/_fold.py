@@ -27,7 +27,8 @@ import numpy as np
 
 from odmlq.graph._params import flat_params, replace_params
 
-__all__ = ["affine_of", "fold_params", "folded_bias", "folded_operands", "folded_ops", "operand_values"]
+__all__ = ["affine_of", "fold_params", "folded_bias", "folded_operands", "folded_ops", "operand_values",
+           "shift_output"]
 
 
 def folded_ops(graph) -> list:
@@ -96,6 +97,15 @@ def folded_bias(op, operands: Sequence[Any]) -> jax.Array:
     if index is None:
         return t
     return _per_channel(operands[index], -1, 1) * s + t
+
+
+def shift_output(op, y: jax.Array, shift) -> jax.Array:
+    """A folded op's output `y` with a per-channel `shift` added (what adding
+    it to the folded bias gives)."""
+    fold = op.attributes["fold"]
+    shape = [1] * jnp.ndim(y)
+    shape[fold["channel_axis"] - (fold["ndim"] - jnp.ndim(y))] = -1
+    return y + jnp.asarray(shift, y.dtype).reshape(shape)
 
 
 def fold_params(graph, params: Any, kernels=None) -> Any:

@@ -177,6 +177,14 @@ class Plan:
 
         return input_conversions(self)
 
+    @functools.cached_property
+    def balanced_sums(self) -> tuple:
+        """Sums whose two quantized operands trade per-channel offsets through
+        their folded biases (`odmlq.plan._balance.BalancedSum`)."""
+        from odmlq.plan._balance import balanced_sums
+
+        return balanced_sums(self)
+
     def weight_specs(self) -> dict[str, QuantSpec]:
         """Parameter path -> the spec the plan gives it (quantized weights only).
 

@@ -294,7 +294,7 @@ def compare(model: Any, plan, scales, *inputs: Any, variables: Any = None, tflit
         _report_runs.check_xla(xla, plan)
     params = params_for(model, variables, "compare")
     graph = GraphCache(model, plan, variables).graph_for(inputs)
-    float_out, floats = _report_runs.float_run(graph, params, inputs)
+    float_out, floats = _report_runs.float_run(graph, params, inputs, scales.shifts)
     simulator = Simulator(model, plan, scales, variables=variables)
     sim_out, simulated = simulator(*inputs, capture=True)
     _, local = simulator(*inputs, capture=True, feed=floats)

@@ -19,16 +19,28 @@ import jax
 import numpy as np
 
 from odmlq.errors import OdmlqError, PlanError
+from odmlq.graph import shift_output
 
 
 def leaves(tree: Any) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
 
 
-def float_run(graph, params, inputs: tuple) -> tuple[list[np.ndarray], dict[str, np.ndarray]]:
-    """Outputs and every edge of the model in float."""
+def float_run(graph, params, inputs: tuple, shifts=None) -> tuple[list[np.ndarray], dict[str, np.ndarray]]:
+    """Outputs and every edge of the model in float. With `shifts`
+    (`Scales.shifts`), the ops of balanced sums shift their outputs as the
+    quantized model does: the same outputs, and each edge lines up with its
+    quantized value."""
     captured: dict[str, Any] = {}
-    out = graph.evaluate(params, *inputs, on_edge=lambda e, x: captured.setdefault(e, x))
+    shifts = shifts or {}
+
+    def on_op(op_id, compute, *operands):
+        outputs = compute(*operands)
+        if op_id not in shifts:
+            return outputs
+        return [shift_output(graph.op(op_id), outputs[0], shifts[op_id]), *outputs[1:]]
+
+    out = graph.evaluate(params, *inputs, on_edge=lambda e, x: captured.setdefault(e, x), on_op=on_op)
     return leaves(out), {k: np.asarray(v) for k, v in captured.items()}
 
 

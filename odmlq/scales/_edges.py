@@ -21,8 +21,11 @@ from odmlq.qtypes import qtype as lookup_qtype
 from odmlq.scales._tensor import TensorScale, reshaped, tensor_scale
 
 
-def edge_scales(plan, calibration, conversions) -> dict[str, TensorScale]:
+def edge_scales(plan, calibration, conversions, balanced=None) -> dict[str, TensorScale]:
+    """Every static edge's scale; `balanced`: edge id -> its range once the
+    plan's balanced sums shift it (`odmlq.scales._balance`)."""
     graph = plan.graph
+    balanced = balanced or {}
     out: dict[str, TensorScale] = {}
     for edge_id, edge_plan in plan.edges.items():
         spec = edge_plan.spec
@@ -40,6 +43,9 @@ def edge_scales(plan, calibration, conversions) -> dict[str, TensorScale]:
             if same is not None:
                 out[edge_id] = same
                 continue
+        if edge_id in balanced:
+            out[edge_id] = tensor_scale(spec, *balanced[edge_id], scale_shape(edge.shape, spec.scale_axes))
+            continue
         out[edge_id] = _calibrated_scale(edge, spec, calibration, _resolution(plan, edge, out))
     for key in plan.conversions:
         _conversion_scale(plan, key, out, calibration, conversions)

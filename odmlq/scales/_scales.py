@@ -10,6 +10,10 @@ elementwise ops and values derived from parameters from their values
 (`constant_scale`). Backends and `simulate` all quantize with the same
 `Scales`, so their results line up value for value.
 
+Where the plan balances a sum's offsets (`Plan.balanced_sums`), the two
+operands' ranges come from their per-channel calibration once shifted, and
+`Scales.shifts` holds each op's shift (`odmlq.scales._balance`).
+
 Where the plan's targets constrain an edge (`EdgePlan.constraint`, resolved
 when the plan was made), its scale follows the constraint: its input's,
 shared with the inputs of the op that reads it, or fixed.
@@ -31,6 +35,7 @@ from odmlq.errors import PlanError
 from odmlq.graph import flat_params, fold_params, operand_values, replace_params
 from odmlq.plan import op_qtype
 from odmlq.qarray import QArray, scale_shape
+from odmlq.scales._balance import balance_shifts
 from odmlq.scales._edges import check_edge_scales, edge_scales
 from odmlq.scales._rounded import rounded_weights
 from odmlq.scales._tensor import TensorScale, constant_scale, reshaped, tensor_scale
@@ -59,6 +64,10 @@ class Scales:
     # parameter path -> the weight as its spec's algorithm rounded it (`odmlq.GPTQ`),
     # float32 values on its grid (folded, where a BatchNorm is); see `folded_weights`.
     weight_values: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    # op id -> a per-channel shift of an op's output, added to its folded bias
+    # (``b * s + t + shift``): one side of a sum whose operands trade their
+    # offsets (`Plan.balanced_sums`); the other side's is its negation.
+    shifts: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     def input_scale(self, plan, op, edge_id: str) -> TensorScale | None:
         """The scale `op` reads input `edge_id` at: a conversion's, or the edge's."""
@@ -89,7 +98,8 @@ def compute_scales(plan, calibration: Calibration | None, params: Any, *,
       PlanError: one parameter is given two different specs by two ops.
     """
     conversions: dict[tuple[str, str], TensorScale] = {}
-    edges = edge_scales(plan, calibration, conversions)
+    shifts, balanced = balance_shifts(plan, calibration)
+    edges = edge_scales(plan, calibration, conversions, balanced)
     check_edge_scales(plan, edges, conversions)
     scales = Scales(edges=edges, weights={}, biases={}, constants={}, conversions=conversions)
     weight_values: dict[str, np.ndarray] = {}
@@ -105,7 +115,7 @@ def compute_scales(plan, calibration: Calibration | None, params: Any, *,
     constants = _constant_scales(plan, edges)
     derived = _derived_scales(plan, params)
     return dataclasses.replace(scales, biases=biases, constants=constants, op_biases=op_biases,
-                               derived=derived, weight_values=weight_values)
+                               derived=derived, weight_values=weight_values, shifts=shifts)
 
 
 def folded_weights(graph, params: Any, scales: Scales) -> Any:
