@@ -11,13 +11,13 @@ For each zoo model:
   ``verify=False`` (``unverified``) to measure what the file would compute.
   Calibration: 8 batches of 8 (the export holds the last back to verify).
   Measured: .tflite bytes (and % of float), float ops
-  (``summary.float_islands``), output SQNR against the float JAX model on 14
+  (``summary.float_islands``), output SQNR against the float JAX model on 28
   held-out samples run one at a time in LiteRT, and LiteRT latency
   (1 thread, default XNNPACK delegate, batch 1, median of interleaved rounds
   with the float model) with the number of DELEGATE partitions.
 - ``ptq w8``: ``odmlq.ptq`` with ``Rule('.*', weight_qtype='int8')``;
   ``ptq w8a8``: ``odmlq.plan`` + ``odmlq.calibrate`` (the same 8 batches) +
-  ``odmlq.ptq``. SQNR against float at batch 1 (14 calls) and batch 7 (2 calls).
+  ``odmlq.ptq``. SQNR against float at batch 1 (28 calls) and batch 7 (4 calls).
 
 Every (model, schema) runs in its own subprocess, so that a crash (a LiteRT
 abort or segfault) is recorded as ``crash (SIGABRT)`` and the table goes on.
@@ -50,7 +50,7 @@ if str(ROOT) not in sys.path:
 EXPORT_SCHEMAS = ("int8", "int16x8", "dynamic")
 PTQ_SCHEMAS = ("ptq_w8", "ptq_w8a8")
 CALIBRATION = (8, 8)  # batches, batch size
-HELD_OUT = (2, 7)  # batches, batch size: 14 samples
+HELD_OUT = (4, 7)  # batches, batch size: 28 samples
 CAL_SEED, HELD_SEED = 1, 2
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 
 from odmlq import calibration as calibration_lib
-from odmlq.algorithms import parse_weight_algorithm
+from odmlq.algorithms import GPTQ, Nearest, parse_weight_algorithm
 from odmlq.errors import RuleError
 from odmlq.granularity import Granularity, PerBlock, PerChannel, PerTensor, granularity_from_dict
 from odmlq.qtypes import qtype as lookup_qtype
@@ -43,16 +43,18 @@ DEFAULTS: dict[str, Any] = {
     "weight_granularity": PerChannel(),
     "weight_symmetric": True,
     "weight_calibration": calibration_lib.AbsMax(),
-    # Round to nearest.
-    "weight_algorithm": None,
+    # GPTQ where calibration gives the weight's inputs, to nearest elsewhere
+    # (weight-only ptq without calibration).
+    "weight_algorithm": GPTQ(required=False),
     "act_granularity": PerTensor(),
     # int8 activations are asymmetric (LiteRT's int8 scheme); int16 activations
     # must be symmetric (LiteRT's 16x8 kernels require zero point 0); fp8 has no
     # zero point.
     "act_symmetric": {"int": False, "int16": True, "float": True},
     # Global min/max: on the digits models it beats averaged per-batch ranges
-    # by 20+ dB (DESIGN.md, peers).
-    "act_calibration": calibration_lib.MinMax(),
+    # by 20+ dB (DESIGN.md, peers); with headroom where the data's tail says
+    # unseen values will pass the extremes seen.
+    "act_calibration": calibration_lib.MinMax(headroom=True),
 }
 
 _WEIGHT_FIELDS = ("weight_granularity", "weight_symmetric", "weight_calibration", "weight_algorithm")
@@ -76,7 +78,9 @@ class Rule:
       weight_calibration: how the weight range is chosen (default `AbsMax()`).
       weight_algorithm: how matmul and convolution weights are rounded to
         their grid: `GPTQ()` rounds against the calibration data's inputs
-        (needs `odmlq.calibrate`); default None, to nearest.
+        (needs `odmlq.calibrate`), `Nearest()` to nearest. Default
+        ``GPTQ(required=False)``: GPTQ where calibration data reaches the
+        weight, to nearest elsewhere (weight-only ptq without calibration).
       act_qtype: qtype of the op's output edge (None: output stays float).
       act_granularity: `PerTensor()` (default) or `PerChannel(axis)`.
       act_symmetric: default False for int8 (zero point), True for int16.
@@ -243,8 +247,8 @@ def _check_qtype_fields(rule: Rule, where: str) -> None:
                 f"{where}: {prefix}_qtype={qt.name!r} has no zero point, so "
                 f"{prefix}_symmetric=False is impossible; remove it or use an int qtype."
             )
-    if rule.weight_algorithm is not None and rule.weight_qtype is not None and (
-            lookup_qtype(rule.weight_qtype).kind != "int"):
+    if rule.weight_algorithm not in (None, "nearest") and not isinstance(rule.weight_algorithm, Nearest) and (
+            rule.weight_qtype is not None and lookup_qtype(rule.weight_qtype).kind != "int"):
         raise RuleError(
             f"{where}: weight_algorithm={rule.weight_algorithm!r} rounds to an integer grid, but "
             f"weight_qtype={rule.weight_qtype!r} is not an integer type; use int8/int4 or drop it.")

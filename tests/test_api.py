@@ -3,7 +3,7 @@ import odmlq
 # API changes show up in review: update this list on purpose.
 EXPECTED = [
     "AbsMax", "Calibration", "CalibrationError", "Edge", "EdgePlan", "Entropy", "FixedRange",
-    "GPTQ", "GranularityError", "Graph", "MSE", "MinMax", "MovingAverageMinMax", "OdmlqError", "Op",
+    "GPTQ", "GranularityError", "Graph", "MSE", "MinMax", "MovingAverageMinMax", "Nearest", "OdmlqError", "Op",
     "OpPlan", "Operand", "PerBlock", "PerChannel", "PerTensor", "Percentile", "Plan",
     "PlanError", "QArray", "QType", "QTypeError", "QuantSpec", "RMS", "Rule", "RuleError",
     "Statistics", "TraceError", "UnmatchedRuleWarning", "WeightPlan", "compute_scale",

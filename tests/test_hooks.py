@@ -77,7 +77,8 @@ def test_dynamic_inputs_are_quantized_where_kernels_read_them():
 def test_fake_quant_hooks_are_simulate():
     model, variables, plan, scales = _setup([R(".*", weight_qtype="int8", act_qtype="int8")])
     hooks = PlanHooks(plan, scales, capture=True)
-    y = hooks.evaluate(plan.graph, odmlq.scales.quantized_params(variables, scales), X)
+    y = hooks.evaluate(plan.graph, odmlq.scales.quantized_params(
+        odmlq.scales.folded_weights(plan.graph, variables, scales), scales), X)
     y_sim, captured = odmlq.simulate(model, plan, scales, X, variables=variables, capture=True)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(y_sim))  # the same ops: bit-exact
     assert set(hooks.captured) == set(captured)

@@ -15,7 +15,8 @@ def test_short_form_and_defaults():
     assert r.resolved("weight_symmetric") is True
     assert r.resolved("act_granularity") == PerTensor()
     assert r.resolved("act_symmetric") is False  # int8 activations: zero point
-    assert r.resolved("act_calibration") == MinMax()
+    assert r.resolved("act_calibration") == MinMax(headroom=True)
+    assert r.resolved("weight_algorithm") == odmlq.GPTQ(required=False)
     assert Rule(".*", act_qtype="int16").resolved("act_symmetric") is True  # 16x8 needs zp 0
 
 

@@ -1,13 +1,14 @@
 """Weight algorithms: how a weight's values are rounded to its grid.
 
-Without one a weight is rounded to nearest. `GPTQ()` rounds it against the
-calibration data's inputs (see `_gptq`). An algorithm is chosen per rule
+`Nearest()` rounds each weight to the nearest value of its grid; `GPTQ()`
+rounds it against the calibration data's inputs (see `_gptq`), odmlq's
+default where calibration data reaches the weight. An algorithm is chosen per rule
 (`Rule(..., weight_algorithm=GPTQ())`), written into the Plan with the
 weight's spec, and applied where scales are computed, so every backend reads
 the same integers.
 """
 
 from odmlq.algorithms._gptq import GPTQ, gptq_round
-from odmlq.algorithms._parse import WEIGHT_ALGORITHMS, parse_weight_algorithm
+from odmlq.algorithms._parse import WEIGHT_ALGORITHMS, Nearest, parse_weight_algorithm
 
-__all__ = ["GPTQ", "WEIGHT_ALGORITHMS", "gptq_round", "parse_weight_algorithm"]
+__all__ = ["GPTQ", "Nearest", "WEIGHT_ALGORITHMS", "gptq_round", "parse_weight_algorithm"]

@@ -4,11 +4,29 @@ from __future__ import annotations
 
 from typing import Any
 
+import dataclasses
+from typing import ClassVar
+
 from odmlq.algorithms._gptq import GPTQ
 from odmlq.errors import RuleError
 
+
+@dataclasses.dataclass(frozen=True)
+class Nearest:
+    """Round every weight to the nearest value of its grid (no data needed).
+
+    Example:
+      >>> rules = [odmlq.Rule('.*', weight_qtype='int8', weight_algorithm=odmlq.Nearest())]
+    """
+
+    name: ClassVar[str] = "nearest"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"algorithm": self.name}
+
+
 # name -> class; the closed set of weight algorithms.
-WEIGHT_ALGORITHMS: dict[str, type] = {GPTQ.name: GPTQ}
+WEIGHT_ALGORITHMS: dict[str, type] = {GPTQ.name: GPTQ, Nearest.name: Nearest}
 
 
 def parse_weight_algorithm(value: Any) -> Any:

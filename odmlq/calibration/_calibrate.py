@@ -67,7 +67,8 @@ def calibrate(model: Any, plan, rep_dataset: Iterable | Callable[[], Iterable], 
     observed = {e: (e, spec.calibration, spec.scale_axes) for e, spec in edges.items()}
     for balanced in plan.balanced_sums:
         for edge_id in balanced.edges:
-            observed[channel_key(edge_id)] = (edge_id, MinMax(), (balanced.axis,))
+            method = MinMax(headroom=edges[edge_id].calibration.headroom)
+            observed[channel_key(edge_id)] = (edge_id, method, (balanced.axis,))
     rounded = {p: spec.algorithm.required for p, spec in plan.weight_specs().items() if spec.algorithm is not None}
     out = Calibration() if calibration is None else calibration
     dataset = rep_dataset() if callable(rep_dataset) else rep_dataset

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from odmlq.calibration._gram import Gram
-from odmlq.calibration._histogram import HISTOGRAM_BINS
+from odmlq.calibration._stored import FIELDS, FORMAT, VERSION, edge_entries, gram_entries, grams_of, statistics_of
 from odmlq.calibration._wrapped import CalibrationMethod, parse_calibration_method
 from odmlq.calibration._statistics import Statistics, compute_range, merge, observe
 from odmlq.errors import CalibrationError
@@ -39,21 +39,6 @@ from odmlq.qtypes import QType
 
 __all__ = ["Calibration", "channel_key"]
 
-_FORMAT = "odmlq.calibration"
-_VERSION = 1
-# How each Statistics field is stored, and whether it may be absent.
-_FIELDS: dict[str, tuple[type, bool]] = {
-    "count": (np.int64, True),
-    "min": (np.float64, True),
-    "max": (np.float64, True),
-    "sum": (np.float64, True),
-    "sum_of_squares": (np.float64, True),
-    "batches": (np.int64, True),
-    "moving_min": (np.float64, False),
-    "moving_max": (np.float64, False),
-    "histogram": (np.int64, False),
-    "histogram_limit": (np.float64, False),
-}
 
 
 def channel_key(edge_id: str) -> str:
@@ -219,7 +204,7 @@ class Calibration(Mapping[str, tuple[CalibrationMethod, Statistics]]):
         path = os.fspath(path)
         metadata, arrays = self._metadata(), {}
         for i, (_, stats) in enumerate(self._entries.values()):
-            for field in _FIELDS:
+            for field in FIELDS:
                 if getattr(stats, field) is not None:
                     arrays[f"edge{i}.{field}"] = np.asarray(getattr(stats, field))
         for i, gram in enumerate(self._grams.values()):
@@ -246,13 +231,13 @@ class Calibration(Mapping[str, tuple[CalibrationMethod, Statistics]]):
                 if "metadata" not in data.files:
                     raise CalibrationError(f"{path!r} has no calibration metadata.")
                 metadata = json.loads(data["metadata"].tobytes().decode())
-                edges = _edge_entries(metadata, path)
+                edges = edge_entries(metadata, path)
                 arrays = [
-                    {f: data[f"edge{i}.{f}"] for f in _FIELDS if f"edge{i}.{f}" in data.files}
+                    {f: data[f"edge{i}.{f}"] for f in FIELDS if f"edge{i}.{f}" in data.files}
                     for i in range(len(edges))
                 ]
-                grams = _grams(metadata, [data[f"gram{i}"] if f"gram{i}" in data.files else None
-                                          for i in range(len(_gram_entries(metadata, path)))], path)
+                grams = grams_of(metadata, [data[f"gram{i}"] if f"gram{i}" in data.files else None
+                                          for i in range(len(gram_entries(metadata, path)))], path)
         except CalibrationError as e:
             if path in str(e):
                 raise
@@ -272,7 +257,7 @@ class Calibration(Mapping[str, tuple[CalibrationMethod, Statistics]]):
         for entry, (_, stats) in zip(metadata["edges"], self._entries.values()):
             entry["statistics"] = {
                 f: np.asarray(getattr(stats, f)).tolist()
-                for f in _FIELDS
+                for f in FIELDS
                 if getattr(stats, f) is not None
             }
         for entry, gram in zip(metadata["grams"], self._grams.values()):
@@ -291,21 +276,21 @@ class Calibration(Mapping[str, tuple[CalibrationMethod, Statistics]]):
             metadata = json.loads(text)
         except (TypeError, ValueError) as e:
             raise CalibrationError(f"The {where} does not parse: {e}.") from e
-        edges = _edge_entries(metadata, where)
+        edges = edge_entries(metadata, where)
         arrays = []
         for entry in metadata["edges"]:
             stats = entry.get("statistics")
             if not isinstance(stats, dict):
                 raise CalibrationError(f"The {where} has no statistics for edge {entry['id']!r}.")
             arrays.append(stats)
-        grams = _grams(metadata, [entry.get("matrix") if isinstance(entry, dict) else None
-                                  for entry in _gram_entries(metadata, where)], where)
+        grams = grams_of(metadata, [entry.get("matrix") if isinstance(entry, dict) else None
+                                  for entry in gram_entries(metadata, where)], where)
         return cls._build(edges, arrays, where, grams)
 
     def _metadata(self) -> dict[str, Any]:
         return {
-            "format": _FORMAT,
-            "version": _VERSION,
+            "format": FORMAT,
+            "version": VERSION,
             "edges": [
                 {"id": e, "method": m.to_dict(), "keep_axes": list(s.keep_axes)}
                 for e, (m, s) in self._entries.items()
@@ -320,102 +305,5 @@ class Calibration(Mapping[str, tuple[CalibrationMethod, Statistics]]):
     ) -> Calibration:
         entries = {}
         for (edge_id, method, keep_axes), fields in zip(edges, arrays):
-            entries[edge_id] = (method, _statistics(fields, keep_axes, f"{where}, edge {edge_id!r}"))
+            entries[edge_id] = (method, statistics_of(fields, keep_axes, f"{where}, edge {edge_id!r}"))
         return cls(entries, grams)
-
-
-def _gram_entries(metadata: Any, where: str) -> list:
-    """The metadata's list of weight input statistics (absent in files without any)."""
-    entries = metadata.get("grams", []) if isinstance(metadata, dict) else []
-    if not isinstance(entries, list):
-        raise CalibrationError(f"{where} has a malformed list of weight input statistics.")
-    return entries
-
-
-def _grams(metadata: Any, matrices: list[Any], where: str) -> dict[str, Gram]:
-    """Parameter path -> Gram, from validated metadata and the stored matrices."""
-    entries = _gram_entries(metadata, where)
-    out = {}
-    for entry, matrix in zip(entries, matrices):
-        if not isinstance(entry, dict) or not isinstance(entry.get("param"), str) or matrix is None:
-            raise CalibrationError(f"{where} has a weight input statistics entry without a "
-                                   f"parameter or matrix: {str(entry)[:80]}.")
-        if entry["param"] in out:
-            raise CalibrationError(f"{where} lists weight {entry['param']!r} twice.")
-        out[entry["param"]] = Gram.from_parts(entry, matrix, f"{where}, weight {entry['param']!r}")
-    return out
-
-
-def _edge_entries(metadata: Any, where: str) -> list[tuple[str, CalibrationMethod, tuple[int, ...]]]:
-    """(edge id, method, keep_axes) per edge, from validated metadata."""
-    if not isinstance(metadata, dict) or metadata.get("format") != _FORMAT:
-        raise CalibrationError(f"{where} is not an odmlq calibration (no format {_FORMAT!r}).")
-    if metadata.get("version") != _VERSION:
-        raise CalibrationError(
-            f"{where} has calibration format version {metadata.get('version')!r}; this "
-            f"odmlq reads version {_VERSION}."
-        )
-    edges = metadata.get("edges")
-    if not isinstance(edges, list):
-        raise CalibrationError(f"{where} has no list of edges.")
-    result = []
-    for entry in edges:
-        if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
-            raise CalibrationError(f"{where} has an edge entry without an id: {entry!r}.")
-        keep_axes = entry.get("keep_axes")
-        if not isinstance(keep_axes, list) or not all(type(a) is int for a in keep_axes):
-            raise CalibrationError(f"{where}, edge {entry['id']!r}: bad keep_axes {keep_axes!r}.")
-        method = parse_calibration_method(entry.get("method"))
-        result.append((entry["id"], method, tuple(keep_axes)))
-    if len({e[0] for e in result}) != len(result):
-        raise CalibrationError(f"{where} lists an edge id twice.")
-    return result
-
-
-def _statistics(fields: Mapping[str, Any], keep_axes: tuple[int, ...], where: str) -> Statistics:
-    """Statistics from stored arrays, checked for dtype, shape and finiteness."""
-    values = {}
-    for field, (dtype, required) in _FIELDS.items():
-        if field not in fields or fields[field] is None:
-            if required:
-                raise CalibrationError(f"{where}: statistics field {field!r} is missing.")
-            values[field] = None
-            continue
-        try:
-            value = np.asarray(fields[field])
-        except ValueError as e:  # ragged nested lists in JSON
-            raise CalibrationError(f"{where}: statistics field {field!r} is not an array ({e}).") from e
-        kind = np.dtype(dtype).kind
-        # Integers may stand in for floats (JSON writes 2.0 as 2.0, but be lenient).
-        if value.dtype.kind not in (kind, "i" if kind == "f" else kind):
-            raise CalibrationError(
-                f"{where}: statistics field {field!r} has dtype {value.dtype}, expected {np.dtype(dtype)}."
-            )
-        values[field] = value.astype(dtype)
-    shape = values["min"].shape
-    per_channel = ("min", "max", "sum", "sum_of_squares", "moving_min", "moving_max")
-    scalars = ("count", "batches", "histogram_limit")
-    if any(values[f] is not None and values[f].shape != shape for f in per_channel) or any(
-        values[f] is not None and values[f].shape != () for f in scalars
-    ):
-        raise CalibrationError(f"{where}: statistics arrays have inconsistent shapes.")
-    if (values["histogram"] is None) != (values["histogram_limit"] is None) or (
-        values["moving_min"] is None
-    ) != (values["moving_max"] is None):
-        raise CalibrationError(f"{where}: a histogram or moving average is half present.")
-    if values["histogram"] is not None and values["histogram"].shape != (HISTOGRAM_BINS,):
-        raise CalibrationError(
-            f"{where}: histogram has shape {values['histogram'].shape}, expected ({HISTOGRAM_BINS},)."
-        )
-    if not all(np.all(np.isfinite(v)) for v in values.values() if v is not None) or values["count"] < 1:
-        raise CalibrationError(f"{where}: statistics hold non-finite values or no elements.")
-    histogram, limit = values["histogram"], values["histogram_limit"]
-    # Exact merges rely on a power-of-two limit and on counts that add up.
-    if histogram is not None and (
-        np.frexp(limit)[0] != 0.5 or histogram.min() < 0 or histogram.sum() != values["count"]
-    ):
-        raise CalibrationError(
-            f"{where}: the histogram is inconsistent (its limit is not a power of two, or "
-            "its counts do not add up to the element count)."
-        )
-    return Statistics(**values, keep_axes=keep_axes)

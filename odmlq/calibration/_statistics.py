@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from odmlq.calibration import _histogram
-from odmlq.calibration._methods import FixedRange, MovingAverageMinMax
+from odmlq.calibration._methods import EXTREMES, FixedRange, MinMax, MovingAverageMinMax
 from odmlq.calibration._wrapped import Capped, CalibrationMethod, Masked, parse_calibration_method
 from odmlq.errors import CalibrationError
 from odmlq.qtypes import QType
@@ -26,7 +26,7 @@ from odmlq.qtypes import qtype as to_qtype
     jax.tree_util.register_dataclass,
     data_fields=[
         "count", "min", "max", "sum", "sum_of_squares", "batches",
-        "moving_min", "moving_max", "histogram", "histogram_limit",
+        "moving_min", "moving_max", "histogram", "histogram_limit", "top", "bottom",
     ],
     meta_fields=["keep_axes"],
 )
@@ -51,6 +51,9 @@ class Statistics:
         histograms merge exactly whatever the order of batches. The bin
         width is limit / 2048: one huge outlier coarsens the bins of the
         whole tensor, and with them Percentile, MSE and Entropy.
+      top, bottom: float64 per channel, the `EXTREMES` largest values (most
+        extreme first) and smallest (least first) seen, last axis; fewer
+        while fewer were seen. Only for ``MinMax(headroom=True)``.
       keep_axes: the axes the statistics are kept along (static).
     """
 
@@ -64,6 +67,8 @@ class Statistics:
     moving_max: np.ndarray | None = None
     histogram: np.ndarray | None = None
     histogram_limit: np.ndarray | None = None
+    top: np.ndarray | None = None
+    bottom: np.ndarray | None = None
     keep_axes: tuple[int, ...] = ()
 
 
@@ -77,6 +82,20 @@ def _keep_axes(keep_axes: Sequence[int]) -> tuple[int, ...]:
 def _base(method: CalibrationMethod) -> CalibrationMethod:
     """The method whose statistics `method` keeps (`Masked` and `Capped` keep their inner method's)."""
     return method.method if isinstance(method, (Masked, Capped)) else method
+
+
+def _keeps_extremes(method: CalibrationMethod) -> bool:
+    base = _base(method)
+    return isinstance(base, MinMax) and base.headroom
+
+
+def _extremes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(top, bottom) along the last axis: the `EXTREMES` largest values, largest
+    first, and smallest, smallest first."""
+    k = min(EXTREMES, values.shape[-1])
+    top = -np.sort(-np.partition(values, values.shape[-1] - k, axis=-1)[..., values.shape[-1] - k:], axis=-1)
+    bottom = np.sort(np.partition(values, k - 1, axis=-1)[..., :k], axis=-1)
+    return top, bottom
 
 
 def _batch_statistics(method: CalibrationMethod, x: Any, keep_axes: tuple[int, ...]) -> Statistics:
@@ -122,6 +141,7 @@ def _batch_statistics(method: CalibrationMethod, x: Any, keep_axes: tuple[int, .
     if method.needs_histogram:
         limit = _histogram.limit_for(float(max(-low, high)))
         histogram = _histogram.build(flat, limit)
+    top, bottom = _extremes(flat) if _keeps_extremes(method) else (None, None)
     return Statistics(
         count=np.asarray(flat.shape[-1], np.int64),
         min=low,
@@ -134,6 +154,8 @@ def _batch_statistics(method: CalibrationMethod, x: Any, keep_axes: tuple[int, .
         moving_max=high if moving else None,
         histogram=histogram,
         histogram_limit=None if limit is None else np.asarray(limit),
+        top=top,
+        bottom=bottom,
         keep_axes=keep_axes,
     )
 
@@ -148,11 +170,13 @@ def _check_compatible(method: CalibrationMethod, *stats: Statistics) -> None:
                 f"and {s.keep_axes} (shape {s.min.shape}) cannot be combined; "
                 "observe every batch of a tensor with the same keep_axes."
             )
-        if (s.histogram is not None) != method.needs_histogram or (s.moving_min is not None) != moving:
+        if ((s.histogram is not None) != method.needs_histogram or (s.moving_min is not None) != moving
+                or (s.top is not None) != _keeps_extremes(method)):
             raise CalibrationError(
                 f"These statistics were not observed with {method!r} (it "
                 f"{'keeps' if method.needs_histogram else 'keeps no'} histogram and "
-                f"{'keeps' if moving else 'keeps no'} moving averages); use one method per tensor."
+                f"{'keeps' if moving else 'keeps no'} moving averages, "
+                f"{'keeps' if _keeps_extremes(method) else 'keeps no'} extreme values); use one method per tensor."
             )
 
 
@@ -162,6 +186,10 @@ def _combine(a: Statistics, b: Statistics, moving: tuple[Any, Any]) -> Statistic
         histogram, limit = _histogram.merge(
             a.histogram, float(a.histogram_limit), b.histogram, float(b.histogram_limit)
         )
+    top = bottom = None
+    if a.top is not None:
+        top = _extremes(np.concatenate([a.top, b.top], axis=-1))[0]
+        bottom = _extremes(np.concatenate([a.bottom, b.bottom], axis=-1))[1]
     return Statistics(
         count=a.count + b.count,
         min=np.minimum(a.min, b.min),
@@ -173,6 +201,8 @@ def _combine(a: Statistics, b: Statistics, moving: tuple[Any, Any]) -> Statistic
         moving_max=moving[1],
         histogram=histogram,
         histogram_limit=None if limit is None else np.asarray(limit),
+        top=top,
+        bottom=bottom,
         keep_axes=a.keep_axes,
     )
 

@@ -22,8 +22,8 @@ LiteRT all compute the shifted op. A pair qualifies when:
   into its quantized kernel (`Op.attributes['fold']`) and an additive step
   or bias to carry the shift, with the same channel axis and count;
 - each edge is read by the sum alone (never a model output), quantized
-  statically per tensor with ``MinMax`` calibration (the shifted range is then
-  exact from per-channel minima and maxima), with no scale constraint and
+  statically per tensor with ``MinMax`` calibration (the shifted tensor's
+  statistics are then exact from per-channel ones: `scales._balance`), with no scale constraint and
   not fused into an activation.
 """
 
@@ -89,7 +89,7 @@ def _side(plan, sum_op: str, edge_id: str) -> tuple[str, int, int] | None:
     edge_plan = plan.edges.get(edge_id)
     spec = None if edge_plan is None else edge_plan.spec
     if (spec is None or spec.dynamic or spec.scale_axes or edge_plan.constraint is not None
-            or edge_plan.fused or spec.calibration != MinMax()):
+            or edge_plan.fused or not isinstance(spec.calibration, MinMax)):
         return None
     ndim = len(edge.shape)
     axis = fold["channel_axis"] % ndim if ndim else 0

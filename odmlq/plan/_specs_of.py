@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from odmlq.algorithms import Nearest
 from odmlq.errors import GranularityError, PlanError
 from odmlq.granularity import PerBlock, PerChannel, PerTensor
 from odmlq.graph import MATMUL_KINDS, Edge, Op, Operand
@@ -108,9 +109,12 @@ def _algorithm(op: Op, operand: Operand, rule: Rule, where: str):
     """The rule's weight algorithm where it applies: a matmul or convolution's
     kernel (a norm's scale or a bias is rounded to nearest)."""
     algorithm = rule.resolved("weight_algorithm")
-    if algorithm is None or op.kind not in MATMUL_KINDS or operand.role != "weight":
+    if (isinstance(algorithm, Nearest) or op.kind not in MATMUL_KINDS or operand.role != "weight"
+            or not lookup_qtype(rule.weight_qtype).is_integer):  # an explicit one was refused by the rule
         return None
     if operand.stacked_axes:
+        if not algorithm.required:
+            return None
         raise PlanError(
             f"{where}: {algorithm!r} rounds one layer's weight against that layer's inputs, but this "
             f"weight stacks layers along axes {list(operand.stacked_axes)} (nn.scan); add a rule "

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from odmlq.calibration import channel_key
+from odmlq.calibration import Statistics, channel_key, compute_range
 from odmlq.qtypes import qtype as lookup_qtype
 from odmlq.qarray import scale_shape
 from odmlq.scales._tensor import tensor_scale
@@ -42,7 +42,9 @@ _MIN_GAIN = 0.98
 
 def balance_shifts(plan, calibration) -> tuple[dict[str, np.ndarray], dict[str, tuple[float, float]]]:
     """``(shifts, ranges)``: op id -> per-channel shift of its output (added to
-    its folded bias), and edge id -> its calibrated range after the shift."""
+    its folded bias), and edge id -> its calibrated range after the shift
+    (the edge's own calibration method on the statistics the shifted tensor
+    has: `shifted_statistics`)."""
     shifts: dict[str, np.ndarray] = {}
     ranges: dict[str, tuple[float, float]] = {}
     if calibration is None:
@@ -52,12 +54,11 @@ def balance_shifts(plan, calibration) -> tuple[dict[str, np.ndarray], dict[str, 
         if not all(k in calibration for k in keys) or any(e in ranges for e in balanced.edges):
             continue
         specs = [plan.edges[e].spec for e in balanced.edges]
-        bounds = [calibration.range(k, s.qtype, symmetric=False) for k, s in zip(keys, specs)]
-        (la, ha), (lb, hb) = [(np.asarray(lo, np.float64).reshape(-1), np.asarray(hi, np.float64).reshape(-1))
-                              for lo, hi in bounds]
+        stats = [calibration[k][1] for k in keys]
+        (la, ha), (lb, hb) = [(np.asarray(st.min, np.float64).reshape(-1), np.asarray(st.max, np.float64).reshape(-1))
+                              for st in stats]
         if la.shape != lb.shape:
             continue
-        before = [(float(np.min(lo)), float(np.max(hi))) for lo, hi in ((la, ha), (lb, hb))]
         if balanced.sign < 0:  # a - b = a + (-b)
             lb, hb = -hb, -lb
         la, ha = la - _MARGIN * (ha - la), ha + _MARGIN * (ha - la)
@@ -65,16 +66,36 @@ def balance_shifts(plan, calibration) -> tuple[dict[str, np.ndarray], dict[str, 
         d = _shifts(la, ha, lb, hb, [lookup_qtype(s.qtype) for s in specs])
         if d is None:
             continue
-        shifted = [(float(np.min(la + d)), float(np.max(ha + d))),
-                   (float(np.min(lb - d)), float(np.max(hb - d)))]
-        if balanced.sign < 0:
-            shifted[1] = (-shifted[1][1], -shifted[1][0])
+        moved = (d, -balanced.sign * d)
+        before = [tuple(float(np.asarray(v).reshape(-1)[0]) for v in
+                        calibration.range(e, s.qtype, symmetric=s.symmetric)) for e, s in zip(balanced.edges, specs)]
+        shifted = [tuple(float(np.asarray(v).reshape(-1)[0]) for v in
+                         compute_range(s.calibration, shifted_statistics(st, m), s.qtype, symmetric=s.symmetric))
+                   for s, st, m in zip(specs, stats, moved)]
         if _cost(plan, balanced.edges, shifted) >= _MIN_GAIN * _cost(plan, balanced.edges, before):
             continue
-        shifts[balanced.ops[0]] = d.astype(np.float32)
-        shifts[balanced.ops[1]] = (-balanced.sign * d).astype(np.float32)
+        shifts[balanced.ops[0]], shifts[balanced.ops[1]] = (m.astype(np.float32) for m in moved)
         ranges.update(zip(balanced.edges, shifted))
     return shifts, ranges
+
+
+def shifted_statistics(stats: Statistics, shift: np.ndarray) -> Statistics:
+    """Per-tensor statistics of a tensor whose channel ``c`` (`stats` are kept
+    per channel) is moved by ``shift[c]``: exact for counts, extremes and the
+    most extreme values, sums up to float64 rounding."""
+    d = np.asarray(shift, np.float64).reshape(-1)
+    n = np.asarray(stats.count, np.float64)
+    top = bottom = None
+    if stats.top is not None:
+        k = stats.top.shape[-1]
+        top = -np.sort(-(stats.top + d[:, None]).reshape(-1))[:k]
+        bottom = np.sort((stats.bottom + d[:, None]).reshape(-1))[:k]
+    return Statistics(
+        count=np.asarray(stats.count * d.size, np.int64),
+        min=np.asarray(np.min(stats.min + d)), max=np.asarray(np.max(stats.max + d)),
+        sum=np.asarray(np.sum(stats.sum + n * d)),
+        sum_of_squares=np.asarray(np.sum(stats.sum_of_squares + 2 * d * stats.sum + n * d * d)),
+        batches=stats.batches, top=top, bottom=bottom)
 
 
 def _shifts(la, ha, lb, hb, qtypes) -> np.ndarray | None:

@@ -168,12 +168,13 @@ def test_optional_gptq_without_calibration_rounds_to_nearest(digits):
     x = digits.x_test[:8]
     optional = odmlq.ptq(model, [odmlq.Rule(".*", weight_qtype="int8", weight_algorithm=GPTQ(required=False))],
                          variables, example_inputs=(x[:1],))
-    nearest = odmlq.ptq(model, [odmlq.Rule(".*", weight_qtype="int8")], variables, example_inputs=(x[:1],))
+    nearest = odmlq.ptq(model, [odmlq.Rule(".*", weight_qtype="int8", weight_algorithm=odmlq.Nearest())], variables,
+                        example_inputs=(x[:1],))
     np.testing.assert_array_equal(np.asarray(optional(x)), np.asarray(nearest(x)))
 
 
 @pytest.mark.parametrize("value,match", [
-    ("adaround", r"weight_algorithm.*one of the names \['gptq'\]"),
+    ("adaround", r"weight_algorithm.*one of the names \['gptq', 'nearest'\]"),
     ({"algorithm": "gptq", "blocks": 3}, r"weight_algorithm.*unexpected keyword argument 'blocks'"),
     (GPTQ, r"weight_algorithm.*algorithm object"),
 ], ids=["unknown-name", "unknown-field", "a-class"])
@@ -195,6 +196,16 @@ def test_bad_gptq_fields_are_rule_errors(kwargs, match):
 def test_gptq_needs_an_integer_weight_type():
     with pytest.raises(odmlq.RuleError, match=r"weight_qtype='fp8_e4m3' is not an integer type"):
         odmlq.Rule(".*", weight_qtype="fp8_e4m3", weight_algorithm=GPTQ())
+
+
+def test_the_default_is_gptq_where_calibration_reaches_the_weight():
+    model, _, variables = SAMPLES["mlp"]()
+    plan = odmlq.plan(model, [odmlq.Rule(".*", weight_qtype="int8")], np.zeros((1, 8, 8, 1), np.float32),
+                      variables=variables)
+    assert {s.algorithm for s in plan.weight_specs().values()} == {GPTQ(required=False)}
+    nearest = odmlq.plan(model, [odmlq.Rule(".*", weight_qtype="int8", weight_algorithm="nearest")],
+                         np.zeros((1, 8, 8, 1), np.float32), variables=variables)
+    assert {s.algorithm for s in nearest.weight_specs().values()} == {None}
 
 
 def test_algorithms_parse_from_names_and_dicts():

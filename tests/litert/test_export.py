@@ -42,11 +42,16 @@ def test_full_integer_no_float_islands(exported):
 
 
 def test_weights_in_the_flatbuffer_are_per_channel_int8_and_equal_ours(exported):
-    """Weight and bias integers in the .tflite vs our own quantization: exact."""
+    """Weight and bias integers in the .tflite vs our own quantization (the
+    weights as GPTQ, odmlq's default, rounded them): exact."""
     from ai_edge_litert.interpreter import Interpreter
 
     name, model, variables, result = exported
     params = odmlq.scales.flat_params(variables if variables is not None else model)
+    weights = odmlq.scales.flat_params(odmlq.scales.folded_weights(
+        result.plan.graph, variables if variables is not None else odmlq.graph.params_for(model, None, "test"),
+        result.scales))
+    assert set(result.scales.weight_values) == set(result.scales.weights)  # GPTQ rounded every kernel
     interpreter = Interpreter(model_content=result.tflite)
     interpreter.allocate_tensors()
     tensors = {t.name: t for t in result.summary.tensors}
@@ -57,7 +62,7 @@ def test_weights_in_the_flatbuffer_are_per_channel_int8_and_equal_ours(exported)
         t = tensors[f"jit(fn)/{path}/composite"] if f"jit(fn)/{path}/composite" in tensors else next(
             t for t in result.summary.tensors if t.is_constant and t.dtype == "int8" and path in t.name)
         assert t.dtype == "int8" and t.is_constant
-        ours = np.asarray(ts.quantize(np.asarray(params[path])).values())
+        ours = np.asarray(ts.quantize(np.asarray(weights[path])).values())
         axis = ts.scale_axes[0]
         native = np.moveaxis(ours, axis, 0)  # LiteRT stores output channels first
         stored = interpreter.get_tensor(t.index)

@@ -171,3 +171,24 @@ def test_saved_calibrations_keep_the_per_channel_ranges(tmp_path):
     assert sorted(again.shifts) == sorted(scales.shifts)
     for op_id, shift in scales.shifts.items():
         np.testing.assert_array_equal(again.shifts[op_id], shift)
+
+
+@pytest.mark.parametrize("method", [odmlq.MinMax(), odmlq.MinMax(headroom=True)], ids=["minmax", "headroom"])
+def test_shifted_statistics_are_those_of_the_shifted_tensor(method):
+    """What the shifted edge would have been observed as: counts, extremes and
+    the most extreme values exact, sums within float64 rounding (rtol 1e-12)."""
+    from odmlq.calibration import observe
+    from odmlq.scales._balance import shifted_statistics
+
+    x = RNG.randn(40, 5, 6)
+    shift = RNG.randn(6)
+    per_channel = observe(method, None, x, keep_axes=(2,))
+    direct = observe(method, None, x + shift)
+    moved = shifted_statistics(per_channel, shift)
+    for field in ("count", "min", "max", "batches", "top", "bottom"):
+        if getattr(direct, field) is None:
+            assert getattr(moved, field) is None
+            continue
+        np.testing.assert_array_equal(getattr(moved, field), getattr(direct, field), err_msg=field)
+    for field in ("sum", "sum_of_squares"):
+        np.testing.assert_allclose(getattr(moved, field), getattr(direct, field), rtol=1e-12, err_msg=field)

@@ -68,8 +68,11 @@ FLOOR_DB = {"cnn": 30.0, "transformer": 25.0}
 
 @functools.cache
 def _exported(name: str):
+    # 64 calibration samples (the export holds the last batch of 8 back to
+    # verify): with 12, MinMax ranges of 1x1 feature maps and logits, seen a
+    # dozen times per channel, were far narrower than unseen data's.
     z = _zoo_model(name)
-    result = odmlq.export_tflite(z.model, RULES, z.make_batches(4, 4, 0), variables=z.variables)
+    result = odmlq.export_tflite(z.model, RULES, z.make_batches(8, 8, 0), variables=z.variables)
     return z, result
 
 
@@ -81,7 +84,7 @@ def test_int8_export_is_full_integer_verifies_and_meets_its_floor(name):
     z, result = _exported(name)
     assert result.verification.passed, str(result.verification)
     assert result.summary.float_islands == (), [o.name for o in result.summary.float_islands]
-    (held_out,) = z.make_batches(1, 8, 99)
+    (held_out,) = z.make_batches(1, 32, 99)
     reference = np.asarray(z.apply(*held_out))
     simulated = odmlq.simulate(z.model, result.plan, result.scales, *held_out, variables=z.variables)
     assert _sqnr_db(reference, simulated) >= FLOOR_DB[z.family]
@@ -95,11 +98,19 @@ def test_ptq_runs_at_batch_1_and_7_and_meets_its_floor(name, schema):
     calibration = None if schema == "weight_only" else result.calibration
     params = z.variables if z.variables is not None else None
     qmodel = odmlq.ptq(z.model, rules, params, calibration, example_inputs=z.example_inputs)
+    # The same 14 held-out samples one at a time and as two batches of 7 (one
+    # sample's SQNR moves by +-1.5 dB with the sample; the floor is for the set).
+    held_out = z.make_batches(2, 7, 7)
+    references = np.concatenate([np.asarray(z.apply(*x)) for x in held_out])
     for batch in (1, 7):
-        (x,) = z.make_batches(1, batch, 7)
-        y = np.asarray(qmodel(*x))
-        assert y.shape[0] == batch
-        assert _sqnr_db(z.apply(*x), y) >= FLOOR_DB[z.family], (batch, _sqnr_db(z.apply(*x), y))
+        outputs = []
+        for x in held_out:
+            for start in range(0, 7, batch):
+                y = np.asarray(qmodel(*(v[start:start + batch] for v in x)))
+                assert y.shape[0] == batch
+                outputs.append(y)
+        sqnr = _sqnr_db(references, np.concatenate(outputs))
+        assert sqnr >= FLOOR_DB[z.family], (batch, sqnr)
 
 
 @pytest.mark.parametrize("name", _params())
