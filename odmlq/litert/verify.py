@@ -312,14 +312,7 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
         samples=n, tolerance_lsb=tolerance_lsb, min_output_sqnr_db=min_output_sqnr_db,
         litert_float_sqnr_db=_db(float_sig, float_noise_litert),
         simulate_float_sqnr_db=_db(float_sig, float_noise_sim))
-    if raise_on_failure and not report.end_to_end_ok:
-        raise VerificationError(
-            f"The exported model's outputs reach only {report.output_sqnr_db:.1f} dB SQNR against "
-            f"simulate (at least {min_output_sqnr_db:g} dB expected), and "
-            f"{report.litert_float_sqnr_db:.1f} dB against float where simulate reaches "
-            f"{report.simulate_float_sqnr_db:.1f} dB.\n{report}"
-        )
-    if raise_on_failure and not report.passed:
+    if raise_on_failure and not all(c.ok for c in checks):
         bad = [c for c in checks if not c.ok]
         worst = max(bad, key=lambda c: (not c.params_match, c.max_lsb))
         what = ("its scale/zero point in the .tflite are not the plan's" if not worst.params_match
@@ -328,6 +321,20 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
             f"Exported op {worst.op!r} (module {worst.module_path!r}, edge {worst.edge!r}) {what}: "
             f"the converter produced a kernel that does not compute what the plan says. "
             f"{len(bad)} edge(s) fail.\n{report}"
+        )
+    if raise_on_failure and not report.end_to_end_ok:
+        against_float = ("" if report.litert_float_sqnr_db is None or report.simulate_float_sqnr_db is None
+                         else f", and {report.litert_float_sqnr_db:.1f} dB against float where simulate "
+                              f"reaches {report.simulate_float_sqnr_db:.1f} dB (at most "
+                              f"{FLOAT_SQNR_SLACK_DB:g} dB less allowed)")
+        raise VerificationError(
+            f"The exported model's outputs reach only {report.output_sqnr_db:.1f} dB SQNR against "
+            f"simulate (at least {min_output_sqnr_db:g} dB expected){against_float}. Every op is "
+            "within its tolerance of simulate: LiteRT's kernels round a half step their own way, "
+            "and this model magnifies those one-LSB differences. Find the edges that lose the most "
+            "with odmlq.compare(...) and give them int16 activations or keep them in float with a "
+            "skip rule; verify=False writes the file as it is.\n"
+            f"{report}"
         )
     return report
 

@@ -76,3 +76,19 @@ def test_a_relu_beside_other_readers_keeps_its_inputs_scale_and_verifies():
     assert isinstance(plan.edges["Dense_0/relu"].constraint, SameAsInput)
     outcome = run_case(case)  # exported, then every op within 1 LSB on unseen inputs
     assert outcome.kind == "exported", outcome
+
+
+def test_a_model_that_magnifies_rounding_is_refused_with_the_next_step():
+    """Seed 274: four attention blocks and a LayerNorm on 6x8 inputs, which int8
+    leaves ~19 dB from float. Every op is within its tolerance of simulate, but
+    the kernels' one-LSB rounding differences leave LiteRT's outputs 1.3 dB
+    further from float than simulate's, past the 1 dB the end-to-end check
+    allows: a named error with what to do, and no file."""
+    import odmlq
+
+    case = make_case(274)
+    with pytest.raises(odmlq.VerificationError,
+                       match=r"reach only .* against simulate .* Every op is within its tolerance .* "
+                             r"odmlq\.compare\(\.\.\.\) .* verify=False writes the file as it is"):
+        odmlq.export_tflite(case.model, [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")],
+                            case.batches(8, 8, case.seed), variables=case.variables)
