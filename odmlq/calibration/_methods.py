@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
 import numpy as np
 
 from odmlq.calibration import _histogram
+from odmlq.calibration._headroom import beyond_extreme
 from odmlq.errors import CalibrationError
 from odmlq.qtypes import QType
 
@@ -76,16 +77,6 @@ class AbsMax:
         return -bound, bound
 
 
-# How many of the most extreme values `MinMax(headroom=True)` keeps per side.
-EXTREMES = 8
-# The most headroom on one side, as a fraction of the range seen: the tail is
-# extrapolated from a few values, so not far. (On samples of 160-2560 values
-# the limit keeps all but 0.1 dB of the gain; with few steps to lose, int16's
-# MSE optimum is 5x the range for a squared Gaussian, which LiteRT's int16
-# RSQRT table then covered 86 LSB off.)
-HEADROOM_LIMIT = 0.25
-
-
 @dataclasses.dataclass(frozen=True, repr=False)
 class MinMax:
     """The global min and max of everything seen (symmetric: ±max|x|).
@@ -95,14 +86,14 @@ class MinMax:
         expected error on data the calibration did not see (odmlq's default
         for activations). The extreme of ``n`` values is exceeded by about
         one new value in ``n``; by how much follows from the tail of the data,
-        read off its `EXTREMES` most extreme values as an exponential tail of
+        read off its `EXTREMES` most extreme values (`_headroom`) as an exponential tail of
         scale ``sigma`` (their mean distance beyond the next one). Widening by
         ``d`` costs every value rounding error ``(range + d)**2 / (12
         levels**2)`` and saves ``2 sigma**2 exp(-d / sigma) / n`` of clipping
         error; the minimum of the sum is the headroom. Many values or a
         bounded tail (ties at the extreme: pixels at 1.0, ReLU zeros) give
         none; a few hundred values of a logit give a few percent of the range.
-        At most `HEADROOM_LIMIT` of the range seen on each side.
+        At most `HEADROOM_LIMIT` of the range seen on each side (`_headroom`).
     """
 
     name: ClassVar[str] = "minmax"
@@ -128,30 +119,9 @@ class MinMax:
                 "observed with another method; observe with MinMax(headroom=True).")
         width = np.maximum(stats.max, 0.0) - np.minimum(stats.min, 0.0)
         levels = float(qtype.qmax - qtype.qmin)
-        high = _headroom(stats.top - stats.top[..., -1:], width, stats.count, levels)
-        low = _headroom(stats.bottom[..., -1:] - stats.bottom, width, stats.count, levels)
+        high = beyond_extreme(stats.top - stats.top[..., -1:], width, stats.count, levels)
+        low = beyond_extreme(stats.bottom[..., -1:] - stats.bottom, width, stats.count, levels)
         return stats.min - low, stats.max + high
-
-
-def _headroom(excess: np.ndarray, width: np.ndarray, count: np.ndarray, levels: float) -> np.ndarray:
-    """The headroom beyond one end (see `MinMax`), per channel. `excess`: the
-    most extreme values' distances beyond the least extreme kept, last axis."""
-    sigma = np.sum(excess, axis=-1) / np.maximum(excess.shape[-1] - 1, 1)
-    n = np.asarray(count, np.float64)
-    # d minimizes (width + d)^2 / (12 levels^2) + 2 sigma^2 exp(-d / sigma) / n:
-    # n (width + d) / (12 levels^2 sigma) = exp(-d / sigma), one root, found by bisection.
-    with np.errstate(divide="ignore", invalid="ignore"):
-        def slope(d):
-            return n * (width + d) / (12 * levels ** 2 * sigma) - np.exp(-d / sigma)
-
-        top = np.where(sigma > 0, sigma * np.log(np.maximum(12 * levels ** 2 * sigma / (n * width), 1.0)), 0.0)
-        low, high = np.zeros_like(top), top
-        for _ in range(40):
-            middle = (low + high) / 2
-            below = slope(middle) < 0
-            low, high = np.where(below, middle, low), np.where(below, high, middle)
-        found = np.where((sigma > 0) & (width > 0) & (slope(np.zeros_like(top)) < 0), low, 0.0)
-    return np.minimum(found, HEADROOM_LIMIT * width)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,8 @@ import jax
 import numpy as np
 
 from odmlq.calibration import _histogram
-from odmlq.calibration._methods import EXTREMES, FixedRange, MinMax, MovingAverageMinMax
+from odmlq.calibration._headroom import EXTREMES
+from odmlq.calibration._methods import FixedRange, MinMax, MovingAverageMinMax
 from odmlq.calibration._wrapped import Capped, CalibrationMethod, Masked, parse_calibration_method
 from odmlq.errors import CalibrationError
 from odmlq.qtypes import QType

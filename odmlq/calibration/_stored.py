@@ -11,7 +11,7 @@ import numpy as np
 
 from odmlq.calibration._gram import Gram
 from odmlq.calibration._histogram import HISTOGRAM_BINS
-from odmlq.calibration._methods import EXTREMES
+from odmlq.calibration._headroom import EXTREMES
 from odmlq.calibration._statistics import Statistics
 from odmlq.calibration._wrapped import CalibrationMethod, parse_calibration_method
 from odmlq.errors import CalibrationError
