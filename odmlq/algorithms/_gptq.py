@@ -136,7 +136,7 @@ def _inverse_factor(h: np.ndarray, damping: float, where: str) -> np.ndarray:
     """The upper Cholesky factor of ``(h + damping * mean(diag) I)^-1``."""
     eye = np.eye(h.shape[0])
     mean = float(np.mean(np.diag(h)))
-    for attempt in range(4):
+    for attempt in range(4 if np.all(np.isfinite(h)) else 0):
         try:
             lower = np.linalg.cholesky(h + damping * 10 ** attempt * mean * eye)
             inverse_lower = np.linalg.solve(lower, eye)

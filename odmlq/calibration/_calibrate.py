@@ -121,7 +121,7 @@ def _collector(graph, edges, rounded: dict[str, bool], layouts: dict):
     reads = {op_id: found for op_id, found in reads.items() if found}
 
     def collect(params, *inputs):
-        seen, grams, traced = {}, {}, {}
+        seen, grams, traced, left_out = {}, {}, {}, set()
 
         def on_edge(edge_id, x):
             if edge_id in edges:
@@ -131,7 +131,8 @@ def _collector(graph, edges, rounded: dict[str, bool], layouts: dict):
         def on_op(op_id, compute, *operands):
             for index, param in reads.get(op_id, ()):
                 found = _weight_inputs(graph, graph.op(op_id), compute, operands, index, rounded[param])
-                if found is None:
+                if found is None or param in left_out:
+                    left_out.add(param)  # not required: every reader or none
                     continue
                 layout, patches = found
                 if patches.shape[0] > _MAX_ROWS:  # an even sample of the positions is enough
@@ -141,18 +142,21 @@ def _collector(graph, edges, rounded: dict[str, bool], layouts: dict):
                 before = grams.get(param, (0, 0))
                 grams[param] = (before[0] + gram, before[1] + fourth)
                 known_layout, rows = traced.get(param, (layout, 0))
+                if known_layout != layout and not rounded[param]:
+                    left_out.add(param)
+                    continue
                 if known_layout != layout:
                     raise CalibrationError(
                         f"Weight {param!r} is read in two layouts ({known_layout}, and {layout} by op "
                         f"{op_id!r}); its algorithm needs one. Round it to nearest (a rule for this "
-                        "module without weight_algorithm).")
+                        "module with weight_algorithm=odmlq.Nearest()).")
                 traced[param] = (layout, rows + patches.shape[0])
             return compute(*operands)
 
         graph.evaluate(params, *inputs, on_edge=on_edge, on_op=on_op if reads else None)
         layouts.clear()
-        layouts.update(traced)  # static: known once the function is traced
-        return seen, grams
+        layouts.update({p: v for p, v in traced.items() if p not in left_out})  # static, once traced
+        return seen, {p: g for p, g in grams.items() if p not in left_out}
 
     return collect
 
@@ -180,7 +184,8 @@ def _weight_inputs(graph, op, compute, operands, index: int, required: bool):
     raise CalibrationError(
         f"Op {op.id!r} (module {op.module_path!r}): weight {operand.param!r} has a weight algorithm, "
         f"which needs the inputs of the matmul that reads it, but {found}; round it to nearest "
-        "(a rule for this module without weight_algorithm).")
+        "(a rule for this module with weight_algorithm=odmlq.Nearest(), or GPTQ(required=False), which "
+        "leaves out what it cannot read).")
 
 
 def _check_finite(inputs: tuple, index: int) -> None:

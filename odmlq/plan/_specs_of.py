@@ -118,7 +118,7 @@ def _algorithm(op: Op, operand: Operand, rule: Rule, where: str):
         raise PlanError(
             f"{where}: {algorithm!r} rounds one layer's weight against that layer's inputs, but this "
             f"weight stacks layers along axes {list(operand.stacked_axes)} (nn.scan); add a rule "
-            "for this module without weight_algorithm.")
+            "for this module with weight_algorithm=odmlq.Nearest().")
     return algorithm
 
 

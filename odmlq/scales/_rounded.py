@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from odmlq.algorithms import GPTQ, gptq_round
+from odmlq.algorithms import gptq_round
 from odmlq.errors import CalibrationError
 from odmlq.scales._tensor import TensorScale
 
@@ -79,9 +79,8 @@ def rounded_weight(param: str, value: Any, ts: TensorScale, spec, calibration,
         raise CalibrationError(
             f"Weight {param!r} is rounded by {spec.algorithm!r}, which needs the inputs the "
             "calibration data gives it: pass the Calibration that odmlq.calibrate made with this "
-            "plan, or drop weight_algorithm from its rule (round to nearest).")
-    if not isinstance(spec.algorithm, GPTQ):
-        raise CalibrationError(f"Weight {param!r}: no implementation of {spec.algorithm!r}.")
+            "plan, or round it to nearest (weight_algorithm=odmlq.Nearest(), or GPTQ(required=False) where "
+            "calibration may be missing).")
     w = np.asarray(value, np.float64)
     layout = gram.layout
     scale = layout.matrix(_full(ts.scale, ts, w.shape))

@@ -137,7 +137,7 @@ def _rounded(params: Any, plan, prefix: str | None, calibration) -> dict[str, tu
         raise PlanError(
             "quantize_params with a prefix quantizes part of the params, but this plan rounds "
             "weights with an algorithm that reads the whole model's scales; pass all params "
-            "(no prefix), or round to nearest (rules without weight_algorithm).")
+            "(no prefix), or round to nearest (weight_algorithm=odmlq.Nearest()).")
     scales = compute_scales(plan, calibration, params)
     return {p: (scales.weights[p], values) for p, values in scales.weight_values.items()}
 

@@ -2,6 +2,7 @@
 
 import itertools
 
+import flax
 import jax
 import numpy as np
 import pytest
@@ -212,3 +213,63 @@ def test_algorithms_parse_from_names_and_dicts():
     assert parse_weight_algorithm("gptq") == GPTQ()
     assert parse_weight_algorithm({"algorithm": "gptq", "damping": 0.1}) == GPTQ(damping=0.1)
     assert parse_weight_algorithm(GPTQ(act_order=False).to_dict()) == GPTQ(act_order=False)
+
+
+def test_stacked_scan_weights_refuse_a_required_gptq_and_round_an_optional_one_to_nearest():
+    from tests.graph.test_graph import _Scanned
+
+    model, x = _Scanned(), np.ones((2, 8), np.float32)
+    with pytest.raises(odmlq.PlanError, match=r"layers/fc/kernel.*stacks layers along axes \[0\] \(nn.scan\).*"
+                                              r"weight_algorithm=odmlq.Nearest\(\)"):
+        odmlq.plan(model, [odmlq.Rule(".*", weight_qtype="int8", weight_algorithm=GPTQ())], x)
+    optional = odmlq.plan(model, [odmlq.Rule(".*", weight_qtype="int8")], x)
+    assert optional.weight_specs()["layers/fc/kernel"].algorithm is None
+
+
+class _TwoLayouts(flax.linen.Module):
+    """One kernel read as ``x @ w`` by one op and as ``y @ w.T`` by another."""
+
+    @flax.linen.compact
+    def __call__(self, x):
+        w = self.param("w", flax.linen.initializers.lecun_normal(), (6, 6))
+        return x @ w + (x * 2.0) @ w.T
+
+
+def test_a_weight_read_in_two_layouts_is_named():
+    model, x = _TwoLayouts(), np.random.default_rng(0).standard_normal((4, 6)).astype(np.float32)
+    variables = model.init(jax.random.key(0), x)
+    plan = odmlq.plan(model, [odmlq.Rule(".*", weight_qtype="int8", weight_algorithm=GPTQ())], x,
+                      variables=variables)
+    with pytest.raises(odmlq.CalibrationError, match=r"Weight 'w' is read in two layouts.*weight_algorithm=odmlq.Nearest"):
+        odmlq.calibrate(model, plan, [x], variables=variables)
+    optional = odmlq.plan(model, [odmlq.Rule(".*", weight_qtype="int8")], x, variables=variables)
+    calibration = odmlq.calibrate(model, optional, [x], variables=variables)
+    assert "w" not in calibration.grams  # optional: left out, rounded to nearest
+
+
+def test_a_second_moment_that_is_not_finite_is_named():
+    w = np.ones((2, 3))
+    with pytest.raises(odmlq.CalibrationError, match=r"GPTQ for weight 'k': the inputs' second moment is not positive definite"):
+        gptq_round(w, np.full_like(w, 0.1), None, -127, 127, np.full((3, 3), np.nan), GPTQ(), where="weight 'k'")
+
+
+def test_quantize_params_with_a_prefix_refuses_a_rounded_weight(gptq_cnn):
+    model, variables, export = gptq_cnn
+    with pytest.raises(odmlq.PlanError, match=r"with a prefix .*weight_algorithm=odmlq\.Nearest\(\)"):
+        odmlq.quantize_params(variables["params"]["conv1"], export.plan, prefix="conv1",
+                              calibration=export.calibration)
+
+
+@pytest.mark.parametrize("damage,match", [
+    (lambda m: m["grams"][0].update(rows=0), r"input statistics are inconsistent"),
+    (lambda m: m["grams"].append(dict(m["grams"][0])), r"lists weight .* twice"),
+    (lambda m: m.update(grams=3), r"malformed list of weight input statistics"),
+], ids=["no-rows", "twice", "not-a-list"])
+def test_a_damaged_saved_calibration_is_named(gptq_cnn, damage, match):
+    import json
+
+    _, _, export = gptq_cnn
+    data = json.loads(export.calibration.to_json())
+    damage(data)
+    with pytest.raises(odmlq.CalibrationError, match=match):
+        Calibration.from_json(json.dumps(data))
