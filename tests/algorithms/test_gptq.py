@@ -273,3 +273,15 @@ def test_a_damaged_saved_calibration_is_named(gptq_cnn, damage, match):
     damage(data)
     with pytest.raises(odmlq.CalibrationError, match=match):
         Calibration.from_json(json.dumps(data))
+
+
+def test_grams_that_cannot_be_merged_are_named():
+    def gram(layout):
+        return Gram(np.eye(2)[None], 4, layout, np.ones(1))
+
+    calibration = Calibration()
+    calibration.observe_gram("k", gram(WeightLayout((1,), (0,))))
+    with pytest.raises(odmlq.CalibrationError, match=r"Weight 'k': the weight's inputs were observed with two layouts"):
+        calibration.observe_gram("k", gram(WeightLayout((0,), (1,))))
+    with pytest.raises(odmlq.CalibrationError, match=r"inputs of weight 'k' were observed in only one of them"):
+        calibration.merge(Calibration())
