@@ -1,9 +1,12 @@
 """Advice: rule changes for the edges that lose accuracy themselves (internal).
 
-`propose` looks at the edges whose *local* SQNR (the error the edge
-introduces) is under `ADVICE_BELOW_DB`, or `ADVICE_MARGIN_DB` under the
-median edge's, worst first, and suggests for each one the module that
-decides it (its producer; a model input's first consumer):
+`propose` looks at the edges that alone carry most of the outputs' error
+(measured with only that edge quantized, `candidates`), costliest first,
+and at those whose *local* SQNR (the error the edge introduces) is under
+`ADVICE_BELOW_DB`, or `ADVICE_MARGIN_DB` under the median edge's, and
+suggests for each one the module that decides it (its producer; a model
+input's first consumer); an edge that costs the outputs next to nothing
+gets none, whatever its local SQNR:
 
 - another calibration method when the range explains the error: `MinMax()`
   when float values clip (the range is narrower than the data), and
@@ -40,6 +43,12 @@ ADVICE_BELOW_DB = 30.0  # an edge introducing more error than this is worth a fi
 ADVICE_MARGIN_DB = 10.0  # ... and so is one this far under the median edge
 CLIPPED = 1e-3  # clipping explains the error when this share of values clip
 HEAVY_TAIL = 8.0  # peak / RMS: a Gaussian's is about 4 on these sizes
+# An edge that alone leaves the outputs within this of the whole model's SQNR
+# carries most of their error: worth a fix ...
+CONTRIBUTION_DB = 3.0
+# ... and one that alone leaves them this far above costs them under 1%: not,
+# whatever its local SQNR (a masked score's sentinel region).
+NEGLIGIBLE_DB = 20.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -107,20 +116,32 @@ def deciding_op(plan, edge_id: str):
     return None if op_id is None else plan.graph.op(op_id)
 
 
-def candidates(edges, limit: int) -> list:
-    """The edges clearly worse than the rest by local SQNR, worst first."""
+def candidates(edges, limit: int, output_sqnr_db: float = math.inf) -> list:
+    """The edges to advise on, costliest for the outputs first: those clearly
+    worse than the rest by local SQNR, and, where the outputs are under
+    `ADVICE_BELOW_DB` (`output_sqnr_db`; a healthy model's largest noise
+    source is no fault), those that alone cost the outputs as much as
+    everything together bar `CONTRIBUTION_DB` (`EdgeReport.alone_sqnr_db`);
+    never one that alone leaves the outputs `NEGLIGIBLE_DB` above theirs."""
     local = [e for e in edges if e.spec != "float" and "local" in e.runs
              and math.isfinite(e.runs["local"].sqnr_db)]
     if not local:
         return []
     median = float(np.median([e.runs["local"].sqnr_db for e in local]))
+
+    def alone(e) -> float:
+        return math.inf if e.alone_sqnr_db is None else e.alone_sqnr_db
+
     # Under the threshold, or under the median by the margin: x < max(a, b) is x < a or x < b.
-    bad = [e for e in local if e.runs["local"].sqnr_db < max(ADVICE_BELOW_DB, median - ADVICE_MARGIN_DB)]
-    return sorted(bad, key=lambda e: e.runs["local"].sqnr_db)[:limit]
+    bad = [e for e in local if e.runs["local"].sqnr_db < max(ADVICE_BELOW_DB, median - ADVICE_MARGIN_DB)
+           or (output_sqnr_db < ADVICE_BELOW_DB and alone(e) <= output_sqnr_db + CONTRIBUTION_DB)]
+    bad = [e for e in bad if e.alone_sqnr_db is None or alone(e) < output_sqnr_db + NEGLIGIBLE_DB]
+    return sorted(bad, key=lambda e: (alone(e), e.runs["local"].sqnr_db))[:limit]
 
 
 def propose(plan, edges, *, weights=(), calibration=None, floats=None, litert: bool = False,
-            allow_float_ops: bool = False, limit: int = 3) -> tuple[list[Advice], list[str]]:
+            allow_float_ops: bool = False, limit: int = 3,
+            output_sqnr_db: float = math.inf) -> tuple[list[Advice], list[str]]:
     """Suggestions for the worst edges, and notes on what was not suggested and why.
 
     Args:
@@ -131,10 +152,11 @@ def propose(plan, edges, *, weights=(), calibration=None, floats=None, litert: b
       floats: edge id -> float tensor (for the heavy-tail test).
       litert: the target is LiteRT: only rules its `check_plan` accepts.
       allow_float_ops: the compared .tflite has float ops already (so may the new one).
+      output_sqnr_db: the outputs' SQNR against float with simulate (lowest output).
     """
     advice, notes, seen = [], [], set()
     by_param = {w.param: w for w in weights}
-    for e in candidates(edges, limit):
+    for e in candidates(edges, limit, output_sqnr_db):
         op = deciding_op(plan, e.edge)
         index = None if op is None else plan.ops[op.id].rule
         if index is None or plan.rules[index].skip or op.module_path in seen:

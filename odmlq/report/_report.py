@@ -79,6 +79,11 @@ class EdgeReport:
     # The edge whose range sets this edge's scale (a max pool, reshape or
     # transpose keeps its input's scale); None when it has its own.
     scale_from: str | None = None
+    # The outputs' SQNR (dB, lowest output) with only this edge quantized, and
+    # its rise with only this edge in float: how much of the outputs' error
+    # the edge causes (`compare(contributions=True)`; None when not measured).
+    alone_sqnr_db: float | None = None
+    float_gain_db: float | None = None
 
     @property
     def local_sqnr_db(self) -> float:
@@ -123,12 +128,22 @@ class Report:
     def worst(self, n: int = 5) -> tuple[EdgeReport, ...]:
         return self.edges[:n]
 
+    def contributors(self, n: int = 5) -> tuple[EdgeReport, ...]:
+        """The `n` edges whose quantization costs the outputs most: lowest
+        `EdgeReport.alone_sqnr_db` first, then largest `float_gain_db` (none
+        without contributions)."""
+        measured = [e for e in self.edges if e.alone_sqnr_db is not None]
+        return tuple(sorted(measured, key=lambda e: (e.alone_sqnr_db, -e.float_gain_db))[:n])
+
     def to_dict(self) -> dict:
         """The JSON contract (version 2)::
 
           {"format": "odmlq.report", "version": 2, "runs": [run, ...],
            "edges": [{"edge", "op", "module_path", "spec", "index", "who",
                       "scale_from": edge | null,              # whose range sets its scale
+                      "alone_sqnr_db": dB | null,             # outputs with only it quantized
+                      "float_gain_db": dB | null,             # outputs' gain with it in float
+                                                              # (both absent: not measured; null: inf)
                       "runs": {run: metrics}}, ...],          # worst first (see `compare`)
            "outputs": {name: metrics}, "unmapped_tensors": [name, ...],
            "weights": [{"param", "module_path", "spec", "axis", "min": [...],
@@ -148,6 +163,9 @@ class Report:
             "format": "odmlq.report", "version": FORMAT_VERSION, "runs": list(self.runs),
             "edges": [{"edge": e.edge, "op": e.op, "module_path": e.module_path, "spec": e.spec,
                        "index": e.index, "who": e.who, "scale_from": e.scale_from,
+                       **({} if e.alone_sqnr_db is None else {
+                           "alone_sqnr_db": _finite_or_none(e.alone_sqnr_db),
+                           "float_gain_db": _finite_or_none(e.float_gain_db)}),
                        "runs": {k: m.to_dict() for k, m in e.runs.items()}} for e in self.edges],
             "outputs": {k: m.to_dict() for k, m in self.outputs.items()},
             "unmapped_tensors": list(self.unmapped_tensors),
@@ -230,6 +248,8 @@ class Report:
                               f"reads version {FORMAT_VERSION}); run compare() again.")
         edges = tuple(EdgeReport(edge=e["edge"], op=e["op"], module_path=e["module_path"], spec=e["spec"],
                                  index=e["index"], scale_from=e.get("scale_from"),
+                                 alone_sqnr_db=_inf_if_none(e, "alone_sqnr_db"),
+                                 float_gain_db=_inf_if_none(e, "float_gain_db"),
                                  runs={k: EdgeMetrics.from_dict(m) for k, m in e["runs"].items()})
                       for e in d["edges"])
         return cls(edges=edges, outputs={k: EdgeMetrics.from_dict(m) for k, m in d["outputs"].items()},
@@ -245,7 +265,7 @@ class Report:
 def compare(model: Any, plan, scales, *inputs: Any, variables: Any = None, tflite: bytes | None = None,
             xla: Any = None, device: Mapping[str, np.ndarray] | None = None, calibration: Any = None,
             rep_dataset: Iterable | None = None, try_fixes: bool = False,
-            max_advice: int = 3) -> Report:
+            max_advice: int = 3, contributions: bool = True) -> Report:
     """Lines up float, simulate, local and backend runs edge by edge, and advises.
 
     Args:
@@ -265,6 +285,10 @@ def compare(model: Any, plan, scales, *inputs: Any, variables: Any = None, tflit
         from `calibration`, outputs vs float with simulate (and with a
         `tflite`, re-exported: size and LiteRT outputs).
       max_advice: at most this many edges get advice.
+      contributions: also run the model twice per quantized edge, with only
+        that edge quantized and with only it in float (`EdgeReport.alone_sqnr_db`,
+        `float_gain_db`, `Report.contributors`): the edges that cost the
+        outputs most, which advice considers first.
 
     Returns:
       A `Report`, edges ranked by local SQNR (worst first).
@@ -303,11 +327,19 @@ def compare(model: Any, plan, scales, *inputs: Any, variables: Any = None, tflit
     backends, more_outputs, unmapped, notes = _backend_runs(plan, scales, inputs, float_out, xla, tflite, device)
     outputs.update(more_outputs)
     reports = _edge_reports(plan, scales, floats, {"local": local, "simulate": simulated}, backends)
+    if contributions:
+        from odmlq.report._contribution import contributions as measure_contributions
+
+        measured = measure_contributions(model, plan, scales, inputs, float_out, variables=variables,
+                                         groups={e.edge: e.scale_from for e in reports if e.scale_from})
+        reports = [dataclasses.replace(e, alone_sqnr_db=measured[e.edge][0], float_gain_db=measured[e.edge][1])
+                   if e.edge in measured else e for e in reports]
     weights = weight_ranges(plan, params, scales)
     islands = tflite is not None and _has_float_ops(plan, tflite)
-    advice, advice_notes = _report_advice.propose(plan, reports, weights=weights, calibration=calibration,
-                                                  floats=floats, litert=tflite is not None,
-                                                  allow_float_ops=islands, limit=max_advice)
+    advice, advice_notes = _report_advice.propose(
+        plan, reports, weights=weights, calibration=calibration, floats=floats, litert=tflite is not None,
+        allow_float_ops=islands, limit=max_advice,
+        output_sqnr_db=min((m.sqnr_db for k, m in outputs.items() if "(" not in k), default=math.inf))
     notes += advice_notes
     if try_fixes and advice:
         trials = _report_fixes.FixTrials(
@@ -415,6 +447,17 @@ def _ranked(reports: list[EdgeReport]) -> list[EdgeReport]:
         return (worst, worst_sim, root, *own, e.runs["simulate"].sqnr_db)
 
     return sorted(reports, key=key)
+
+
+def _finite_or_none(value: float | None) -> float | None:
+    return None if value is None or not math.isfinite(value) else value
+
+
+def _inf_if_none(entry: dict, key: str) -> float | None:
+    """A stored SQNR: absent (not measured) stays None; null is no error (inf)."""
+    if key not in entry:
+        return None
+    return math.inf if entry[key] is None else float(entry[key])
 
 
 def _outputs(reference: list, values: list, run: str) -> dict[str, EdgeMetrics]:

@@ -17,6 +17,7 @@ def render(report) -> str:
     lines = []
     if report.edges:
         lines += _edges(report)
+        lines += _contributors(report)
     if report.outputs:
         lines.append("outputs vs float: " + ", ".join(
             f"{k}: {db(m.sqnr_db)} dB" + (f" ({m.nan} NaN)" if m.nan else "") for k, m in report.outputs.items()))
@@ -49,6 +50,17 @@ def _edges(report) -> list[str]:
     return ["Edges, worst local SQNR first (local: this op on float inputs; simulate: "
             "everything quantized; vs float; edges sharing a scale together, the one whose "
             "range sets it first, the others 'shared')", table(headers, rows)]
+
+
+def _contributors(report) -> list[str]:
+    top = report.contributors()
+    if not top:
+        return []
+    rows = [[e.edge, e.module_path or "''", e.spec, db(e.alone_sqnr_db), f"{e.float_gain_db:+.1f}",
+             db(e.runs["local"].sqnr_db) if "local" in e.runs else "-"] for e in top]
+    return ["Edges that cost the outputs most (outputs vs float with only that edge quantized; "
+            "their gain with only that edge in float)",
+            table(["edge", "module", "spec", "alone dB", "float gain dB", "local dB"], rows)]
 
 
 def _weights(weights) -> list[str]:
