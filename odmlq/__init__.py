@@ -43,6 +43,7 @@ from odmlq.litert import VerificationError, export_tflite
 from odmlq.xla import QuantizedModel, load_params, quantize_params, save_params
 from odmlq.targets import plan, ptq
 from odmlq.report import Report, compare
+from odmlq.tune import Candidate, TuneResult, TuneTarget, autotune
 
 __version__ = "0.1.0"
 
@@ -56,4 +57,5 @@ __all__ = [
     "calibrate", "Scales", "TensorScale", "compute_scales", "Simulator", "simulate",
     "export_tflite", "VerificationError", "Report", "compare",
     "ptq", "QuantizedModel", "quantize_params", "save_params", "load_params",
+    "autotune", "Candidate", "TuneResult", "TuneTarget",
 ]

@@ -3,6 +3,8 @@
   odmlq demo [--out DIR]                 train the digits CNN, export int8, compare
   odmlq plan SAMPLE|module:function [--rules rules.yaml] [--json]
   odmlq export module:function --out model.tflite [--rules R] [--calibration C.npz] [--data D.npz]
+  odmlq tune module:function --data D.npz (--min-cosine C | --min-sqnr DB | --max-bits-per-weight B)
+             [--backend litert|xla|both] [--out rules.yaml]
   odmlq inspect model.tflite
   odmlq ops                              what each op kind becomes on LiteRT, per schema
   odmlq diff model.tflite --inputs in.npz --device-tensors dump.npz [--min-sqnr 30]
@@ -99,23 +101,55 @@ def _cmd_export(args) -> int:
 
     model, inputs, variables = _load_model(args.model)
     calibration = Calibration.load(args.calibration) if args.calibration else None
-    data = None
-    if args.data:
-        try:
-            with np.load(args.data, allow_pickle=False) as f:
-                arrays = [f[k] for k in f.files]
-        except (OSError, ValueError) as e:
-            raise OdmlqError(f"Cannot read --data {args.data!r}: {e}.") from None
-        if not arrays:
-            raise OdmlqError(f"--data {args.data!r} holds no arrays.")
-        n = len(arrays[0])
-        data = [tuple(a[i:i + args.batch_size] for a in arrays) for i in range(0, n, args.batch_size)]
+    data = _load_batches(args.data, args.batch_size, "--data") if args.data else None
     if data is None and calibration is None:
         raise OdmlqError("odmlq export needs --calibration C.npz or --data D.npz (representative inputs).")
     result = export_tflite(model, _rules_from(args), data or [tuple(inputs)], args.out,
                            variables=variables, example_inputs=inputs, calibration=calibration,
                            verify=not args.no_verify, allow_float_ops=args.allow_float_ops)
     print(result)
+    return 0
+
+
+def _load_batches(path: str, batch_size: int, what: str) -> list[tuple]:
+    """Batches of `batch_size` rows of an .npz holding one array per model input."""
+    import numpy as np
+
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            arrays = [f[k] for k in f.files]
+    except (OSError, ValueError) as e:
+        raise OdmlqError(f"Cannot read {what} {path!r}: {e}.") from None
+    if not arrays:
+        raise OdmlqError(f"{what} {path!r} holds no arrays.")
+    if batch_size < 1:
+        raise OdmlqError(f"--batch-size {batch_size} must be at least 1.")
+    n = len(arrays[0])
+    return [tuple(a[i:i + batch_size] for a in arrays) for i in range(0, n, batch_size)]
+
+
+def _cmd_tune(args) -> int:
+    from odmlq.files import check_output_path
+    from odmlq.tune import TuneTarget, autotune
+
+    target = TuneTarget(min_sqnr_db=args.min_sqnr, min_cosine=args.min_cosine,
+                        max_bits_per_weight=args.max_bits_per_weight, max_bytes=args.max_bytes)
+    if args.out:
+        check_output_path(args.out)
+    data = _load_batches(args.data, args.batch_size, "--data")
+    evaluation = _load_batches(args.eval_data, args.batch_size, "--eval-data") if args.eval_data else None
+    model, inputs, variables = _load_model(args.model)
+    candidates = [c for c in args.candidates.split(",") if c] if args.candidates else None
+    result = autotune(model, variables, data, target=target, eval_inputs=evaluation, candidates=candidates,
+                      backend=args.backend, example_inputs=inputs, max_trials=args.max_trials,
+                      check=not args.no_check, progress=False if args.quiet else None)
+    print(result)
+    if args.out:
+        result.save_rules(args.out)
+        print(f"# wrote {args.out}", file=sys.stderr)
+    if not result.met:
+        print("odmlq: the target is not met; the rules above are the closest measured", file=sys.stderr)
+        return 3
     return 0
 
 
@@ -245,6 +279,24 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--batch-size", type=int, default=32)
     e.add_argument("--no-verify", action="store_true", help="skip the op-by-op check")
     e.add_argument("--allow-float-ops", action="store_true")
+    t = sub.add_parser("tune", help="find rules that meet an accuracy floor or a size budget (autotune)")
+    t.add_argument("model", help="a sample name, or module:function returning (model, example_inputs, variables)")
+    t.add_argument("--data", required=True, help=".npz of representative inputs (one array per model input)")
+    t.add_argument("--eval-data", help=".npz of inputs the accuracy is measured on (default: --data)")
+    t.add_argument("--batch-size", type=int, default=32, help="rows per batch of --data (default 32)")
+    t.add_argument("--min-sqnr", type=float, help="every output's SQNR against float at least this (dB)")
+    t.add_argument("--min-cosine", type=float, help="mean per-sample cosine against float at least this")
+    t.add_argument("--max-bits-per-weight", type=float, help="average stored bits per weight at most this")
+    t.add_argument("--max-bytes", type=int, help="parameters' stored bytes at most this")
+    t.add_argument("--backend", choices=("litert", "xla", "both"), default="litert",
+                   help="whose kernels the rules must run on (default litert)")
+    t.add_argument("--candidates", help="comma-separated precisions to choose among "
+                                        "(float,int16x8,int8,int4,w8,w4,w2; default by backend and target)")
+    t.add_argument("--max-trials", type=int, default=8, help="configurations measured at most (default 8)")
+    t.add_argument("--no-check", action="store_true",
+                   help="skip exporting/running the chosen rules on the backend(s)")
+    t.add_argument("--out", help="write the chosen rules here (YAML, for --rules)")
+    t.add_argument("--quiet", action="store_true", help="no progress lines")
     sub.add_parser("ops", help="what each op kind becomes on LiteRT, per schema (docs/OPS.md)")
     i = sub.add_parser("inspect", help="ops, quantization and float islands of a .tflite")
     i.add_argument("model", help="the .tflite file")
@@ -271,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 0 if args.list else 2
             return _cmd_plan(args)
         commands = {"demo": _cmd_demo, "export": _cmd_export, "inspect": _cmd_inspect, "diff": _cmd_diff,
-                    "ops": _cmd_ops}
+                    "ops": _cmd_ops, "tune": _cmd_tune}
         return commands[args.command](args)
     except OdmlqError as e:
         print(f"odmlq: error: {e}", file=sys.stderr)

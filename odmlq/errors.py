@@ -31,4 +31,14 @@ class TraceError(OdmlqError, RuntimeError):
 
 
 class PlanError(OdmlqError, ValueError):
-    """A plan is inconsistent, or a serialized plan cannot be read."""
+    """A plan is inconsistent, or a serialized plan cannot be read.
+
+    Attributes:
+      ops: the op ids whose decisions conflict, where the check knows them
+        (an op and the producer of an edge it reads in another qtype), so a
+        caller choosing precisions per op can resolve the conflict.
+    """
+
+    def __init__(self, message: str = "", *, ops: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.ops = tuple(ops)

@@ -11,6 +11,7 @@ EXPECTED = [
     "calibrate", "Scales", "TensorScale", "compute_scales", "Simulator", "simulate",
     "export_tflite", "VerificationError", "Report", "compare",
     "ptq", "QuantizedModel", "quantize_params", "save_params", "load_params",
+    "autotune", "Candidate", "TuneResult", "TuneTarget",
 ]
 
 

@@ -109,3 +109,43 @@ def test_demo_names_a_missing_dependency(monkeypatch, capsys):
     assert cli.main(["demo"]) != 0
     err = capsys.readouterr().err
     assert "odmlq demo needs the package 'sklearn" in err and "which is not installed" in err, err
+
+
+def test_tune_writes_rules_that_plan_again(tmp_path, capsys):
+    import numpy as np
+
+    import odmlq
+
+    data = tmp_path / "data.npz"
+    np.savez(data, x=np.random.default_rng(0).random((64, 8, 8, 1), dtype=np.float32))
+    out = tmp_path / "rules.yaml"
+    assert cli.main(["tune", "cnn", "--data", str(data), "--min-sqnr", "20", "--out", str(out), "--quiet",
+                     "--no-check"]) == 0
+    printed = capsys.readouterr().out
+    assert "autotune: met" in printed and "rules:" in printed
+    rules = odmlq.load_rules(out)
+    assert rules and rules[-1].module_path == ".*"
+
+
+def test_tune_says_when_the_target_is_not_met(tmp_path, capsys):
+    import numpy as np
+
+    data = tmp_path / "data.npz"
+    np.savez(data, x=np.random.default_rng(0).random((32, 8, 8, 1), dtype=np.float32))
+    assert cli.main(["tune", "cnn", "--data", str(data), "--min-sqnr", "300", "--candidates", "int8",
+                     "--quiet", "--no-check"]) == 3
+    assert "not met" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, match", [
+    ([], "needs a floor or a budget"),
+    (["--min-cosine", "0.99", "--out", "/nonexistent/dir/rules.yaml"], "nonexistent"),
+    (["--min-cosine", "0.99", "--candidates", "int3"], "Unknown candidate"),
+])
+def test_tune_bad_arguments_fail_before_work(tmp_path, capsys, args, match):
+    import numpy as np
+
+    data = tmp_path / "data.npz"
+    np.savez(data, x=np.zeros((4, 8, 8, 1), np.float32))
+    assert cli.main(["tune", "cnn", "--data", str(data), *args]) == 1
+    assert match in capsys.readouterr().err

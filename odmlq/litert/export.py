@@ -359,14 +359,15 @@ def _check_one_activation_type(plan: Plan, op, where: str) -> None:
                 f"folds that requantization into the producing {kind!r} op, which then reads "
                 f"{c.source} and writes {c.spec.qtype} (computed wrongly or refused). Give the "
                 f"producer ({producer!r}) act_qtype={c.spec.qtype!r} too, or keep it in float "
-                "(skip=True, allow_float_ops=True): a QUANTIZE after a float op converts correctly.")
+                "(skip=True, allow_float_ops=True): a QUANTIZE after a float op converts correctly.",
+                ops=(op.id, producer))
     if converted and isinstance(plan.edges[op.outputs[0]].constraint, SharedWithInputs):
         c = converted[0]
         raise PlanError(
             f"{where} reads {c.source} edge {c.edge!r} as {c.spec.qtype}; LiteRT's {op.kind} reads "
             "its inputs at its output's scale, so the requantization cannot be placed before it. "
-            "Give the producer of that edge and this op the same act_qtype."
-        )
+            "Give the producer of that edge and this op the same act_qtype.",
+            ops=tuple(o for o in (op.id, plan.graph.edges[c.edge].producer) if o is not None))
 
 
 def _check_io_dtype(plan: Plan, io_dtype: str) -> None:

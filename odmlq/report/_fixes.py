@@ -23,7 +23,7 @@ import numpy as np
 from odmlq.report._advice import Advice, Measured
 from odmlq.report._metrics import edge_metrics
 from odmlq.report._runs import leaves, litert_run
-from odmlq.calibration import Calibration, FixedRange, MovingAverageMinMax
+from odmlq.calibration import Calibration, derivable
 from odmlq.errors import CalibrationError, OdmlqError
 from odmlq.rules import UnmatchedRuleWarning
 
@@ -92,7 +92,7 @@ class FixTrials:
             method, stats = entries[edge_id]
             if edge_plan.rule != 0 or method == spec.calibration:
                 continue  # not the suggested rule's edge: the statistics as given
-            if _supports(method, stats, spec):
+            if derivable(method, stats, spec.calibration, spec.scale_axes):
                 entries[edge_id] = (spec.calibration, stats)
             else:
                 need.append(edge_id)
@@ -123,18 +123,6 @@ class FixTrials:
                                    calibration=calibration, verify=False, allow_float_ops=allow_float_ops)
         run = litert_run(result.tflite, plan, result.scales, self.inputs)
         return len(result.tflite), output_sqnr(self.float_outputs, run.outputs)
-
-
-def _supports(method, stats, spec) -> bool:
-    """Whether `stats`, observed with `method`, give the range of `spec`'s method."""
-    new = spec.calibration
-    if isinstance(new, FixedRange):
-        return True
-    if isinstance(method, FixedRange) or tuple(stats.keep_axes) != tuple(spec.scale_axes):
-        return False
-    if getattr(new, "needs_histogram", False) and stats.histogram is None:
-        return False
-    return not (isinstance(new, MovingAverageMinMax) and stats.moving_min is None)
 
 
 def measure_all(trials: FixTrials, advice: list[Advice]) -> tuple[list[Advice], list[str]]:

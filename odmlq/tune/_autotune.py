@@ -1,0 +1,380 @@
+"""`autotune`: the rules that meet an accuracy floor or a size budget (internal)."""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from odmlq import litert
+from odmlq.errors import OdmlqError, PlanError, RuleError
+from odmlq.rules import Rule, UnmatchedRuleWarning
+from odmlq.tune import _search
+from odmlq.tune._candidates import Candidate, default_candidates, group_pattern, parse_candidates
+from odmlq.tune._model import BACKENDS, TunedModel
+from odmlq.tune._result import Trial, TuneResult
+from odmlq.tune._sensitivity import group_noise, output_errors
+from odmlq.tune._target import Measured, TuneTarget, accuracy_of
+
+__all__ = ["autotune"]
+
+# Each failed trial raises the margin the prediction must clear by at least
+# this much (dB), so the search never re-proposes a configuration.
+_MIN_STEP_DB = 0.5
+
+
+def autotune(model: Any, variables: Any = None, rep_dataset: Iterable | Callable | None = None, *,
+             target: TuneTarget, eval_fn: Callable[[Callable], float] | None = None,
+             eval_inputs: Iterable | None = None, candidates: Sequence[Candidate | str] | None = None,
+             backend: str = "litert", example_inputs: Sequence[Any] | None = None, calibration=None,
+             max_trials: int = 8, check: bool = True, progress: bool | None = None) -> TuneResult:
+    """Finds rules that meet `target`, choosing a precision per group of ops.
+
+    A group is the ops at one module path (what one rule addresses). For each
+    candidate precision the model is planned once and every group's effect on
+    the outputs measured alone (`simulate`, one jitted run per candidate);
+    the search then predicts configurations from these (noise adds up) and
+    measures each one it proposes for real, raising its margin when the
+    prediction was optimistic. On LiteRT a group is only offered candidates
+    whose every op LiteRT runs so (`odmlq.litert.check_plan`).
+
+    Args:
+      model, variables: the float model (Linen: its variables; NNX: None).
+      rep_dataset: representative batches (as `odmlq.calibrate` takes).
+      target: a `TuneTarget` (accuracy floor, size budget, or both).
+      eval_fn: ``eval_fn(apply) -> float``, higher is better, where
+        ``apply(*inputs)`` runs a configuration (simulated) or the float model;
+        needed for `min_metric` / `max_metric_drop`.
+      eval_inputs: batches the SQNR and cosine are measured on (default: the
+        representative batches).
+      candidates: names (``'float'``, ``'int16x8'``, ``'int8'``, ``'int4'``,
+        ``'w8'``, ``'w4'``, ``'w2'``) or `odmlq.Candidate`s; default by backend
+        and target (`default_candidates`).
+      backend: ``'litert'`` (rules LiteRT can honour; plan constraints of
+        LiteRT), ``'xla'``, or ``'both'`` (LiteRT's legality, both checks).
+      example_inputs: inputs fixing the traced shapes (default: the first batch).
+      calibration: statistics to start from (default: observed here).
+      max_trials: configurations measured at most.
+      check: run the chosen rules on the backend(s): export and verify the
+        .tflite (LiteRT), quantize and run (XLA), each against float.
+      progress: progress lines on stderr (default: when stderr is a tty).
+
+    Returns:
+      A `TuneResult`: `rules`, `trials` (the measured trade-offs), `met`.
+
+    Raises:
+      RuleError: a bad target, candidate or backend, or a metric target without `eval_fn`.
+
+    Example:
+      >>> result = odmlq.autotune(model, variables, batches, target=odmlq.TuneTarget(min_cosine=0.995))
+      >>> print(result)
+      >>> result.save_rules('rules.yaml')
+    """
+    start = time.perf_counter()
+    if not isinstance(target, TuneTarget):
+        raise RuleError(f"target must be an odmlq.TuneTarget, got {target!r}.")
+    if target.needs_metric and eval_fn is None:
+        raise RuleError("TuneTarget min_metric / max_metric_drop read eval_fn's value; pass "
+                        "eval_fn=lambda apply: accuracy(apply(x_held_out), y_held_out).")
+    if backend not in BACKENDS:
+        raise RuleError(f"backend={backend!r}; choose one of {sorted(BACKENDS)}.")
+    if not isinstance(max_trials, int) or max_trials < 1:
+        raise RuleError(f"max_trials={max_trials!r} must be a positive integer.")
+    candidates = (default_candidates(backend, target.has_size) if candidates is None
+                  else parse_candidates(candidates))
+    show = sys.stderr.isatty() if progress is None else progress
+    say = (lambda text: print(f"autotune: {text}", file=sys.stderr, flush=True)) if show else (lambda text: None)
+    batches = _batches(rep_dataset, "rep_dataset")
+    eval_batches = batches if eval_inputs is None else _batches(eval_inputs, "eval_inputs")
+    example = tuple(example_inputs) if example_inputs is not None else batches[0]
+    say(f"tracing and planning {len(candidates)} candidates")
+    tuned = TunedModel(model, variables, batches, eval_batches, candidates, backend, calibration, example)
+    if not tuned.groups:
+        raise OdmlqError("autotune: no candidate quantizes any op of this model; nothing to choose.")
+    tables = _tables(tuned, say)
+    float_metric = eval_fn(tuned.float_apply) if eval_fn is not None else None
+    search = _Search(tuned, tables, target, eval_fn, float_metric, say)
+    config = search.run(max_trials)
+    best = search.best(config)
+    rules = rules_for(tuned, best)
+    trial = search.trials[search.index_of(best)]
+    checks = _check(tuned, rules, best, say) if check else {}
+    sensitivity = {path: {c.name: _alone_db(tables, ci, g) for ci, c in enumerate(candidates)
+                          if tables.legal[ci, g] and not c.is_float}
+                   for g, path in enumerate(tuned.groups)}
+    return TuneResult(rules=rules, choices={p: candidates[c].name for p, c in zip(tuned.groups, best)},
+                      trials=list(search.trials), measured=trial.measured, met=trial.met, misses=trial.misses,
+                      target=target, float_metric=float_metric, sensitivity=sensitivity, checks=checks,
+                      notes=list(tuned.notes), seconds=time.perf_counter() - start)
+
+
+def _batches(data, what: str) -> list[tuple]:
+    if data is None:
+        raise RuleError(f"autotune needs {what}: batches of the model's inputs.")
+    data = data() if callable(data) else data
+    out = [tuple(np.asarray(x) for x in b) if isinstance(b, (tuple, list)) else (np.asarray(b),) for b in data]
+    if not out:
+        raise RuleError(f"autotune: {what} holds no batches.")
+    return out
+
+
+def _tables(tuned: TunedModel, say) -> _search.Tables:
+    groups, outputs = len(tuned.groups), len(tuned.reference[0])
+    samples = sum(np.shape(r[0])[0] for r in tuned.reference)
+    noise = np.zeros((len(tuned.candidates), groups, outputs, samples))
+    for c, (candidate, plan) in enumerate(zip(tuned.candidates, tuned.plans)):
+        if candidate.is_float:
+            continue
+        only = list(np.flatnonzero(tuned.legal[c]))
+        scales = tuned.scales(plan)
+        done = [0]
+
+        def tick(name=candidate.name, total=len(only)):
+            done[0] += 1
+            if done[0] == total or done[0] % 10 == 0:
+                say(f"sensitivity at {name}: {done[0]}/{total} groups")
+
+        noise[c] = group_noise(tuned.model, plan, scales, tuned.params, tuned.eval_batches, tuned.reference,
+                               tuned.op_group, groups, variables=tuned.variables, only=only, on_group=tick)
+    noise = np.where(np.isfinite(noise), noise, 1e30)  # a run that overflowed: the worst noise
+    signal = np.concatenate([np.stack([np.sum(np.reshape(np.asarray(o, np.float64) ** 2, (np.shape(o)[0], -1)),
+                                              axis=1) for o in ref]) for ref in tuned.reference], axis=1)
+    return _search.Tables(noise=noise, signal=signal, legal=tuned.legal, **tuned.costs())
+
+
+def _alone_db(tables: _search.Tables, c: int, g: int) -> float:
+    noise = tables.noise[c, g].sum(axis=1)
+    power = tables.signal.sum(axis=1)
+    ratios = [10 * np.log10(p / n) if n > 0 else np.inf for p, n in zip(power, noise)]
+    return float(min(ratios))
+
+
+class _Search:
+    """The search loop: predict, measure, adjust the margin."""
+
+    def __init__(self, tuned: TunedModel, tables, target: TuneTarget, eval_fn, float_metric, say):
+        self.tuned, self.tables, self.target = tuned, tables, target
+        self.eval_fn, self.float_metric, self.say = eval_fn, float_metric, say
+        self.badness = tables.badness(target)
+        self.trials: list[Trial] = []
+        self.configs: list[np.ndarray] = []
+        self.margin_db = 0.0
+
+    def slack_db(self, config) -> float:
+        """How far (dB of noise) the predicted accuracy clears the floors."""
+        sqnr, cosine = self.tables.predicted(config)
+        slack = np.inf
+        if self.target.min_sqnr_db is not None:
+            slack = min(slack, sqnr - self.target.min_sqnr_db)
+        if self.target.min_cosine is not None:
+            slack = min(slack, 10 * np.log10(max(1 - self.target.min_cosine, 1e-12) / max(1 - cosine, 1e-12)))
+        return slack
+
+    def enough(self, config) -> bool:
+        return self.slack_db(config) >= self.margin_db
+
+    def fits(self, config) -> bool:
+        return self.tables.fits(config, self.target)
+
+    def run(self, max_trials: int) -> np.ndarray:
+        tables, badness = self.tables, self.badness
+        if self.target.has_size:
+            config = _search.downgrade(tables, badness, _search.least_noisy(tables, badness), self.fits)
+            if self.target.has_accuracy and not self.target.needs_metric:
+                config = _search.trim(tables, badness, config, lambda c: self.fits(c) and self.enough(c)) \
+                    if self.enough(config) else config
+            self.measure(config)
+            return self.last
+        config = _search.cheapest(tables)
+        if not self.target.needs_metric:
+            config = _search.trim(tables, badness, _search.upgrade(tables, badness, config, self.enough),
+                                  self.enough)
+        for _ in range(max_trials):
+            trial = self.measure(config)
+            config = self.last  # as made legal
+            if trial.met:
+                return config
+            if self.target.needs_metric and self.target.min_sqnr_db is None and self.target.min_cosine is None:
+                goal = badness[config, np.arange(tables.groups)].sum() / 2
+                step = _search.upgrade(tables, badness, config,
+                                       lambda c: badness[c, np.arange(tables.groups)].sum() <= goal)
+            else:
+                self.margin_db += max(_MIN_STEP_DB, self._shortfall_db(config, trial))
+                step = _search.upgrade(tables, badness, config, self.enough)
+            if np.array_equal(step, config):
+                self.say("no upgrade left to try")
+                return config
+            config = step
+        return self.last
+
+    def _shortfall_db(self, config, trial: Trial) -> float:
+        """How much the prediction was optimistic, in dB of noise."""
+        t, m = self.target, trial.measured
+        gaps = [0.0]
+        if t.min_sqnr_db is not None:
+            gaps.append(t.min_sqnr_db - m.sqnr_db)
+        if t.min_cosine is not None:
+            gaps.append(10 * np.log10(max(1 - m.cosine, 1e-12) / max(1 - t.min_cosine, 1e-12)))
+        return float(max(gaps))
+
+    def legalize(self, config) -> tuple[np.ndarray, Any]:
+        """`config`, with groups whose choices LiteRT cannot join (an op
+        reading its producer's edge in a qtype the converter would fold into
+        the producer) given one candidate; and its plan."""
+        tuned, config = self.tuned, config.copy()
+        for _ in range(len(tuned.groups) + 1):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UnmatchedRuleWarning)
+                plan = tuned.base.replan(rules_for(tuned, config))
+            if tuned.backend == "xla":
+                return config, plan
+            try:
+                litert.check_plan(plan, allow_float_ops=True)
+                return config, plan
+            except PlanError as error:
+                involved = sorted({tuned.op_group[o] for o in error.ops if o in tuned.op_group})
+                if len(involved) < 2:
+                    raise
+                config = self._joined(config, involved, error)
+        raise PlanError("autotune: could not make the chosen precisions agree on LiteRT; "
+                        "tune with fewer candidates (candidates=['int8', 'float']).")
+
+    def _joined(self, config, involved: list[int], error) -> np.ndarray:
+        """The involved groups on one candidate: the most precise one legal for
+        all of them (raising a group costs less accuracy than lowering one)."""
+        tables, candidates = self.tables, self.tuned.candidates
+        shared = [c for c in dict.fromkeys(config[g] for g in involved) if tables.legal[c, involved].all()]
+        if not shared:
+            shared = [c for c, cand in enumerate(candidates) if tables.legal[c, involved].all()]
+        if not shared:
+            raise error
+        best = min(shared, key=lambda c: (self.badness[c, involved].sum(), tables.cost[c, involved].sum()))
+        config = config.copy()
+        config[involved] = best
+        self.say(f"joined {[self.tuned.groups[g] for g in involved]} on {candidates[best].name} "
+                 "(LiteRT converts between them only through a float op)")
+        return config
+
+    def measure(self, config) -> Trial:
+        tuned = self.tuned
+        config, plan = self.legalize(config)
+        scales = tuned.scales(plan)
+        simulator = tuned.simulator(plan, scales)
+        errors, cosines = [], []
+        for batch, ref in zip(tuned.eval_batches, tuned.reference):
+            outputs = [np.asarray(o) for o in _leaves(simulator(*batch))]
+            errors.append(output_errors(outputs, ref))
+            cosines.append(_cosines(outputs, ref))
+        errors = np.concatenate(errors, axis=1)
+        sqnr, _ = accuracy_of(errors, self.tables.signal)
+        metric = float(self.eval_fn(simulator)) if self.eval_fn is not None else None
+        size, bits = tuned.size(plan)
+        measured = Measured(sqnr_db=sqnr, cosine=float(np.mean(np.concatenate(cosines))), metric=metric,
+                            bytes=size, bits_per_weight=bits)
+        predicted = self.tables.predicted(config)
+        counts = Counter(tuned.candidates[c].name for c in config)
+        trial = Trial(counts=dict(counts), predicted_sqnr_db=predicted[0], predicted_cosine=predicted[1],
+                      measured=measured, misses=tuple(measured.misses(self.target, self.float_metric)))
+        self.trials.append(trial)
+        self.configs.append(config.copy())
+        self.last = config
+        self.say(f"trial {len(self.trials)}: {dict(counts)}: SQNR {sqnr:.2f} dB, cosine {measured.cosine:.5f}"
+                 + (f", metric {metric:.4g}" if metric is not None else "")
+                 + f", {bits:.2f} bits/weight" + (" (met)" if trial.met else ""))
+        return trial
+
+    def index_of(self, config) -> int:
+        return next(i for i, c in enumerate(self.configs) if np.array_equal(c, config))
+
+    def best(self, last) -> np.ndarray:
+        """The cheapest measured configuration that met the target, else the last one."""
+        met = [i for i, t in enumerate(self.trials) if t.met]
+        if not met:
+            return last
+        return min((self.configs[i] for i in met),
+                   key=lambda c: self.tables.cost[c, np.arange(self.tables.groups)].sum())
+
+
+def _cosines(outputs, reference) -> np.ndarray:
+    n = np.shape(reference[0])[0]
+    a = np.concatenate([np.reshape(np.asarray(o, np.float64), (n, -1)) for o in outputs], axis=1)
+    b = np.concatenate([np.reshape(np.asarray(r, np.float64), (n, -1)) for r in reference], axis=1)
+    norms = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
+    return np.where(norms > 0, np.sum(a * b, axis=1) / np.maximum(norms, 1e-300), 1.0)
+
+
+def _leaves(tree):
+    import jax
+
+    return jax.tree_util.tree_leaves(tree)
+
+
+def rules_for(tuned: TunedModel, config) -> list[Rule]:
+    """Rules giving each group its candidate: the commonest candidate as the
+    last, catch-all rule, and one rule before it per pattern of the others
+    (module paths that differ only in numbers share a rule when every group
+    the pattern matches takes the same candidate)."""
+    names = [tuned.candidates[c] for c in config]
+    common = Counter(c.name for c in names).most_common(1)[0][0]
+    by_name = {c.name: c for c in tuned.candidates}
+    rules, covered = [], set()
+    for path, candidate in zip(tuned.groups, names):
+        if candidate.name == common or path in covered:
+            continue
+        general = re.sub(r"\d+", r"\\d+", group_pattern(path))
+        matched = [i for i, p in enumerate(tuned.groups) if re.fullmatch(general, p)]
+        if general != group_pattern(path) and all(names[i].name == candidate.name for i in matched):
+            pattern = general
+        else:
+            pattern, matched = group_pattern(path), [tuned.groups.index(path)]
+        covered.update(tuned.groups[i] for i in matched)
+        rules.append(candidate.rule(pattern))
+    return rules + [by_name[common].rule(".*")]
+
+
+def _check(tuned: TunedModel, rules: list[Rule], config, say) -> dict[str, Any]:
+    """The rules run by the backend(s) themselves, against float."""
+    checks: dict[str, Any] = {}
+    calibration_plan = tuned.base.replan(rules)
+    calibration = tuned.calibration_for(calibration_plan)
+    float_islands = any(tuned.candidates[c].is_float for c in config)
+    batch = tuned.eval_batches[0]
+    reference = tuned.reference[0]
+    if tuned.backend in ("litert", "both"):
+        from odmlq.litert import export_tflite
+
+        say("exporting and verifying the chosen rules on LiteRT")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                result = export_tflite(tuned.model, rules, tuned.batches, variables=tuned.variables,
+                                       calibration=calibration, allow_float_ops=float_islands, progress=False)
+            checks["litert"] = (f"exported {len(result.tflite)} bytes, "
+                                + ("verified op by op" if result.verification is not None
+                                   and result.verification.passed else "not verified"))
+        except OdmlqError as error:
+            checks["litert"] = f"FAILED: {error}"
+    if tuned.backend in ("xla", "both"):
+        from odmlq import xla
+
+        say("quantizing and running the chosen rules on XLA")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                qmodel = xla.ptq(tuned.model, rules, tuned.params, calibration, example_inputs=batch,
+                                 target=BACKENDS[tuned.backend])
+            outputs = [np.asarray(o) for o in _leaves(qmodel(*batch))]
+            sqnr, _ = accuracy_of(output_errors(outputs, reference),
+                                          np.stack([np.sum(np.reshape(np.asarray(r, np.float64) ** 2,
+                                                                      (np.shape(r)[0], -1)), axis=1)
+                                                    for r in reference]))
+            checks["xla"] = f"ran quantized, output SQNR {sqnr:.2f} dB on the first evaluation batch"
+        except OdmlqError as error:
+            checks["xla"] = f"FAILED: {error}"
+    return checks

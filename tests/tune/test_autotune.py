@@ -1,0 +1,156 @@
+"""autotune: rules that meet an accuracy floor or a size budget, measured.
+
+The model below has one group whose int8 error an exp magnifies (`a`) and
+groups that int8 serves well (`b`, `c`): an accuracy floor that all-int8
+misses must be met by raising `a` alone. The digits CNN checks a size budget
+(3 bits per weight on XLA) against its accuracy.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import odmlq
+from odmlq.errors import RuleError
+from tests.report.test_report import trained_cnn
+
+
+class _OneSensitive(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Dense(32, name="b")(x))
+        a = nn.Dense(8, name="a")(h)
+        c = nn.Dense(8, name="c")(h)
+        return jnp.exp(2.0 * jnp.tanh(a)) + c
+
+
+@pytest.fixture(scope="module")
+def sensitive():
+    model = _OneSensitive()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((128, 16)).astype(np.float32)
+    variables = model.init(jax.random.key(0), x[:1])
+    batches = [x[i:i + 32] for i in range(0, 128, 32)]
+    int8 = odmlq.autotune(model, variables, batches, target=odmlq.TuneTarget(min_sqnr_db=0.0), check=False)
+    return model, variables, batches, int8
+
+
+def test_an_easy_floor_keeps_everything_int8(sensitive):
+    *_, int8 = sensitive
+    assert int8.met and len(int8.trials) == 1
+    assert set(int8.choices.values()) == {"int8"}
+    assert [r.to_dict() for r in int8.rules] == [{"module_path": ".*", "weight_qtype": "int8", "act_qtype": "int8"}]
+
+
+def test_a_floor_int8_misses_is_met_by_raising_the_sensitive_group(sensitive, tmp_path):
+    model, variables, batches, int8 = sensitive
+    floor = int8.measured.sqnr_db + 6.0
+    result = odmlq.autotune(model, variables, batches, target=odmlq.TuneTarget(min_sqnr_db=floor), backend="xla")
+    assert result.met, str(result)
+    assert result.measured.sqnr_db >= floor
+    # c's error reaches the outputs unmagnified: it stays int8; a (and b,
+    # whose output a reads) rise.
+    assert result.choices["c"] == "int8" and result.choices["a"] != "int8", str(result)
+    assert result.checks["xla"].startswith("ran quantized")
+    # The saved rules are ordinary rules: loaded back, they plan and measure the same.
+    path = result.save_rules(tmp_path / "rules.yaml")
+    rules = odmlq.load_rules(path)
+    assert [r.to_dict() for r in rules] == [r.to_dict() for r in result.rules]
+    plan = odmlq.plan(model, rules, batches[0], variables=variables, target="xla")
+    calibration = odmlq.calibrate(model, plan, batches, variables=variables)
+    x = np.concatenate(batches)
+    outputs = odmlq.simulate(model, plan, calibration, x, variables=variables)
+    reference = model.apply(variables, x)
+    sqnr = 10 * np.log10(float(jnp.sum(reference ** 2)) / float(jnp.sum((outputs - reference) ** 2)))
+    # The same rules and data give the same statistics: equal within float32 rounding.
+    np.testing.assert_allclose(sqnr, result.measured.sqnr_db, atol=0.01)
+
+
+def test_on_litert_groups_are_joined_where_the_converter_cannot_convert(sensitive):
+    """An int16 op reading an int8 relu's output would need the converter to
+    requantize inside the relu (refused or wrong): LiteRT's plan check names
+    both ops, and autotune gives them one candidate. The rules then export,
+    verify op by op, and run on XLA unedited."""
+    model, variables, batches, int8 = sensitive
+    floor = int8.measured.sqnr_db + 6.0
+    result = odmlq.autotune(model, variables, batches, target=odmlq.TuneTarget(min_sqnr_db=floor), backend="both")
+    assert result.met, str(result)
+    assert result.checks["litert"].startswith("exported") and "verified op by op" in result.checks["litert"]
+    assert result.checks["xla"].startswith("ran quantized")
+    plan = odmlq.plan(model, result.rules, batches[0], variables=variables)
+    odmlq.litert.check_plan(plan, allow_float_ops=True)  # no conflict left
+
+
+def test_the_prediction_follows_the_measurement(sensitive):
+    """Noise from several groups adds up: each trial's predicted SQNR is within
+    1 dB of what it measured (independent rounding; correlated errors and
+    ranges moved by neighbours are what remains)."""
+    model, variables, batches, int8 = sensitive
+    result = odmlq.autotune(model, variables, batches, check=False,
+                            target=odmlq.TuneTarget(min_sqnr_db=int8.measured.sqnr_db + 3.0))
+    for trial in (*int8.trials, *result.trials):
+        assert abs(trial.predicted_sqnr_db - trial.measured.sqnr_db) < 1.0, str(result)
+    # Alone, the sensitive group costs the outputs the most.
+    alone = {path: table["int8"] for path, table in result.sensitivity.items()}
+    assert min(alone, key=alone.get) == "a" or min(alone, key=alone.get) == "", alone
+
+
+def test_a_size_budget_on_the_digits_cnn_keeps_its_accuracy():
+    digits, model, variables, *_ = trained_cnn()
+    calibration = [digits.x_calibration[i:i + 32] for i in range(0, len(digits.x_calibration), 32)]
+
+    def accuracy(apply):
+        return float(np.mean(np.argmax(np.asarray(apply(digits.x_test)), -1) == digits.y_test))
+
+    result = odmlq.autotune(model, variables, calibration, backend="xla", eval_fn=accuracy,
+                            target=odmlq.TuneTarget(max_bits_per_weight=3.0, max_metric_drop=0.01))
+    assert result.measured.bits_per_weight <= 3.0, str(result)
+    assert result.met, str(result)  # within 1 point of float (measured on 540 test images)
+    assert result.float_metric - result.measured.metric <= 0.01
+    assert "w2" in result.choices.values()  # 3 bits on average needs some int2
+    assert result.checks["xla"].startswith("ran quantized")
+
+
+def test_an_unreachable_floor_is_reported_not_met(sensitive):
+    model, variables, batches, _ = sensitive
+    result = odmlq.autotune(model, variables, batches, candidates=["int8"], check=False,
+                            target=odmlq.TuneTarget(min_sqnr_db=200.0))
+    assert not result.met and result.misses and "SQNR" in result.misses[0]
+    assert "NOT met" in str(result)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"target": None}, "odmlq.TuneTarget"),
+    ({"target": odmlq.TuneTarget(max_metric_drop=0.01)}, "eval_fn"),
+    ({"target": odmlq.TuneTarget(min_cosine=0.99), "backend": "tpu"}, "backend='tpu'"),
+    ({"target": odmlq.TuneTarget(min_cosine=0.99), "candidates": ["int3"]}, "Unknown candidate 'int3'"),
+    ({"target": odmlq.TuneTarget(min_cosine=0.99), "max_trials": 0}, "max_trials"),
+    ({"target": odmlq.TuneTarget(min_cosine=0.99), "candidates": ["int8", "int8"]}, "must differ"),
+])
+def test_bad_arguments_are_named_before_any_work(sensitive, kwargs, match):
+    model, variables, batches, _ = sensitive
+    with pytest.raises(RuleError, match=match):
+        odmlq.autotune(model, variables, batches, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({}, "needs a floor or a budget"),
+    ({"min_cosine": 1.5}, r"\[-1, 1\]"),
+    ({"max_bytes": -1}, "must not be negative"),
+    ({"min_sqnr_db": float("nan")}, "finite"),
+])
+def test_bad_targets_are_named(kwargs, match):
+    with pytest.raises(RuleError, match=match):
+        odmlq.TuneTarget(**kwargs)
+
+
+def test_candidates_are_rules_without_a_path():
+    candidate = odmlq.Candidate("w4b32", weight_qtype="int4", weight_granularity=odmlq.PerBlock(32))
+    assert candidate.rule("dense").weight_granularity == odmlq.PerBlock(32)
+    assert candidate.weight_bits == 4.0 and candidate.act_bits == 32.0
+    with pytest.raises(RuleError, match="module_path and op are chosen by autotune"):
+        odmlq.Candidate("x", module_path="a", weight_qtype="int8")
+    with pytest.raises(RuleError, match="Candidate 'y'"):
+        odmlq.Candidate("y", weight_qtype="int9")
