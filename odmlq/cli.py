@@ -94,8 +94,6 @@ def _rules_from(args):
 
 
 def _cmd_export(args) -> int:
-    import numpy as np
-
     from odmlq.calibration import Calibration
     from odmlq.litert.export import export_tflite
 

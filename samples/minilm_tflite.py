@@ -1,6 +1,6 @@
 """all-MiniLM-L6-v2 to LiteRT: int8, int16x8 and dynamic-range, measured against float.
 
-Run: ``python -m samples.minilm_tflite [--out DIR] [--schemas int8,int16x8,dynamic,float,autotune]``
+Run: ``python -m samples.minilm_tflite [--out DIR] [--schemas int8,int16x8,dynamic,float]``
 
 For each schema the model is exported with `odmlq.export_tflite` (calibrated
 on ``samples/calibration_sentences.txt``, verified op by op against simulate)
@@ -178,27 +178,12 @@ def float_ops_by_reason(summary) -> list[tuple[str, int, str]]:
             for reason, k in groups.items()]
 
 
-# The autotune schema: rules found by `odmlq.autotune` on the calibration
-# sentences alone, for this floor (mean cosine to float), among int8,
-# int16x8 and float per module.
-AUTOTUNE_TARGET = odmlq.TuneTarget(min_cosine=0.995)
-
-
-def tuned_rules(model, variables, calibration, out_dir: str) -> list:
-    """Rules autotune chooses for `AUTOTUNE_TARGET` (saved beside the .tflite files)."""
-    result = odmlq.autotune(model, variables, calibration, target=AUTOTUNE_TARGET, check=False)
-    print(result, file=sys.stderr)
-    result.save_rules(os.path.join(out_dir, "minilm_autotune_rules.yaml"))
-    return result.rules
-
-
 def measure(schema: str, out_dir: str, model, variables, calibration, evaluation, reference) -> dict:
     """Exports one schema and measures it against the float embeddings."""
     path = os.path.join(out_dir, f"minilm_{schema}.tflite")
     ids, mask = evaluation
-    rules = (tuned_rules(model, variables, calibration, out_dir) if schema == "autotune" else SCHEMAS[schema])
-    result = odmlq.export_tflite(model, rules, calibration, path, variables=variables,
-                                 allow_float_ops=schema in ("int8", "int16x8", "autotune"))
+    result = odmlq.export_tflite(model, SCHEMAS[schema], calibration, path, variables=variables,
+                                 allow_float_ops=schema in ("int8", "int16x8"))
     embeddings, seconds = run_tflite(path, ids, mask)
     norms = np.linalg.norm(embeddings, axis=1) * np.linalg.norm(reference, axis=1)
     cosine = np.sum(embeddings * reference, axis=1) / norms
@@ -220,12 +205,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="folder for the .tflite files (default: a temporary one)")
     parser.add_argument("--schemas", default="int8,int16x8,dynamic",
-                        help="comma-separated, from " + ", ".join([*SCHEMAS, "autotune"]))
+                        help="comma-separated, from " + ", ".join(SCHEMAS))
     args = parser.parse_args(argv)
     schemas = [s for s in args.schemas.split(",") if s]
-    unknown = [s for s in schemas if s not in SCHEMAS and s != "autotune"]
+    unknown = [s for s in schemas if s not in SCHEMAS]
     if unknown:
-        parser.error(f"unknown schema(s) {unknown}; choose from {[*SCHEMAS, 'autotune']}")
+        parser.error(f"unknown schema(s) {unknown}; choose from {list(SCHEMAS)}")
 
     import jax
 
@@ -255,7 +240,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for row in (header, tuple("-" * w for w in widths), *rows):
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
     for r in results:
-        if r["float_ops"] and r["schema"] in ("int8", "int16x8", "autotune"):
+        if r["float_ops"] and r["schema"] in ("int8", "int16x8"):
             print(f"\n{r['schema']}: ops in float")
             for reason, n, kinds in r["float_ops"]:
                 print(f"  {n:4d} ops  {reason}\n            ({kinds})")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import sys
 import time
 import warnings
@@ -14,10 +13,11 @@ import numpy as np
 
 from odmlq import litert
 from odmlq.errors import OdmlqError, PlanError, RuleError
-from odmlq.rules import Rule, UnmatchedRuleWarning
+from odmlq.rules import UnmatchedRuleWarning
 from odmlq.tune import _search
-from odmlq.tune._candidates import Candidate, default_candidates, group_pattern, parse_candidates
-from odmlq.tune._model import BACKENDS, TunedModel
+from odmlq.tune._candidates import Candidate, default_candidates, parse_candidates
+from odmlq.tune._checks import check_rules
+from odmlq.tune._model import BACKENDS, TunedModel, rules_for
 from odmlq.tune._result import Trial, TuneResult
 from odmlq.tune._sensitivity import group_noise, output_errors
 from odmlq.tune._target import Measured, TuneTarget, accuracy_of
@@ -104,7 +104,7 @@ def autotune(model: Any, variables: Any = None, rep_dataset: Iterable | Callable
     best = search.best(config)
     rules = rules_for(tuned, best)
     trial = search.trials[search.index_of(best)]
-    checks = _check(tuned, rules, best, say) if check else {}
+    checks = check_rules(tuned, rules, best, say) if check else {}
     sensitivity = {path: {c.name: _alone_db(tables, ci, g) for ci, c in enumerate(candidates)
                           if tables.legal[ci, g] and not c.is_float}
                    for g, path in enumerate(tuned.groups)}
@@ -226,8 +226,18 @@ class _Search:
     def legalize(self, config) -> tuple[np.ndarray, Any]:
         """`config`, with groups whose choices LiteRT cannot join (an op
         reading its producer's edge in a qtype the converter would fold into
-        the producer) given one candidate; and its plan."""
+        the producer) given one candidate; and its plan.
+
+        Conflicting groups are merged into clusters that only grow, each on
+        one candidate legal for all its members, so this ends."""
         tuned, config = self.tuned, config.copy()
+        cluster = list(range(len(tuned.groups)))
+
+        def root(g):
+            while cluster[g] != g:
+                g = cluster[g]
+            return g
+
         for _ in range(len(tuned.groups) + 1):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UnmatchedRuleWarning)
@@ -238,27 +248,33 @@ class _Search:
                 litert.check_plan(plan, allow_float_ops=True)
                 return config, plan
             except PlanError as error:
-                involved = sorted({tuned.op_group[o] for o in error.ops if o in tuned.op_group})
+                involved = sorted({root(tuned.op_group[o]) for o in error.ops if o in tuned.op_group})
                 if len(involved) < 2:
                     raise
-                config = self._joined(config, involved, error)
+                for g in involved[1:]:
+                    cluster[g] = involved[0]
+                members = [g for g in range(len(tuned.groups)) if root(g) == involved[0]]
+                config = self._joined(config, members, error)
         raise PlanError("autotune: could not make the chosen precisions agree on LiteRT; "
                         "tune with fewer candidates (candidates=['int8', 'float']).")
 
-    def _joined(self, config, involved: list[int], error) -> np.ndarray:
-        """The involved groups on one candidate: the most precise one legal for
-        all of them (raising a group costs less accuracy than lowering one)."""
+    def _joined(self, config, members: list[int], error) -> np.ndarray:
+        """The cluster's groups on one candidate legal for all of them: the
+        cheapest that adds no predicted noise to what they held (raising a
+        group, or a float island between them), else the least noisy."""
         tables, candidates = self.tables, self.tuned.candidates
-        shared = [c for c in dict.fromkeys(config[g] for g in involved) if tables.legal[c, involved].all()]
-        if not shared:
-            shared = [c for c, cand in enumerate(candidates) if tables.legal[c, involved].all()]
+        shared = [c for c in range(len(candidates)) if tables.legal[c, members].all()]
         if not shared:
             raise error
-        best = min(shared, key=lambda c: (self.badness[c, involved].sum(), tables.cost[c, involved].sum()))
+        held = self.badness[config[members], members].sum()
+        no_worse = [c for c in shared if self.badness[c, members].sum() <= held * (1 + 1e-9)]
+        best = (min(no_worse, key=lambda c: tables.cost[c, members].sum()) if no_worse
+                else min(shared, key=lambda c: (self.badness[c, members].sum(), tables.cost[c, members].sum())))
         config = config.copy()
-        config[involved] = best
-        self.say(f"joined {[self.tuned.groups[g] for g in involved]} on {candidates[best].name} "
-                 "(LiteRT converts between them only through a float op)")
+        config[members] = best
+        self.say(f"joined {len(members)} groups ({', '.join(self.tuned.groups[g] for g in members[:3])}"
+                 f"{', ...' if len(members) > 3 else ''}) on {candidates[best].name}: LiteRT converts "
+                 "between them only through a float op")
         return config
 
     def measure(self, config) -> Trial:
@@ -313,68 +329,3 @@ def _leaves(tree):
     import jax
 
     return jax.tree_util.tree_leaves(tree)
-
-
-def rules_for(tuned: TunedModel, config) -> list[Rule]:
-    """Rules giving each group its candidate: the commonest candidate as the
-    last, catch-all rule, and one rule before it per pattern of the others
-    (module paths that differ only in numbers share a rule when every group
-    the pattern matches takes the same candidate)."""
-    names = [tuned.candidates[c] for c in config]
-    common = Counter(c.name for c in names).most_common(1)[0][0]
-    by_name = {c.name: c for c in tuned.candidates}
-    rules, covered = [], set()
-    for path, candidate in zip(tuned.groups, names):
-        if candidate.name == common or path in covered:
-            continue
-        general = re.sub(r"\d+", r"\\d+", group_pattern(path))
-        matched = [i for i, p in enumerate(tuned.groups) if re.fullmatch(general, p)]
-        if general != group_pattern(path) and all(names[i].name == candidate.name for i in matched):
-            pattern = general
-        else:
-            pattern, matched = group_pattern(path), [tuned.groups.index(path)]
-        covered.update(tuned.groups[i] for i in matched)
-        rules.append(candidate.rule(pattern))
-    return rules + [by_name[common].rule(".*")]
-
-
-def _check(tuned: TunedModel, rules: list[Rule], config, say) -> dict[str, Any]:
-    """The rules run by the backend(s) themselves, against float."""
-    checks: dict[str, Any] = {}
-    calibration_plan = tuned.base.replan(rules)
-    calibration = tuned.calibration_for(calibration_plan)
-    float_islands = any(tuned.candidates[c].is_float for c in config)
-    batch = tuned.eval_batches[0]
-    reference = tuned.reference[0]
-    if tuned.backend in ("litert", "both"):
-        from odmlq.litert import export_tflite
-
-        say("exporting and verifying the chosen rules on LiteRT")
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                result = export_tflite(tuned.model, rules, tuned.batches, variables=tuned.variables,
-                                       calibration=calibration, allow_float_ops=float_islands, progress=False)
-            checks["litert"] = (f"exported {len(result.tflite)} bytes, "
-                                + ("verified op by op" if result.verification is not None
-                                   and result.verification.passed else "not verified"))
-        except OdmlqError as error:
-            checks["litert"] = f"FAILED: {error}"
-    if tuned.backend in ("xla", "both"):
-        from odmlq import xla
-
-        say("quantizing and running the chosen rules on XLA")
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                qmodel = xla.ptq(tuned.model, rules, tuned.params, calibration, example_inputs=batch,
-                                 target=BACKENDS[tuned.backend])
-            outputs = [np.asarray(o) for o in _leaves(qmodel(*batch))]
-            sqnr, _ = accuracy_of(output_errors(outputs, reference),
-                                          np.stack([np.sum(np.reshape(np.asarray(r, np.float64) ** 2,
-                                                                      (np.shape(r)[0], -1)), axis=1)
-                                                    for r in reference]))
-            checks["xla"] = f"ran quantized, output SQNR {sqnr:.2f} dB on the first evaluation batch"
-        except OdmlqError as error:
-            checks["xla"] = f"FAILED: {error}"
-    return checks

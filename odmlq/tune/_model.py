@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import re
 import warnings
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,12 +16,12 @@ from odmlq.calibration import Calibration, calibrate, restricted, reusable
 from odmlq.errors import PlanError
 from odmlq.graph import flat_params, params_for
 from odmlq.plan import plan as make_plan
-from odmlq.rules import UnmatchedRuleWarning
+from odmlq.rules import Rule, UnmatchedRuleWarning
 from odmlq.scales import compute_scales
 from odmlq.simulate import Simulator
-from odmlq.tune._candidates import Candidate
+from odmlq.tune._candidates import Candidate, group_pattern
 
-__all__ = ["TunedModel", "BACKENDS"]
+__all__ = ["TunedModel", "BACKENDS", "rules_for"]
 
 BACKENDS = {"litert": (litert.TARGET,), "xla": (xla.TARGET,), "both": (xla.TARGET, litert.TARGET)}
 
@@ -205,3 +207,26 @@ def _leaves(tree) -> list:
     import jax
 
     return jax.tree_util.tree_leaves(tree)
+
+
+def rules_for(tuned: TunedModel, config) -> list[Rule]:
+    """Rules giving each group its candidate: the commonest candidate as the
+    last, catch-all rule, and one rule before it per pattern of the others
+    (module paths that differ only in numbers share a rule when every group
+    the pattern matches takes the same candidate)."""
+    names = [tuned.candidates[c] for c in config]
+    common = Counter(c.name for c in names).most_common(1)[0][0]
+    by_name = {c.name: c for c in tuned.candidates}
+    rules, covered = [], set()
+    for path, candidate in zip(tuned.groups, names):
+        if candidate.name == common or path in covered:
+            continue
+        general = re.sub(r"\d+", r"\\d+", group_pattern(path))
+        matched = [i for i, p in enumerate(tuned.groups) if re.fullmatch(general, p)]
+        if general != group_pattern(path) and all(names[i].name == candidate.name for i in matched):
+            pattern = general
+        else:
+            pattern, matched = group_pattern(path), [tuned.groups.index(path)]
+        covered.update(tuned.groups[i] for i in matched)
+        rules.append(candidate.rule(pattern))
+    return rules + [by_name[common].rule(".*")]

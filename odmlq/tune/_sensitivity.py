@@ -13,7 +13,6 @@ with; every configuration it proposes is then measured for real.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -25,14 +24,7 @@ from odmlq.graph import GraphCache, flat_params, fold_params, replace_params
 from odmlq.hooks import FakeQuant, PlanHooks, dynamic_fake_quant
 from odmlq.scales import Scales, fake_quant_bias, folded_weights, quantized_params
 
-__all__ = ["Noise", "group_noise", "output_errors"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Noise:
-    """Output error energy, shape (groups, outputs, samples)."""
-
-    energy: np.ndarray
+__all__ = ["edge_groups", "group_noise", "output_errors"]
 
 
 class _Blend(FakeQuant):
