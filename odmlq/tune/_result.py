@@ -94,5 +94,5 @@ class TuneResult:
         for name, check in self.checks.items():
             lines.append(f"{name}: {check}")
         lines += [f"note: {n}" for n in self.notes]
-        lines += ["", "rules:", self.rules_yaml().rstrip()]
+        lines += ["", self.rules_yaml().rstrip()]
         return "\n".join(lines)
