@@ -43,7 +43,7 @@ from odmlq.litert import VerificationError, export_tflite
 from odmlq.xla import QuantizedModel, load_params, quantize_params, save_params
 from odmlq.targets import plan, ptq
 from odmlq.report import Report, compare
-from odmlq.tune import Candidate, TuneResult, TuneTarget, autotune
+from odmlq.report.tune import Candidate, TuneResult, TuneTarget, autotune
 
 __version__ = "0.1.0"
 

@@ -128,7 +128,7 @@ def _load_batches(path: str, batch_size: int, what: str) -> list[tuple]:
 
 def _cmd_tune(args) -> int:
     from odmlq.files import check_output_path
-    from odmlq.tune import TuneTarget, autotune
+    from odmlq.report.tune import TuneTarget, autotune
 
     target = TuneTarget(min_sqnr_db=args.min_sqnr, min_cosine=args.min_cosine,
                         max_bits_per_weight=args.max_bits_per_weight, max_bytes=args.max_bytes)

@@ -16,8 +16,6 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "odmlq"
 FACE = {"odmlq", "odmlq.cli", "odmlq.targets"}
 BACKENDS = ("odmlq.xla", "odmlq.litert")
-# Packages above both backends (they may import both backends' public names).
-ABOVE_BACKENDS = ("odmlq.report", "odmlq.tune")
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -70,7 +68,7 @@ def _imports(name: str, path: pathlib.Path) -> list[tuple[str, tuple[str, ...], 
 def _layer(module: str) -> str:
     if module in FACE:
         return "face"
-    if any(module == above or module.startswith(above + ".") for above in ABOVE_BACKENDS):
+    if module == "odmlq.report" or module.startswith("odmlq.report."):
         return "report"
     for backend in BACKENDS:
         if module == backend or module.startswith(backend + "."):

@@ -14,6 +14,7 @@ from odmlq.graph import WeightLayout, GraphCache, check_finite_params, check_inp
 from odmlq.calibration._calibration import Calibration, channel_key
 from odmlq.calibration._gram import Gram
 from odmlq.calibration._methods import MinMax
+from odmlq.calibration._reuse import calibrated_edges
 from odmlq.errors import CalibrationError
 
 __all__ = ["calibrate"]
@@ -56,12 +57,7 @@ def calibrate(model: Any, plan, rep_dataset: Iterable | Callable[[], Iterable], 
     params = params_for(model, variables, "calibrate")
     check_finite_params(params)
     cache = GraphCache(model, plan, variables)
-    edges = {e: p.spec for e, p in plan.edges.items()
-             if p.spec is not None and not p.spec.dynamic and plan.graph.edges[e].alias is None}
-    for conversion in plan.conversions.values():
-        # A float edge read by an integer op (after a float island) is
-        # quantized where it is read: its range is calibrated too.
-        edges.setdefault(conversion.edge, conversion.spec)
+    edges = calibrated_edges(plan)
     # key -> (edge, method, axes kept): each edge's own statistics, and the
     # per-channel ranges of the operands of sums that balance their offsets.
     observed = {e: (e, spec.calibration, spec.scale_axes) for e, spec in edges.items()}

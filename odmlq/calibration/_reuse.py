@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from odmlq.calibration._calibration import Calibration, channel_key
 from odmlq.calibration._methods import FixedRange, MovingAverageMinMax
 
-__all__ = ["derivable", "reusable", "restricted"]
+__all__ = ["calibrated_edges", "derivable", "reusable", "restricted"]
 
 
 def derivable(method, stats, new_method, scale_axes) -> bool:
@@ -34,6 +34,8 @@ def calibrated_edges(plan) -> dict:
     edges = {e: p.spec for e, p in plan.edges.items()
              if p.spec is not None and not p.spec.dynamic and plan.graph.edges[e].alias is None}
     for conversion in plan.conversions.values():
+        # A float edge read by an integer op (after a float island) is
+        # quantized where it is read: its range is calibrated too.
         edges.setdefault(conversion.edge, conversion.spec)
     return edges
 

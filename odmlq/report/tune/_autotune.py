@@ -14,13 +14,13 @@ import numpy as np
 from odmlq import litert
 from odmlq.errors import OdmlqError, PlanError, RuleError
 from odmlq.rules import UnmatchedRuleWarning
-from odmlq.tune import _search
-from odmlq.tune._candidates import Candidate, default_candidates, parse_candidates
-from odmlq.tune._checks import check_rules
-from odmlq.tune._model import BACKENDS, TunedModel, rules_for
-from odmlq.tune._result import Trial, TuneResult
-from odmlq.tune._sensitivity import group_noise, output_errors
-from odmlq.tune._target import Measured, TuneTarget, accuracy_of
+from odmlq.report.tune import _search
+from odmlq.report.tune._candidates import Candidate, default_candidates, parse_candidates
+from odmlq.report.tune._checks import check_rules
+from odmlq.report.tune._model import BACKENDS, TunedModel, rules_for
+from odmlq.report.tune._result import Trial, TuneResult
+from odmlq.report.tune._sensitivity import energies, group_noise, output_errors
+from odmlq.report.tune._target import Measured, TuneTarget, accuracy_of
 
 __all__ = ["autotune"]
 
@@ -143,8 +143,7 @@ def _tables(tuned: TunedModel, say) -> _search.Tables:
         noise[c] = group_noise(tuned.model, plan, scales, tuned.params, tuned.eval_batches, tuned.reference,
                                tuned.op_group, groups, variables=tuned.variables, only=only, on_group=tick)
     noise = np.where(np.isfinite(noise), noise, 1e30)  # a run that overflowed: the worst noise
-    signal = np.concatenate([np.stack([np.sum(np.reshape(np.asarray(o, np.float64) ** 2, (np.shape(o)[0], -1)),
-                                              axis=1) for o in ref]) for ref in tuned.reference], axis=1)
+    signal = np.concatenate([energies(ref) for ref in tuned.reference], axis=1)
     return _search.Tables(noise=noise, signal=signal, legal=tuned.legal, **tuned.costs())
 
 

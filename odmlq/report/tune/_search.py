@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from odmlq.tune._target import TuneTarget, accuracy_of
+from odmlq.report.tune._target import TuneTarget, accuracy_of
 
 __all__ = ["Tables", "cheapest", "downgrade", "least_noisy", "trim", "upgrade"]
 
@@ -91,38 +91,45 @@ def least_noisy(tables: Tables, badness: np.ndarray) -> np.ndarray:
     return order[0]
 
 
-def upgrade(tables: Tables, badness: np.ndarray, config: np.ndarray,
-            enough: Callable[[np.ndarray], bool]) -> np.ndarray:
-    """`config` with the upgrades of most noise removed per cost added, until `enough`."""
+def _greedy(config: np.ndarray, done: Callable[[np.ndarray], bool],
+            ratio_of: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """`config` with the move of best ratio (candidate c for group g, from
+    `ratio_of(config)[c, g]`; -inf: not a move) taken until `done` or none is left."""
     config = config.copy()
-    groups = np.arange(tables.groups)
-    while not enough(config):
-        gain = badness[config, groups][None, :] - badness
-        extra = tables.cost - tables.cost[config, groups][None, :]
-        useful = tables.legal & (gain > 0) & (extra >= 0)
-        if not useful.any():
+    while not done(config):
+        ratio = ratio_of(config)
+        if not np.isfinite(ratio).any():
             break
-        ratio = np.where(useful, gain / np.maximum(extra, 1e-9), -np.inf)
         c, g = np.unravel_index(np.argmax(ratio), ratio.shape)
         config[g] = c
     return config
+
+
+def upgrade(tables: Tables, badness: np.ndarray, config: np.ndarray,
+            enough: Callable[[np.ndarray], bool]) -> np.ndarray:
+    """`config` with the upgrades of most noise removed per cost added, until `enough`."""
+    groups = np.arange(tables.groups)
+
+    def ratio_of(config):
+        gain = badness[config, groups][None, :] - badness
+        extra = tables.cost - tables.cost[config, groups][None, :]
+        useful = tables.legal & (gain > 0) & (extra >= 0)
+        return np.where(useful, gain / np.maximum(extra, 1e-9), -np.inf)
+
+    return _greedy(config, enough, ratio_of)
 
 
 def downgrade(tables: Tables, badness: np.ndarray, config: np.ndarray,
               fits: Callable[[np.ndarray], bool]) -> np.ndarray:
     """`config` with the downgrades of most bits saved per noise added, until `fits`."""
-    config = config.copy()
     groups = np.arange(tables.groups)
-    while not fits(config):
+
+    def ratio_of(config):
         saved = tables.param_bits[config, groups][None, :] - tables.param_bits
         added = badness - badness[config, groups][None, :]
-        useful = tables.legal & (saved > 0)
-        if not useful.any():
-            break
-        ratio = np.where(useful, saved / np.maximum(added, 1e-30), -np.inf)
-        c, g = np.unravel_index(np.argmax(ratio), ratio.shape)
-        config[g] = c
-    return config
+        return np.where(tables.legal & (saved > 0), saved / np.maximum(added, 1e-30), -np.inf)
+
+    return _greedy(config, fits, ratio_of)
 
 
 def trim(tables: Tables, badness: np.ndarray, config: np.ndarray,

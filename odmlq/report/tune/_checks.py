@@ -10,9 +10,9 @@ import numpy as np
 
 from odmlq.errors import OdmlqError
 from odmlq.rules import Rule
-from odmlq.tune._model import BACKENDS, TunedModel
-from odmlq.tune._sensitivity import output_errors
-from odmlq.tune._target import accuracy_of
+from odmlq.report.tune._model import BACKENDS, TunedModel
+from odmlq.report.tune._sensitivity import energies, output_errors
+from odmlq.report.tune._target import accuracy_of
 
 __all__ = ["check_rules"]
 
@@ -49,10 +49,7 @@ def check_rules(tuned: TunedModel, rules: list[Rule], config, say) -> dict[str, 
                 qmodel = xla.ptq(tuned.model, rules, tuned.params, calibration, example_inputs=batch,
                                  target=BACKENDS[tuned.backend])
             outputs = [np.asarray(o) for o in jax.tree_util.tree_leaves(qmodel(*batch))]
-            sqnr, _ = accuracy_of(output_errors(outputs, reference),
-                                          np.stack([np.sum(np.reshape(np.asarray(r, np.float64) ** 2,
-                                                                      (np.shape(r)[0], -1)), axis=1)
-                                                    for r in reference]))
+            sqnr, _ = accuracy_of(output_errors(outputs, reference), energies(reference))
             checks["xla"] = f"ran quantized, output SQNR {sqnr:.2f} dB on the first evaluation batch"
         except OdmlqError as error:
             checks["xla"] = f"FAILED: {error}"

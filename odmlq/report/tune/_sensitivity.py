@@ -24,7 +24,7 @@ from odmlq.graph import GraphCache, flat_params, fold_params, replace_params
 from odmlq.hooks import FakeQuant, PlanHooks, dynamic_fake_quant
 from odmlq.scales import Scales, fake_quant_bias, folded_weights, quantized_params
 
-__all__ = ["edge_groups", "group_noise", "output_errors"]
+__all__ = ["edge_groups", "energies", "group_noise", "output_errors"]
 
 
 class _Blend(FakeQuant):
@@ -66,11 +66,15 @@ def edge_groups(graph, op_group: Mapping[str, int]) -> dict[str, int]:
     return out
 
 
+def energies(outputs: Sequence[np.ndarray]) -> np.ndarray:
+    """Energy per output and per sample (axis 0 of each output): (outputs, samples)."""
+    return np.stack([np.sum(np.reshape(np.asarray(o, np.float64) ** 2, (np.shape(o)[0], -1)), axis=1)
+                     for o in outputs])
+
+
 def output_errors(outputs: Sequence[np.ndarray], reference: Sequence[np.ndarray]) -> np.ndarray:
     """Error energy per output and per sample (axis 0 of each output): (outputs, samples)."""
-    return np.stack([np.sum(np.reshape((np.asarray(o, np.float64) - np.asarray(r, np.float64)) ** 2,
-                                       (np.shape(r)[0], -1)), axis=1)
-                     for o, r in zip(outputs, reference)])
+    return energies([np.asarray(o, np.float64) - np.asarray(r, np.float64) for o, r in zip(outputs, reference)])
 
 
 def group_noise(model: Any, plan, scales: Scales, params: Any, batches: Sequence[tuple],

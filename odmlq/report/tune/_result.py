@@ -10,7 +10,7 @@ import yaml
 
 from odmlq.files import atomic_output
 from odmlq.rules import Rule, rules_to_dicts
-from odmlq.tune._target import Measured, TuneTarget
+from odmlq.report.tune._target import Measured, TuneTarget
 
 __all__ = ["Trial", "TuneResult"]
 

@@ -6,11 +6,11 @@ precision, searches for the cheapest configuration that meets the target,
 measures every configuration it proposes, and returns ordinary rules.
 """
 
-from odmlq.tune._autotune import autotune
-from odmlq.tune._model import rules_for
-from odmlq.tune._candidates import CANDIDATES, Candidate, default_candidates
-from odmlq.tune._result import Trial, TuneResult
-from odmlq.tune._target import Measured, TuneTarget
+from odmlq.report.tune._autotune import autotune
+from odmlq.report.tune._model import rules_for
+from odmlq.report.tune._candidates import CANDIDATES, Candidate, default_candidates
+from odmlq.report.tune._result import Trial, TuneResult
+from odmlq.report.tune._target import Measured, TuneTarget
 
 __all__ = ["CANDIDATES", "Candidate", "Measured", "Trial", "TuneResult", "TuneTarget", "autotune",
            "default_candidates", "rules_for"]

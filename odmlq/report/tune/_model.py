@@ -19,7 +19,7 @@ from odmlq.plan import plan as make_plan
 from odmlq.rules import Rule, UnmatchedRuleWarning
 from odmlq.scales import compute_scales
 from odmlq.simulate import Simulator
-from odmlq.tune._candidates import Candidate, group_pattern
+from odmlq.report.tune._candidates import Candidate, group_pattern
 
 __all__ = ["TunedModel", "BACKENDS", "rules_for"]
 
