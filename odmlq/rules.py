@@ -185,10 +185,17 @@ class Rule:
         return cls(**data)
 
 
+_BOOLEAN_FIELDS = ("weight_symmetric", "act_symmetric", "act_dynamic", "skip")
+
+
 def _check_rule(rule: Rule) -> None:
     where = f"Rule({rule.module_path!r})"
     if not isinstance(rule.module_path, str):
         raise RuleError(f"Rule module_path must be a regex string, got {rule.module_path!r}.")
+    for name in _BOOLEAN_FIELDS:
+        value = getattr(rule, name)
+        if not isinstance(value, bool) and not (value is None and name.endswith("symmetric")):
+            raise RuleError(f"{where}: {name}={value!r} must be true or false.")
     try:
         re.compile(rule.module_path)
     except re.error as e:
@@ -268,6 +275,19 @@ def _check_qtype_fields(rule: Rule, where: str) -> None:
         )
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """YAML 1.2's booleans: only true and false (any case). YAML 1.1 also
+    reads yes/no/on/off/y/n as booleans, so a typo'd value would pass as one;
+    here they stay strings, which the boolean fields refuse by name."""
+
+
+_StrictLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_StrictLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                    list("tTfF"))
+
+
 def rules_to_dicts(rules: Sequence[Rule]) -> list[dict]:
     return [r.to_dict() for r in rules]
 
@@ -317,7 +337,7 @@ def load_rules(path: str | os.PathLike) -> list[Rule]:
             raise RuleError(f"{path}:{e.lineno}: JSON syntax error: {e.msg}.") from None
     else:
         try:
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_StrictLoader)
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             line = f"{mark.line + 1}" if mark is not None else "?"

@@ -123,3 +123,27 @@ def test_rules_file_bad_rule_names_index_and_field(tmp_path):
 def test_missing_rules_file():
     with pytest.raises(RuleError, match=r"Cannot read rules file 'nope\.yaml'"):
         load_rules("nope.yaml")
+
+
+@pytest.mark.parametrize("value", ["yes please", "yes", "on", "y", "1"])
+def test_yaml_booleans_are_only_true_and_false(tmp_path, value):
+    # YAML 1.1 reads yes/on/y as true; a rules file accepts only true/false,
+    # so a typo'd or prose value is refused by field name, never read as true.
+    f = tmp_path / "r.yaml"
+    f.write_text(f"- {{module_path: '.*', act_qtype: int8, act_dynamic: {value}}}\n")
+    with pytest.raises(RuleError, match=r"rule 0: Rule\('\.\*'\): act_dynamic=.* must be true or false"):
+        load_rules(f)
+
+
+def test_yaml_true_false_and_words_that_look_boolean(tmp_path):
+    f = tmp_path / "r.yaml"
+    f.write_text("- {module_path: on, skip: True}\n- {module_path: '.*', act_qtype: int8, act_dynamic: false}\n")
+    rules = load_rules(f)
+    assert rules == [Rule("on", skip=True), Rule(".*", act_qtype="int8")]
+
+
+@pytest.mark.parametrize("field", ["weight_symmetric", "act_symmetric", "act_dynamic", "skip"])
+def test_boolean_fields_refuse_other_values(field):
+    fields = {"weight_qtype": "int8", "act_qtype": "int8", field: "false"}
+    with pytest.raises(RuleError, match=f"{field}='false' must be true or false"):
+        Rule(".*", **fields)
