@@ -22,11 +22,7 @@ RULES = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
 
 
 def _interpreter(tflite: bytes):
-    from ai_edge_litert.interpreter import Interpreter
-
-    interpreter = Interpreter(model_content=tflite, num_threads=1)
-    interpreter.allocate_tensors()
-    return interpreter
+    return odmlq.litert.interpreter(tflite, num_threads=1)
 
 
 def main(rounds: int, invokes: int) -> None:

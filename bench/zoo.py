@@ -93,10 +93,9 @@ class _Tflite:
     """A LiteRT interpreter (1 thread) driven through its serving signature."""
 
     def __init__(self, tflite: bytes, n_inputs: int):
-        from ai_edge_litert.interpreter import Interpreter
+        import odmlq
 
-        self.interpreter = Interpreter(model_content=tflite, num_threads=1)
-        self.interpreter.allocate_tensors()
+        self.interpreter = odmlq.litert.interpreter(tflite, num_threads=1)
         runner = self.interpreter.get_signature_runner()
         inputs = runner.get_input_details()
         outputs = runner.get_output_details()

@@ -25,10 +25,7 @@ RULES = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
 
 def tflite_accuracy(tflite: bytes, x: np.ndarray, y: np.ndarray) -> float:
     """Top-1 accuracy of a .tflite on (x, y), one image per invoke as on a phone."""
-    from ai_edge_litert.interpreter import Interpreter
-
-    interpreter = Interpreter(model_content=tflite, num_threads=1)
-    interpreter.allocate_tensors()
+    interpreter = odmlq.litert.interpreter(tflite, num_threads=1)
     inp, out = interpreter.get_input_details()[0], interpreter.get_output_details()[0]
     correct = 0
     for image, label in zip(x, y):

@@ -147,10 +147,7 @@ def retrieval(embeddings: np.ndarray, reference: np.ndarray, queries=None) -> fl
 
 def run_tflite(path: str, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, float]:
     """Embeddings one sentence at a time with 1 thread, and the median seconds per sentence."""
-    from ai_edge_litert.interpreter import Interpreter
-
-    interpreter = Interpreter(model_path=path, num_threads=1)
-    interpreter.allocate_tensors()
+    interpreter = odmlq.litert.interpreter(path, num_threads=1)
     by_name = {d["name"]: d for d in interpreter.get_input_details()}
     inputs = [next(d for n, d in by_name.items() if n.endswith(k)) for k in ("input_ids", "attention_mask")]
     output = interpreter.get_output_details()[0]

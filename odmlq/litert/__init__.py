@@ -2,6 +2,7 @@
 
 from odmlq.litert._convert import ConversionError
 from odmlq.litert.export import Export, FloatOpsError, check_plan, export_tflite
+from odmlq.litert._runtime import interpreter
 from odmlq.litert.spec import TARGET
 from odmlq.litert.inspect import ModelFileError, ModelSummary, OpInfo, TensorInfo, format_summary, inspect
 from odmlq.litert.verify import EdgeCheck, LiteRTCrashError, VerificationError, VerificationReport, verify
@@ -9,5 +10,5 @@ from odmlq.litert.verify import EdgeCheck, LiteRTCrashError, VerificationError, 
 __all__ = [
     "ConversionError", "EdgeCheck", "LiteRTCrashError", "Export", "FloatOpsError", "ModelFileError", "ModelSummary",
     "OpInfo", "TARGET", "TensorInfo", "VerificationError", "VerificationReport", "check_plan",
-    "export_tflite", "format_summary", "inspect", "verify",
+    "export_tflite", "format_summary", "inspect", "interpreter", "verify",
 ]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,6 +21,7 @@ import numpy as np
 
 from odmlq.graph import GraphCache, params_for
 from odmlq.litert._probe import LiteRTCrashError, probe
+from odmlq.litert._runtime import interpreter
 from odmlq.plan import text_table as table
 from odmlq.errors import OdmlqError
 
@@ -201,16 +201,8 @@ def preserving_interpreter(tflite: bytes, what: str = "the model"):
     model that crashes LiteRT raises `LiteRTCrashError` instead of ending
     this process.
     """
-    from ai_edge_litert.interpreter import Interpreter
-
     probe(tflite, what)
-
-    with warnings.catch_warnings():
-        # It warns that keeping every tensor is for debugging: that is the point here.
-        warnings.simplefilter("ignore", UserWarning)
-        interpreter = Interpreter(model_content=bytes(tflite), experimental_preserve_all_tensors=True)
-    interpreter.allocate_tensors()
-    return interpreter
+    return interpreter(tflite, preserve_all_tensors=True)
 
 
 def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, variables: Any = None,
