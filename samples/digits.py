@@ -198,12 +198,18 @@ def accuracy(model: Any, variables: Any, x: np.ndarray, y: np.ndarray) -> float:
 
 
 if __name__ == "__main__":
+    import argparse
+
+    _parser = argparse.ArgumentParser(description="Train every sample model on the digits and print its "
+                                                  "test accuracy.")
+    _parser.add_argument("--seconds", type=float, default=5.0, help="training time budget per model (default 5)")
+    _args = _parser.parse_args()
     _digits = load_digits_splits()
     print(f"train {len(_digits.y_train)}, calibration {len(_digits.y_calibration)}, "
           f"test {len(_digits.y_test)}")
     for _name in SAMPLES:
         _start = time.perf_counter()
-        _model, _variables = train(_name, _digits)
+        _model, _variables = train(_name, _digits, seconds=_args.seconds)
         _seconds = time.perf_counter() - _start
         print(f"{_name:8s} test accuracy {accuracy(_model, _variables, _digits.x_test, _digits.y_test):.4f}"
               f"  ({_seconds:.1f} s wall including compilation)")

@@ -12,7 +12,7 @@ tflite-runtime, whose Interpreter has the same API). Then, on the host:
     odmlq diff model.tflite --inputs inputs.npz --device-tensors dump.npz
 """
 
-import sys
+import argparse
 
 import numpy as np
 
@@ -36,4 +36,9 @@ def main(model_path: str, inputs_path: str, dump_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", help="the .tflite to run")
+    parser.add_argument("inputs", help=".npz with one array per model input, in input order")
+    parser.add_argument("dump", help=".npz to write: every computed tensor by its name in the .tflite")
+    args = parser.parse_args()
+    main(args.model, args.inputs, args.dump)

@@ -197,8 +197,6 @@ def measure(schema: str, out_dir: str, model, variables, calibration, evaluation
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    from converters.minilm import load_minilm, tokenize
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="folder for the .tflite files (default: a temporary one)")
     parser.add_argument("--schemas", default="int8,int16x8,dynamic",
@@ -210,6 +208,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.error(f"unknown schema(s) {unknown}; choose from {list(SCHEMAS)}")
 
     import jax
+
+    from converters.minilm import load_minilm, tokenize
 
     float_model, variables, tokenizer, config = load_minilm()
     model = type(float_model)(dataclasses.replace(config, mask_bias=MASK_BIAS))

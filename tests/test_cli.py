@@ -149,3 +149,140 @@ def test_tune_bad_arguments_fail_before_work(tmp_path, capsys, args, match):
     np.savez(data, x=np.zeros((4, 8, 8, 1), np.float32))
     assert cli.main(["tune", "cnn", "--data", str(data), *args]) == 1
     assert match in capsys.readouterr().err
+
+
+def _digits_like(path, rows=64, seed=0):
+    import numpy as np
+
+    np.savez(path, x=np.random.default_rng(seed).random((rows, 8, 8, 1), dtype=np.float32))
+    return str(path)
+
+
+def test_every_option_of_every_command_says_what_it_does():
+    from odmlq.cli._main import parser
+
+    top = parser()
+    commands = next(a for a in top._actions if a.dest == "command").choices
+    assert {"demo", "plan", "export", "compare", "tune", "inspect", "ops", "diff"} <= set(commands)
+    for name, command in commands.items():
+        for action in command._actions:
+            if action.dest != "help":
+                assert action.help, f"odmlq {name} {action.option_strings or action.dest} has no help"
+
+
+def test_compare_lines_up_simulate_litert_and_xla(tmp_path, capsys):
+    import json
+
+    data = _digits_like(tmp_path / "d.npz")
+    html, explorer, saved = tmp_path / "r.html", tmp_path / "me.json", tmp_path / "c.npz"
+    assert cli.main(["compare", "cnn", "--data", data, "--litert", "--xla", "--rows", "8", "--json",
+                     "--html", str(html), "--model-explorer", str(explorer), "--save-calibration",
+                     str(saved), "--quiet"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert {"output_0", "output_0 (litert)", "output_0 (xla)"} <= set(report["outputs"])
+    assert all(m["sqnr_db"] > 25 for m in report["outputs"].values())  # int8 CNN: 37-45 dB measured
+    assert html.read_text().startswith("<!DOCTYPE html>") and json.loads(explorer.read_text())
+    import odmlq
+
+    assert len(odmlq.Calibration.load(saved)) > 0
+
+
+def test_export_saves_the_calibration_its_tflite_was_made_with(tmp_path, capsys):
+    import json
+
+    data = _digits_like(tmp_path / "d.npz")
+    saved, model = tmp_path / "c.npz", tmp_path / "m.tflite"
+    assert cli.main(["export", "cnn", "--data", data, "--out", str(model), "--no-verify",
+                     "--save-calibration", str(saved), "--quiet"]) == 0
+    capsys.readouterr()
+    assert cli.main(["compare", "cnn", "--data", data, "--calibration", str(saved), "--tflite", str(model),
+                     "--json", "--rows", "8", "--quiet"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    # Same statistics, same scales: LiteRT computes what simulate does, within
+    # the 1 LSB of a kernel's rounding (0 measured). Other statistics would
+    # move scales, and the LiteRT run would differ by many LSB.
+    lsb = [e["runs"]["litert"]["simulate_lsb"] for e in report["edges"] if "litert" in e["runs"]]
+    assert lsb and max(lsb) <= 1.0, lsb
+
+
+@pytest.mark.parametrize("args, match", [
+    (["export", "samples.models:nosuch", "--data", "D", "--out", "/nonexistent/m.tflite"], "/nonexistent"),
+    (["export", "samples.models:nosuch", "--data", "D", "--out", "OUT", "--save-calibration",
+      "/nonexistent/c.npz"], "/nonexistent"),
+    (["export", "samples.models:nosuch", "--data", "/nonexistent.npz", "--out", "OUT"], "Cannot read --data"),
+    (["export", "samples.models:nosuch", "--data", "D", "--out", "OUT", "--rules", "BAD"], "rule 0"),
+    (["export", "samples.models:nosuch", "--calibration", "/nonexistent.npz", "--out", "OUT"],
+     "Cannot read calibration"),
+    (["compare", "samples.models:nosuch", "--data", "D", "--html", "/nonexistent/r.html"], "/nonexistent"),
+    (["compare", "samples.models:nosuch", "--data", "D", "--model-explorer", "OUT"], "add --litert"),
+    (["compare", "samples.models:nosuch", "--data", "D", "--tflite", "/nonexistent.tflite"],
+     "Cannot read model"),
+    (["tune", "samples.models:nosuch", "--data", "D", "--min-sqnr", "30", "--candidates", "int3"],
+     "Unknown candidate"),
+])
+def test_cheap_checks_come_before_the_model_is_loaded(tmp_path, capsys, args, match):
+    # samples.models:nosuch fails when loaded: each error here must come first.
+    bad_rules = tmp_path / "bad.yaml"
+    bad_rules.write_text("- {module_path: '(', weight_qtype: int8}\n")
+    replace = {"D": _digits_like(tmp_path / "d.npz", rows=4), "OUT": str(tmp_path / "out"), "BAD": str(bad_rules)}
+    assert cli.main([replace.get(a, a) for a in args]) == 1
+    err = capsys.readouterr().err
+    assert match in err and "has no function" not in err, err
+
+
+def test_diff_asks_for_the_calibration_before_reading_the_dump(tmp_path, capsys):
+    import numpy as np
+
+    data = _digits_like(tmp_path / "d.npz", rows=4)
+    model = tmp_path / "m.tflite"
+    assert cli.main(["export", "cnn", "--data", data, "--out", str(model), "--no-verify", "--quiet"]) == 0
+    np.savez(tmp_path / "in.npz", x=np.zeros((1, 8, 8, 1), np.float32))
+    np.savez(tmp_path / "dump.npz", unrelated=np.zeros(3))  # diffing it would fail otherwise
+    assert cli.main(["diff", str(model), "--inputs", str(tmp_path / "in.npz"), "--device-tensors",
+                     str(tmp_path / "dump.npz"), "--model", "cnn"]) == 1
+    assert "needs --calibration" in capsys.readouterr().err
+
+
+def test_export_says_when_there_is_no_calibration_to_save(tmp_path, capsys):
+    rules = tmp_path / "w.yaml"
+    rules.write_text("- {module_path: '.*', weight_qtype: int8}\n")
+    saved = tmp_path / "c.npz"
+    assert cli.main(["export", "mlp", "--data", _digits_like(tmp_path / "d.npz", rows=4), "--rules", str(rules),
+                     "--out", str(tmp_path / "m.tflite"), "--save-calibration", str(saved), "--quiet"]) == 0
+    assert "calibrate no activation" in capsys.readouterr().err and not saved.exists()
+
+
+def test_verbose_is_taken_before_or_after_the_command(capsys, monkeypatch):
+    from odmlq.litert import VERBOSE_ENVIRONMENT
+
+    monkeypatch.delenv(VERBOSE_ENVIRONMENT, raising=False)
+    assert cli.main(["ops", "--verbose"]) == 0
+    import os
+
+    assert os.environ[VERBOSE_ENVIRONMENT] == "1"
+    monkeypatch.delenv(VERBOSE_ENVIRONMENT)
+    assert cli.main(["--verbose", "ops"]) == 0 and os.environ[VERBOSE_ENVIRONMENT] == "1"
+
+
+def test_demo_refuses_a_nonpositive_budget(capsys):
+    assert cli.main(["demo", "--seconds", "0"]) == 1
+    assert "--seconds 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("script", ["samples/dump_tensors.py", "samples/minilm_tflite.py", "samples/digits.py",
+                                    "samples/digits_cnn.py"])
+def test_every_sample_script_prints_its_usage(script):
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, cwd=root,
+                          env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0 and done.stdout.startswith("usage:"), done.stderr
+
+
+def test_dump_tensors_without_arguments_prints_its_usage():
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "samples/dump_tensors.py"], capture_output=True, text=True, cwd=root)
+    assert done.returncode == 2 and "usage:" in done.stderr and "Traceback" not in done.stderr

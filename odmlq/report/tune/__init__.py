@@ -8,9 +8,9 @@ measures every configuration it proposes, and returns ordinary rules.
 
 from odmlq.report.tune._autotune import autotune
 from odmlq.report.tune._model import rules_for
-from odmlq.report.tune._candidates import CANDIDATES, Candidate, default_candidates
+from odmlq.report.tune._candidates import CANDIDATES, Candidate, default_candidates, parse_candidates
 from odmlq.report.tune._result import Trial, TuneResult
 from odmlq.report.tune._target import Measured, TuneTarget
 
 __all__ = ["CANDIDATES", "Candidate", "Measured", "Trial", "TuneResult", "TuneTarget", "autotune",
-           "default_candidates", "rules_for"]
+           "default_candidates", "parse_candidates", "rules_for"]
