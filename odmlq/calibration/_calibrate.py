@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -16,6 +15,7 @@ from odmlq.calibration._gram import Gram
 from odmlq.calibration._methods import MinMax
 from odmlq.calibration._reuse import calibrated_edges
 from odmlq.errors import CalibrationError
+from odmlq.progress import steps
 
 __all__ = ["calibrate"]
 
@@ -38,7 +38,7 @@ def calibrate(model: Any, plan, rep_dataset: Iterable | Callable[[], Iterable], 
       rep_dataset: an iterable of batches, or a callable returning one. A batch
         is an array (one model input) or a tuple of arrays, numpy or jax, of
         the example inputs' shapes and dtypes (any batch size).
-      progress: print a progress line on stderr (default: when stderr is a tty).
+      progress: show a progress bar on stderr (default: when stderr is a terminal).
       calibration: statistics to add to (merging runs).
 
     Returns:
@@ -68,11 +68,9 @@ def calibrate(model: Any, plan, rep_dataset: Iterable | Callable[[], Iterable], 
     rounded = {p: spec.algorithm.required for p, spec in plan.weight_specs().items() if spec.algorithm is not None}
     out = Calibration() if calibration is None else calibration
     dataset = rep_dataset() if callable(rep_dataset) else rep_dataset
-    total = len(dataset) if hasattr(dataset, "__len__") else None
-    show = sys.stderr.isatty() if progress is None else progress
     collectors: dict[Any, Callable] = {}
     count = 0
-    for index, batch in enumerate(dataset):
+    for index, batch in enumerate(steps(dataset, "calibrating", progress=progress, unit="batch")):
         inputs = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
         check_inputs(plan.graph, inputs, f"rep_dataset batch {index}")
         _check_finite(inputs, index)
@@ -93,11 +91,6 @@ def calibrate(model: Any, plan, rep_dataset: Iterable | Callable[[], Iterable], 
             out.observe_gram(param, Gram(np.asarray(matrix, np.float64), rows, layout,
                                          np.asarray(fourth, np.float64)))
         count += 1
-        if show:
-            print(f"\rcalibrating: batch {count}" + (f"/{total}" if total else ""),
-                  end="", file=sys.stderr, flush=True)
-    if show:
-        print(file=sys.stderr)
     if count == 0:
         raise CalibrationError(
             "rep_dataset yielded no batches; give an iterable of input batches (or a callable "

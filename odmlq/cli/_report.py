@@ -50,7 +50,8 @@ def compare(args) -> int:
     from odmlq.report import compare as compare_runs
 
     report = compare_runs(model, plan, scales, *inputs, variables=variables, tflite=tflite, xla=xla,
-                          calibration=calibration, rep_dataset=data, try_fixes=args.try_fixes)
+                          calibration=calibration, rep_dataset=data, try_fixes=args.try_fixes,
+                          progress=False if args.quiet else None)
     print(report.to_json(indent=None) if args.json else report)
     if args.html:
         report.save_html(args.html)

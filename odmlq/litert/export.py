@@ -23,6 +23,7 @@ from odmlq.litert._probe import LiteRTCrashError, probe
 from odmlq.litert.inspect import ModelSummary, inspect
 from odmlq.constraints import SharedWithInputs
 from odmlq.litert.spec import OP_SPEC, TARGET, WITHOUT_KERNEL, pool_as_depthwise
+from odmlq.progress import Stage
 from odmlq.litert.verify import VerificationReport, verification_samples, verify as verify_model
 from odmlq.plan import Plan, plan as make_plan
 from odmlq.scales import Scales, compute_scales
@@ -212,6 +213,8 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
         calibration range covers (x 1.5, and with noise).
       allow_float_ops: let ops without an integer kernel stay in float
         (listed and warned about) instead of failing.
+      progress: bars on stderr while calibrating, converting and verifying
+        (default: when stderr is a terminal; False: never).
       io_dtype: 'float' (the model quantizes its inputs and dequantizes its
         outputs) or 'int8' / 'int16' (the caller passes quantized tensors; the
         input and output scales are in the signature's tensors). Full-integer
@@ -284,8 +287,9 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
     names_in = list(input_names or _input_names(model, len(graph.inputs)))
     names_out = list(output_names or [f"output_{i}" for i in range(len(graph.outputs))])
     try:
-        tflite = _convert.convert(fn, example_inputs, input_names=names_in, output_names=names_out,
-                                  dynamic_range=schema == "dynamic")
+        with Stage("converting", progress=progress):
+            tflite = _convert.convert(fn, example_inputs, input_names=names_in, output_names=names_out,
+                                      dynamic_range=schema == "dynamic")
     except _convert.ConversionError as error:
         raise _with_module_paths(error, plan) from error
     # litert-converter 0.5.0 writes an int32 bias for 16x8 convolutions, whose
@@ -305,7 +309,7 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
     if verify:
         samples = verification_samples(held_back, verify_samples)
         report = verify_model(tflite, model, plan, scales, samples, variables=variables,
-                              min_output_sqnr_db=_MIN_SQNR_DB.get(schema))
+                              min_output_sqnr_db=_MIN_SQNR_DB.get(schema), progress=progress)
     written = _write_atomically(path, tflite) if path is not None else None
     return Export(tflite=tflite, path=written, plan=plan, calibration=calibration, scales=scales,
                   summary=summary, verification=report,

@@ -23,6 +23,7 @@ from odmlq.graph import GraphCache, params_for
 from odmlq.litert._probe import LiteRTCrashError, probe
 from odmlq.litert._runtime import interpreter
 from odmlq.plan import text_table as table
+from odmlq.progress import steps
 from odmlq.errors import OdmlqError
 
 __all__ = ["EdgeCheck", "LiteRTCrashError", "VerificationError", "VerificationReport", "dequantize_tensor", "from_output",
@@ -207,7 +208,7 @@ def preserving_interpreter(tflite: bytes, what: str = "the model"):
 
 def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, variables: Any = None,
            tolerance_lsb: float = 1.0, min_output_sqnr_db: float | None = None,
-           raise_on_failure: bool = True) -> VerificationReport:
+           raise_on_failure: bool = True, progress: bool | None = False) -> VerificationReport:
     """Checks an exported model op by op against `simulate`.
 
     Args:
@@ -218,6 +219,8 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
       tolerance_lsb: allowed difference per element, in LSBs of each edge.
       min_output_sqnr_db: for models whose activations are float (weight-only,
         dynamic-range), the least SQNR of LiteRT's outputs against simulate's.
+      progress: a bar over the rows checked on stderr (None: when stderr is
+        a terminal).
 
     Raises:
       VerificationError: naming the op, its module path and the difference,
@@ -245,7 +248,8 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
     float_sig = float_noise_litert = float_noise_sim = 0.0
     graphs = GraphCache(model, plan, variables)
     params = params_for(model, variables, "verify")
-    for inputs in sample_rows(samples, interpreter):
+    rows = list(sample_rows(samples, interpreter))
+    for inputs in steps(rows, "verifying", progress=progress, unit="row"):
         for d, x in zip(interpreter.get_input_details(), inputs):
             interpreter.set_tensor(d["index"], to_input(x, d))
         interpreter.invoke()

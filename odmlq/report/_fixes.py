@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from odmlq.progress import steps
 from odmlq.report._advice import Advice, Measured
 from odmlq.report._metrics import edge_metrics
 from odmlq.report._runs import leaves, litert_run
@@ -125,10 +126,11 @@ class FixTrials:
         return len(result.tflite), output_sqnr(self.float_outputs, run.outputs)
 
 
-def measure_all(trials: FixTrials, advice: list[Advice]) -> tuple[list[Advice], list[str]]:
+def measure_all(trials: FixTrials, advice: list[Advice], progress: bool | None = None
+                ) -> tuple[list[Advice], list[str]]:
     """Every suggestion measured; one that cannot be is kept unmeasured, with a note why."""
     out, notes = [], []
-    for a in advice:
+    for a in steps(advice, "trying fixes", progress=progress, unit="fix"):
         try:
             out.append(trials.measure(a))
         except OdmlqError as error:

@@ -265,7 +265,7 @@ class Report:
 def compare(model: Any, plan, scales, *inputs: Any, variables: Any = None, tflite: bytes | None = None,
             xla: Any = None, device: Mapping[str, np.ndarray] | None = None, calibration: Any = None,
             rep_dataset: Iterable | None = None, try_fixes: bool = False,
-            max_advice: int = 3, contributions: bool = True) -> Report:
+            max_advice: int = 3, contributions: bool = True, progress: bool | None = None) -> Report:
     """Lines up float, simulate, local and backend runs edge by edge, and advises.
 
     Args:
@@ -289,6 +289,8 @@ def compare(model: Any, plan, scales, *inputs: Any, variables: Any = None, tflit
         that edge quantized and with only it in float (`EdgeReport.alone_sqnr_db`,
         `float_gain_db`, `Report.contributors`): the edges that cost the
         outputs most, which advice considers first.
+      progress: a bar on stderr while fixes are tried (default: when stderr
+        is a terminal).
 
     Returns:
       A `Report`, edges ranked by local SQNR (worst first).
@@ -346,7 +348,7 @@ def compare(model: Any, plan, scales, *inputs: Any, variables: Any = None, tflit
             model=model, variables=variables, plan=plan, calibration=calibration,
             rep_dataset=None if rep_dataset is None else list(rep_dataset), inputs=tuple(inputs),
             float_outputs=float_out, tflite=tflite, allow_float_ops=islands)
-        advice, measure_notes = _report_fixes.measure_all(trials, advice)
+        advice, measure_notes = _report_fixes.measure_all(trials, advice, progress=progress)
         notes += measure_notes
     present = {"local", "simulate", *backends} | {k[k.index("(") + 1:-1] for k in outputs if "(" in k}
     return Report(edges=tuple(reports), outputs=outputs, unmapped_tensors=tuple(unmapped),

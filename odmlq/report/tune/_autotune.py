@@ -14,6 +14,7 @@ import numpy as np
 from odmlq import litert
 from odmlq.errors import OdmlqError, PlanError, RuleError
 from odmlq.rules import UnmatchedRuleWarning
+from odmlq.progress import Bar, shown
 from odmlq.report.tune import _search
 from odmlq.report.tune._candidates import Candidate, default_candidates, parse_candidates
 from odmlq.report.tune._checks import check_rules
@@ -63,7 +64,7 @@ def autotune(model: Any, variables: Any = None, rep_dataset: Iterable | Callable
       max_trials: configurations measured at most.
       check: run the chosen rules on the backend(s): export and verify the
         .tflite (LiteRT), quantize and run (XLA), each against float.
-      progress: progress lines on stderr (default: when stderr is a tty).
+      progress: progress on stderr (default: when stderr is a terminal).
 
     Returns:
       A `TuneResult`: `rules`, `trials` (the measured trade-offs), `met`.
@@ -88,7 +89,7 @@ def autotune(model: Any, variables: Any = None, rep_dataset: Iterable | Callable
         raise RuleError(f"max_trials={max_trials!r} must be a positive integer.")
     candidates = (default_candidates(backend, target.has_size) if candidates is None
                   else parse_candidates(candidates))
-    show = sys.stderr.isatty() if progress is None else progress
+    show = shown(progress)
     say = (lambda text: print(f"autotune: {text}", file=sys.stderr, flush=True)) if show else (lambda text: None)
     batches = _batches(rep_dataset, "rep_dataset")
     eval_batches = batches if eval_inputs is None else _batches(eval_inputs, "eval_inputs")
@@ -97,7 +98,7 @@ def autotune(model: Any, variables: Any = None, rep_dataset: Iterable | Callable
     tuned = TunedModel(model, variables, batches, eval_batches, candidates, backend, calibration, example)
     if not tuned.groups:
         raise OdmlqError("autotune: no candidate quantizes any op of this model; nothing to choose.")
-    tables = _tables(tuned, say)
+    tables = _tables(tuned, progress)
     float_metric = eval_fn(tuned.float_apply) if eval_fn is not None else None
     search = _Search(tuned, tables, target, eval_fn, float_metric, say)
     config = search.run(max_trials)
@@ -124,7 +125,7 @@ def _batches(data, what: str) -> list[tuple]:
     return out
 
 
-def _tables(tuned: TunedModel, say) -> _search.Tables:
+def _tables(tuned: TunedModel, progress: bool | None) -> _search.Tables:
     groups, outputs = len(tuned.groups), len(tuned.reference[0])
     samples = sum(np.shape(r[0])[0] for r in tuned.reference)
     noise = np.zeros((len(tuned.candidates), groups, outputs, samples))
@@ -133,15 +134,11 @@ def _tables(tuned: TunedModel, say) -> _search.Tables:
             continue
         only = list(np.flatnonzero(tuned.legal[c]))
         scales = tuned.scales(plan)
-        done = [0]
-
-        def tick(name=candidate.name, total=len(only)):
-            done[0] += 1
-            if done[0] == total or done[0] % 10 == 0:
-                say(f"sensitivity at {name}: {done[0]}/{total} groups")
-
-        noise[c] = group_noise(tuned.model, plan, scales, tuned.params, tuned.eval_batches, tuned.reference,
-                               tuned.op_group, groups, variables=tuned.variables, only=only, on_group=tick)
+        with Bar(f"autotune: sensitivity at {candidate.name}", total=len(only), progress=progress,
+                 unit="group") as bar:
+            noise[c] = group_noise(tuned.model, plan, scales, tuned.params, tuned.eval_batches,
+                                   tuned.reference, tuned.op_group, groups, variables=tuned.variables, only=only,
+                                   on_group=bar.tick)
     noise = np.where(np.isfinite(noise), noise, 1e30)  # a run that overflowed: the worst noise
     signal = np.concatenate([energies(ref) for ref in tuned.reference], axis=1)
     return _search.Tables(noise=noise, signal=signal, legal=tuned.legal, **tuned.costs())
