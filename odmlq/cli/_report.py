@@ -89,7 +89,7 @@ def _export(model, plan, data, calibration, variables, example_inputs) -> bytes:
 
 def diff(args) -> int:
     """A device's dump of every tensor, against the host interpreter (and float)."""
-    from odmlq.litert.device import check_model_inputs, diff_device
+    from odmlq.litert.device import check_model_inputs, diff_device, produced_by_odmlq
     from odmlq.report import device_report
 
     if (args.rules or args.calibration) and not args.float_model:
@@ -105,16 +105,16 @@ def diff(args) -> int:
     rules = rules_from(args.rules) if args.float_model else None
     calibration = load_calibration(args.calibration)
     model = variables = plan = scales = None
+    ours = produced_by_odmlq(tflite)
+    if args.model_explorer and not ours:
+        raise OdmlqError("--model-explorer needs a .tflite odmlq exported (its tensors name the plan's "
+                         "edges); this one is compared at its outputs only.")
     if args.float_model:
         model, example_inputs, variables = load_model(args.float_model)
         check_model_inputs(list(inputs), list(inputs.values()), example_inputs)
-        plan, scales = _plan_and_scales(rules, calibration, model, example_inputs, variables)
+        if ours:  # a .tflite not made by odmlq is compared at its outputs only
+            plan, scales = _plan_and_scales(rules, calibration, model, example_inputs, variables)
     result = diff_device(tflite, inputs, dump)
-    if result.outputs_only:
-        if args.model_explorer:
-            raise OdmlqError("--model-explorer needs a .tflite odmlq exported (its tensors name the plan's "
-                             "edges); this one is compared at its outputs only.")
-        plan = scales = None
     report = device_report(tflite, inputs, dump, result, model=model, variables=variables, plan=plan,
                            scales=scales)
     if args.json:

@@ -84,7 +84,14 @@ class ModelSummary:
       outputs: Tensor indices of the graph outputs.
       signatures: Signature key -> {'inputs': {name: tensor index}, 'outputs': {...}}.
       op_histogram: Op name -> count, most frequent first.
-      float_islands: Ops that compute in float inside the graph; see `inspect`.
+      schema: What the file computes in, as `export_tflite` names schemas:
+        'static' (integer activations: full integer, perhaps with float
+        islands), 'dynamic' (float activations, integer weights read by
+        hybrid kernels that quantize activations at run time),
+        'weight_only' (weights dequantized for float kernels) or 'float'.
+      float_islands: Ops that compute in float inside an integer graph; see
+        `inspect`. Always empty for the other schemas, which compute in
+        float by design.
       weight_bytes: Bytes of all constant buffers (a shared buffer counted once).
       file_bytes: Size of the whole file, offset buffers included.
     """
@@ -95,6 +102,7 @@ class ModelSummary:
     outputs: tuple[int, ...]
     signatures: dict[str, dict]
     op_histogram: dict[str, int]
+    schema: str
     float_islands: tuple[OpInfo, ...]
     weight_bytes: int
     file_bytes: int
@@ -193,8 +201,8 @@ def format_summary(summary: ModelSummary) -> str:
     t = summary.tensors
     sigs = "; ".join(f"signature {k!r} ({', '.join(v['inputs'])} -> {', '.join(v['outputs'])})"
                      for k, v in summary.signatures.items()) or "no signature"
-    out = [f"LiteRT model: {len(summary.ops)} ops, {len(t)} tensors, {summary.file_bytes} bytes; {sigs}",
-           "", "Ops"]
+    out = [f"LiteRT model ({_SCHEMA_WORDS[summary.schema]}): {len(summary.ops)} ops, {len(t)} tensors, "
+           f"{summary.file_bytes} bytes; {sigs}", "", "Ops"]
     rows = [[str(op.index), op.name, ", ".join(_describe(t, i) for i in op.inputs),
              ", ".join(_describe(t, i) for i in op.outputs), _module(op.module_path)]
             for op in summary.ops]
@@ -206,15 +214,20 @@ def format_summary(summary: ModelSummary) -> str:
     out += ["", "Op histogram",
             table(["op", "count"], [[k, str(v)] for k, v in summary.op_histogram.items()])]
     derived = _constant_derived(summary.ops, t)
-    out += _section("Float islands", ["#", "op", "module", "why"], [
-        [str(op.index), op.name, _module(op.module_path),
-         _float_island_reason(op, t, summary.inputs, summary.outputs, derived) or ""]
-        for op in summary.float_islands])
+    if summary.schema == "static":
+        out += _section("Float islands", ["#", "op", "module", "why"], [
+            [str(op.index), op.name, _module(op.module_path),
+             _float_island_reason(op, t, summary.inputs, summary.outputs, derived) or ""]
+            for op in summary.float_islands])
+    else:
+        out += ["", f"Float islands: none counted: a {_SCHEMA_WORDS[summary.schema]} model computes in float "
+                    "by design"]
     out += _section("Weights dequantized or transposed at run time", ["#", "op", "module", "weight"], [
         [str(op.index), op.name, _module(op.module_path), _describe(t, op.inputs[0])]
         for op in summary.weight_dequantize_or_transpose_at_run_time])
+    islands = f"; {len(summary.float_islands)} float islands" if summary.schema == "static" else ""
     out += ["", f"Weights: {summary.weight_bytes} bytes in {sum(x.is_constant for x in t)} constant "
-                f"tensors; {len(summary.float_islands)} float islands; file: {summary.file_bytes} bytes"]
+                f"tensors{islands}; file: {summary.file_bytes} bytes"]
     return "\n".join(line.rstrip() for line in out)
 
 
@@ -257,13 +270,15 @@ def _read(buf: bytes, label: str) -> ModelSummary:
     derived = _constant_derived(ops, tensors)
     ops = [dataclasses.replace(op, module_path=_op_module_path(op, tensors, derived)) for op in ops]
     inputs, outputs = tuple(_indices(graph.InputsAsNumpy())), tuple(_indices(graph.OutputsAsNumpy()))
+    schema_name = _schema(ops, tensors, derived)
     histogram = collections.Counter(op.name for op in ops)
     return ModelSummary(
         ops=tuple(ops), tensors=tuple(tensors), inputs=inputs, outputs=outputs,
         signatures=_signatures(model),
         op_histogram=dict(sorted(histogram.items(), key=lambda kv: (-kv[1], kv[0]))),
-        float_islands=tuple(op for op in ops
-                            if _float_island_reason(op, tensors, inputs, outputs, derived)),
+        schema=schema_name,
+        float_islands=tuple(op for op in ops if schema_name == "static"
+                            and _float_island_reason(op, tensors, inputs, outputs, derived)),
         weight_bytes=sum(buffer_bytes.values()), file_bytes=len(buf))
 
 
@@ -298,17 +313,66 @@ def _tensor_info(index: int, tensor, nbytes: int, is_constant: bool) -> TensorIn
         nbytes=nbytes, is_constant=is_constant)
 
 
-def _op_module_path(op: OpInfo, tensors, derived: set[int]) -> str | None:
-    """The module path of an op's outputs' names, else of its weights' names.
+_INTEGER_DTYPES = frozenset({"int8", "uint8", "int16"})
+_SCHEMA_WORDS = {"static": "integer activations", "dynamic": "dynamic range", "weight_only": "weight-only",
+                 "float": "float"}
 
-    The converter renames graph outputs (`serving_default_y_output`), which
-    loses the scope of the op that computes them; its weights, created in the
-    same scope, still carry it.
+# The JAX primitives a LiteRT op is lowered from, to find the op's own
+# location among the fused ones its output is named after (a CONV_2D with a
+# folded BatchNorm and a ReLU is named 'relu/max;bn/sub;conv/conv_general_dilated').
+_PRIMITIVES = {
+    "CONV_2D": ("conv_general_dilated",), "DEPTHWISE_CONV_2D": ("conv_general_dilated",),
+    "TRANSPOSE_CONV": ("conv_general_dilated",), "CONV_3D": ("conv_general_dilated",),
+    "FULLY_CONNECTED": ("dot_general",), "BATCH_MATMUL": ("dot_general",),
+    "ADD": ("add",), "SUB": ("sub",), "MUL": ("mul",), "DIV": ("div",),
+    "MAX_POOL_2D": ("reduce_window_max",), "AVERAGE_POOL_2D": ("reduce_window_sum", "div"),
+    "SUM": ("reduce_sum",), "MEAN": ("reduce_sum", "div"), "REDUCE_MAX": ("reduce_max",),
+    "LOGISTIC": ("logistic",), "TANH": ("tanh",), "EXP": ("exp",), "RSQRT": ("rsqrt",),
+    "SQRT": ("sqrt",), "GELU": ("erf", "tanh", "mul"), "CONCATENATION": ("concatenate",),
+    "RESHAPE": ("reshape",), "TRANSPOSE": ("transpose",), "PAD": ("pad",), "GATHER": ("gather",),
+}
+
+
+def _schema(ops, tensors, derived: set[int]) -> str:
+    """'static', 'dynamic', 'weight_only' or 'float' (see `ModelSummary.schema`)."""
+    def integer(i: int) -> bool:
+        return i >= 0 and tensors[i].dtype in _INTEGER_DTYPES and bool(tensors[i].scales)
+
+    # A STABLEHLO_COMPOSITE left in the graph is a quantization the
+    # converter did not lower: the model was meant to compute in integers.
+    if any(integer(i) and i not in derived for op in ops for i in (*op.inputs, *op.outputs)) or any(
+            op.name == "STABLEHLO_COMPOSITE" for op in ops):
+        return "static"
+    if any(integer(i) for op in ops if op.name != "DEQUANTIZE" for i in op.inputs if i in derived):
+        return "dynamic"
+    if any(op.name == "DEQUANTIZE" and op.inputs[0] in derived for op in ops):
+        return "weight_only"
+    return "float"
+
+
+def _op_module_path(op: OpInfo, tensors, derived: set[int]) -> str | None:
+    """The module path of the op's own location in its outputs' names, else
+    of its weights' names.
+
+    A fused op's output is named after every location fused into it; the one
+    whose primitive the op is lowered from is its own (`_PRIMITIVES`), else
+    the first. The converter renames graph outputs
+    (`serving_default_y_output`), which loses the scope of the op that
+    computes them; its weights, created in the same scope, still carry it.
     """
-    weights = [i for i in op.inputs if i in derived]
-    for i in (*op.outputs, *weights):
-        if i >= 0 and (path := module_path_from_tensor_name(tensors[i].name)) is not None:
-            return path
+    own = _PRIMITIVES.get(op.name, ())
+    for i in (*op.outputs, *(i for i in op.inputs if i in derived)):
+        if i < 0:
+            continue
+        paths = [module_path_from_tensor_name(location) for location in tensors[i].name.split(";")]
+        paths = [p for p in paths if p is not None]
+        for location in tensors[i].name.split(";"):
+            path = module_path_from_tensor_name(location)
+            primitive = location.rpartition("/")[2].rstrip("0123456789")
+            if path is not None and primitive in own:
+                return path
+        if paths:
+            return paths[0]
     return None
 
 

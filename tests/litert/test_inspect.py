@@ -226,13 +226,16 @@ def test_int8_dense_is_full_integer(models):
     ("int4_weight_only", ["DEQUANTIZE"], "dense1/dot_general"),
     ("int4_weight_only_conv", ["DEQUANTIZE"], "conv1/conv"),
 ])
-def test_weight_only_models_are_float_islands(models, name, run_time, module_path):
+def test_weight_only_models_compute_in_float_by_design(models, name, run_time, module_path):
     summary = inspect(models[name])
-    # Every op computes in float; the weight work is redone at every invocation.
-    assert _names(summary.float_islands) == _OPS[name]
+    # Every op computes in float, as weight-only means: no op is an island in
+    # an integer graph, but the weight work is redone at every invocation.
+    assert summary.schema == "weight_only" and summary.float_islands == ()
+    assert _names(summary.ops) == _OPS[name]
     assert _names(summary.weight_dequantize_or_transpose_at_run_time) == run_time
     # The float op's output was renamed as the graph output; its weights keep the scope.
-    assert [op.module_path for op in summary.float_islands] == [module_path] * len(_OPS[name])
+    assert [op.module_path for op in summary.ops] == [module_path] * len(_OPS[name])
+    assert "Float islands: none counted: a weight-only model computes in float by design" in str(summary)
 
 
 @pytest.mark.parametrize("name, elements", [("int4_weight_only", 8 * 16),
@@ -266,14 +269,18 @@ def test_format_summary_shows_ops_modules_and_islands(models):
     summary = inspect(models["int8_weight_only_in_out"])
     text = format_summary(summary)
     assert str(summary) == text
-    for expected in ["DEQUANTIZE", "TRANSPOSE", "FULLY_CONNECTED", "dense1/dot_general",
-                     "Float islands (3)", "dequantizes a weight at run time",
+    for expected in ["LiteRT model (weight-only)", "DEQUANTIZE", "TRANSPOSE", "FULLY_CONNECTED",
+                     "dense1/dot_general", "Float islands: none counted",
                      "Weights dequantized or transposed at run time (2)",
                      "int8", "s=[8] axis=1 zp=0", f"file: {len(models['int8_weight_only_in_out'])} bytes"]:
         assert expected in text, text
+    assert "float islands;" not in text, text
     clean = format_summary(inspect(models["int8_dense"]))
+    assert "LiteRT model (integer activations)" in clean, clean
     assert "Float islands (0): none" in clean and "Weights: 160 bytes" in clean, clean
-    assert "; 3 float islands;" in text, text
+    assert "; 0 float islands;" in clean, clean
+    island = format_summary(inspect(models["dynamic_composite"]))
+    assert "Float islands (2)" in island and "; 2 float islands;" in island, island
 
 
 def test_reads_paths(models, tmp_path):
@@ -338,3 +345,29 @@ def test_bad_files(models, tmp_path):
     with pytest.raises(ModelFileError, match=r"truncated\.tflite' has the \.tflite identifier but"):
         inspect(truncated)
 
+
+
+def test_a_fused_op_is_labelled_with_its_own_module():
+    """A convolution with a folded BatchNorm and a ReLU is named after all three
+    locations; its label is the convolution's, not the first fused one's."""
+    import flax.linen as nn
+
+    import odmlq
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Conv(4, (3, 3), name="conv")(x)
+            x = nn.BatchNorm(use_running_average=True, name="bn")(x)
+            return nn.Dense(3, name="head")(nn.relu(x).reshape(x.shape[0], -1))
+
+    x = np.random.default_rng(0).random((4, 8, 8, 2), np.float32)
+    variables = Net().init(jax.random.PRNGKey(0), x)
+    variables = {"params": variables["params"], "batch_stats": jax.tree.map(
+        lambda v: v + 0.5, variables["batch_stats"])}
+    for rules in ([odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")], []):
+        summary = odmlq.export_tflite(Net(), rules, [x], variables=variables, verify=False, progress=False).summary
+        (conv,) = [op for op in summary.ops if op.name == "CONV_2D"]
+        # Named 'conv/relu/max;conv/conv/...': the first location is the fused ReLU's.
+        assert conv.module_path == "conv/conv", [(op.name, op.module_path) for op in summary.ops]
+        assert ";" in summary.tensors[conv.outputs[0]].name  # several locations were fused into it
