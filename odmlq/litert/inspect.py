@@ -118,6 +118,13 @@ class ModelSummary:
         return tuple(op for op in self.ops
                      if op.name in ("DEQUANTIZE", "TRANSPOSE") and op.inputs[0] in derived)
 
+    def why_float(self, op: OpInfo) -> str | None:
+        """Why `op` is a float island (see `inspect`), or None when it is not one."""
+        if self.schema != "static":
+            return None
+        return _float_island_reason(op, self.tensors, self.inputs, self.outputs,
+                                    _constant_derived(self.ops, self.tensors))
+
     def __str__(self) -> str:
         return format_summary(self)
 

@@ -33,7 +33,9 @@ _RUN_MEANINGS = {"local": "this op on float inputs (the error it introduces)",
                  "simulate": "everything quantized (the error it carries)",
                  "xla": "the XLA quantized model", "litert": "the LiteRT interpreter",
                  "device": "the model on the device"}
-_TABLE_ROWS = 60      # hundreds of edges: the worst ones matter
+_TABLE_ROWS = 25      # hundreds of edges: the worst ones first, the rest folded
+_LABEL_GAP = 15.0     # px between neighbouring slanted x labels (11 px text)
+_CHAR_PX = 6.2        # width of an 11 px character, about
 _HISTOGRAM_EDGES = 6
 _WEIGHT_PLOTS = 12    # params with outliers first
 _WEIGHT_BARS = 256    # more channels than this share bars (min of mins, max of maxes)
@@ -51,9 +53,13 @@ p{{margin:4px 0 10px}} .muted{{color:#656d76}} .small{{font-size:12px}}
 .card{{border:1px solid #d8dee4;border-radius:6px;padding:6px 14px;min-width:130px;background:#fafbfc}}
 .card span{{display:block;font-size:12px;color:#656d76}}
 .card b{{display:block;font-size:19px;font-variant-numeric:tabular-nums}}
-.scroll{{overflow-x:auto}} table{{border-collapse:collapse;width:100%;font-size:12.5px}}
-th{{text-align:left;font-weight:600;border-bottom:2px solid #d8dee4;padding:5px 6px;white-space:nowrap}}
-td{{padding:4px 6px;border-bottom:1px solid #edf0f3;vertical-align:top}} #edges td{{white-space:nowrap}}
+.scroll{{overflow:auto;max-height:80vh}} table{{border-collapse:collapse;width:100%;font-size:12.5px}}
+th{{text-align:left;font-weight:600;border-bottom:2px solid #d8dee4;padding:5px 6px;white-space:nowrap;
+position:sticky;top:0;background:#fff;z-index:1}}
+td{{padding:4px 6px;border-bottom:1px solid #edf0f3;vertical-align:top}}
+td.name{{overflow-wrap:anywhere;min-width:120px;max-width:260px}} td.name span{{display:block;color:#656d76}}
+td.spec{{font-size:12px;min-width:110px;max-width:190px}}
+details>summary{{cursor:pointer;color:#0969da;margin:8px 0}}
 td.num,th.num{{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}}
 td.code{{font-family:ui-monospace,"DejaVu Sans Mono",Menlo,monospace;font-size:12px}}
 td.bad{{color:{_OUTLIER};font-weight:600}} td.good{{color:#1a7f37;font-weight:600}} .who-local{{font-weight:600}}
@@ -82,8 +88,10 @@ def render_html(data: dict, *, title: str = "odmlq report") -> str:
     edges = [e for e in data.get("edges") or [] if isinstance(e, dict)]
     runs = _runs(data, edges)
     sections = [_summary(data, edges, runs, title), _sqnr_section(edges, runs), _edge_table(edges, runs),
+                _advice(data["advice"]) if "advice" in data else "",
+                _float_ops(data["float_ops"], "litert" in runs) if "float_ops" in data else "",
                 _histograms(edges, runs), _weights(data["weights"]) if "weights" in data else "",
-                _advice(data["advice"]) if "advice" in data else ""]
+                _details(data)]
     footer = f'<footer>{_e(data.get("format"))} version {_e(data.get("version"))}, drawn by odmlq</footer>'
     return ('<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
             '<meta name="viewport" content="width=device-width,initial-scale=1">'
@@ -124,9 +132,15 @@ def _db(value: float | None) -> str:
 
 
 def _number(value: object, form: str) -> str:
+    """`value` in `form`; a float of 100,000 or more in 3 significant digits
+    (an edge whose range collapsed is off by ~1e38 LSB: no wider than any other)."""
     if value is None:
         return "-"
-    return "nan" if isinstance(value, float) and math.isnan(value) else format(value, form)
+    if isinstance(value, float) and math.isnan(value):
+        return "nan"
+    if isinstance(value, float) and abs(value) >= 1e5 and form.endswith("f"):
+        return format(value, ".3g")
+    return format(value, form)
 
 
 def _fill(db: float | None) -> str:
@@ -174,8 +188,6 @@ def _summary(data: dict, edges: Sequence[dict], runs: Sequence[str], title: str)
         cards.append(_card("worst edge", str(edges[0].get("edge")), f"{runs[0]} {_db(db)} dB", _fill(db)))
     meanings = "; ".join(f"<b>{_e(r)}</b>: {_e(_RUN_MEANINGS.get(r, 'a run'))}" for r in runs)
     items = [_e(n) for n in data.get("notes") or []]
-    if data.get("unmapped_tensors"):
-        items.append("LiteRT tensors with no plan edge: " + _e(", ".join(map(str, data["unmapped_tensors"]))))
     notes = f'<ul id="notes">{"".join(f"<li>{n}</li>" for n in items)}</ul>' if items else ""
     return (f'<header id="summary"><h1>{_e(title)}</h1><p class="muted">Each run against float, '
             f'edge by edge. {meanings}.</p><div class="cards">{"".join(cards)}</div>{notes}</header>')
@@ -183,33 +195,65 @@ def _summary(data: dict, edges: Sequence[dict], runs: Sequence[str], title: str)
 
 def _edge_table(edges: Sequence[dict], runs: Sequence[str]) -> str:
     backends = [r for r in runs if r in _BACKEND_RUNS]
-    heads = (["#", "edge", "module", "spec"] + [f"{r} dB" for r in runs] + ["max LSB", "clipped", "NaN"]
-             + [f"{r}-sim LSB" for r in backends] + ["who", "cosine", "max abs"])
-    rows = []
-    for rank, e in enumerate(edges[:_TABLE_ROWS], 1):
-        sim = _metrics(e, "simulate") or {}
-        nans = {r: (_metrics(e, r) or {}).get("nan") or 0 for r in runs}
-        clipped, who = sim.get("clipped"), str(e.get("who") or "-")
-        cells = [_td(str(rank)), _td(_e(e.get("edge")), "code"),
-                 _td(_e(e.get("module_path") or "(top)"), "code"), _td(_e(e.get("spec")), "small")]
-        cells += [_td(_db(db), style=f"background:{_fill(db)}") for db in (_sqnr(_metrics(e, r)) for r in runs)]
-        cells += [_td(_number(sim.get("lsb"), ".1f")),
-                  _td("-" if clipped is None else _number(100 * clipped, ".2f") + "%"),
-                  _td(str(sum(nans.values())) if any(nans.values()) else "-", "num bad" if any(nans.values())
-                      else "num", title=", ".join(f"{r}: {n}" for r, n in nans.items()))]
-        cells += [_td(_number((_metrics(e, r) or {}).get("simulate_lsb"), ".1f")) for r in backends]
-        cells += [_td(_e(who), f"who-{_e(who)}"), _td(_number(sim.get("cosine"), ".5f")),
-                  _td(_number(sim.get("max_abs"), ".3g"))]
-        rows.append(cells)
-    more = (f'<p class="muted small">{len(edges) - _TABLE_ROWS} more edges not shown.</p>'
-            if len(edges) > _TABLE_ROWS else "")
-    intro = ("Worst local SQNR first: the top is where accuracy is lost, not where it is noticed. max LSB, "
-             "clipped, cosine and max abs are of the simulate run; "
+    heads = (["#", "edge (module)", "spec"] + [f"{r} dB" for r in runs] + ["max LSB", "clipped", "NaN"]
+             + [f"{r}-sim LSB" for r in backends] + ["who"])
+    rows = [_edge_row(rank, e, runs, backends) for rank, e in enumerate(edges, 1)]
+    numeric = [i for i in range(len(heads)) if i == 0 or 3 <= i < len(heads) - 1]
+    body = _table(heads, numeric, rows[:_TABLE_ROWS])
+    if len(rows) > _TABLE_ROWS:
+        body += (f'<details id="more-edges"><summary>{len(rows) - _TABLE_ROWS} more edges</summary>'
+                 f"{_table(heads, numeric, rows[_TABLE_ROWS:])}</details>")
+    intro = ("Worst local SQNR first: the top is where accuracy is lost, not where it is noticed. max LSB "
+             "and clipped are of the simulate run (hover a simulate cell for its cosine and max abs); "
              + ("<i>backend</i>-sim LSB: the largest difference from simulate; " if backends else "")
              + "who: the edge introduces most of its error (local) or receives it (inherited).")
-    who = heads.index("who")
-    return _section("edges", "Edges, worst first", intro,
-                    _table(heads, [i for i in range(len(heads)) if i == 0 or (i >= 4 and i != who)], rows) + more)
+    return _section("edges", "Edges, worst first", intro, body)
+
+
+def _edge_row(rank: int, e: dict, runs: Sequence[str], backends: Sequence[str]) -> list[str]:
+    sim = _metrics(e, "simulate") or {}
+    nans = {r: (_metrics(e, r) or {}).get("nan") or 0 for r in runs}
+    clipped, who = sim.get("clipped"), str(e.get("who") or "-")
+    name = f'{_e(e.get("edge"))}<span>{_e(e.get("module_path") or "(top)")}</span>'
+    cells = [_td(str(rank)), _td(name, "code name"), _td(_e(e.get("spec")), "spec")]
+    detail = f"cosine {_number(sim.get('cosine'), '.5f')}, max abs {_number(sim.get('max_abs'), '.3g')}"
+    cells += [_td(_db(db), style=f"background:{_fill(db)}", title=detail if r == "simulate" else "")
+              for r, db in ((r, _sqnr(_metrics(e, r))) for r in runs)]
+    cells += [_td(_number(sim.get("lsb"), ".1f")),
+              _td("-" if clipped is None else _number(100 * clipped, ".2f") + "%"),
+              _td(str(sum(nans.values())) if any(nans.values()) else "-", "num bad" if any(nans.values())
+                  else "num", title=", ".join(f"{r}: {n}" for r, n in nans.items()))]
+    cells += [_td(_number((_metrics(e, r) or {}).get("simulate_lsb"), ".1f")) for r in backends]
+    return cells + [_td(_e(who), f"who-{_e(who)}")]
+
+
+def _float_ops(rows: Sequence[dict], litert: bool) -> str:
+    islands = sum(int(r.get("count", 1)) for r in rows if r.get("kind") == "island")
+    conversions = sum(int(r.get("count", 1)) for r in rows if r.get("kind") == "conversion")
+    heading = (f"Float islands ({islands}) and conversions ({conversions})" if litert
+               else f"Conversions ({conversions})")
+    unknown = "" if litert else "No .tflite was compared, so its float islands are not known (compare(tflite=...)). "
+    if not rows:
+        return _section("float-ops", heading, unknown + "No conversion: every quantized op reads its inputs "
+                        "in its own type.")
+    table = _table(["kind", "op or edge", "count", "module", "why"], [2], [
+        [_td(_e(r.get("kind")), ""), _td(_e(r.get("op")), "code name"), _td(str(r.get("count", 1))),
+         _td(_e(r.get("module_path") or "(top)"), "code name"), _td(_e(r.get("why")), "")] for r in rows])
+    return _section("float-ops", heading, unknown + "Islands: LiteRT ops that compute in float inside the integer graph "
+                    "(a QUANTIZE/DEQUANTIZE pair around each), with the reason. Conversions: an edge "
+                    "requantized for ops that read it in another type (one QUANTIZE each).", table)
+
+
+def _details(data: dict) -> str:
+    """What a reader rarely needs, folded: tensors no plan edge names, the format."""
+    items = []
+    if data.get("unmapped_tensors"):
+        items.append("LiteRT tensors with no plan edge (the converter's own, or merged away): "
+                     + _e(", ".join(map(str, data["unmapped_tensors"]))))
+    items.append(f"{_e(data.get('format'))} version {_e(data.get('version'))}")
+    listing = "".join(f"<li>{i}</li>" for i in items)
+    return (f'<section id="details"><details><summary>Details</summary>'
+            f'<ul id="detail-list">{listing}</ul></details></section>')
 
 
 def _advice(advice: Sequence[dict]) -> str:
@@ -221,8 +265,8 @@ def _advice(advice: Sequence[dict]) -> str:
         rule = a.get("rule")
         rule_text = (", ".join(f"{k}={json.dumps(v, separators=(',', ':'))}" for k, v in rule.items())
                      if isinstance(rule, dict) else rule)
-        cells = [_td(_e(a.get("edge")), "code"), _td(_e(a.get("module_path") or "(top)"), "code"),
-                 _td(_e(a.get("change")), ""), _td(_e(rule_text), "code"), _td(_e(a.get("why")), "small")]
+        cells = [_td(_e(a.get("edge")), "code name"), _td(_e(a.get("module_path") or "(top)"), "code name"),
+                 _td(_e(a.get("change")), ""), _td(_e(rule_text), "code name"), _td(_e(a.get("why")), "small")]
         m = a.get("measured")
         if isinstance(m, dict):
             out, gain, litert = (_sqnr(m, k) for k in ("output_sqnr_db", "gain_db", "litert_output_sqnr_db"))
@@ -292,12 +336,13 @@ def _sqnr_plot(edges: Sequence[dict], runs: Sequence[str]) -> str:
     # inf and -inf are drawn on dashed lines of their own, beyond the ticks.
     clip = {math.inf: hi + 0.08 * (hi - lo), -math.inf: lo - 0.08 * (hi - lo)}
     low = clip[-math.inf] if -math.inf in every else lo
-    labels = [s if len(s) <= 30 else s[:29] + "…" for s in (str(e.get("edge")) for e in edges)]
-    bottom = 16 + 0.6 * 6.2 * max(len(s) for s in labels)  # labels slant at 40 degrees
+    # The end of an edge's name says what it is (…/attention/self/softmax).
+    labels = [s if len(s) <= 30 else "…" + s[-29:] for s in (str(e.get("edge")) for e in edges)]
+    bottom = 16 + 0.65 * _CHAR_PX * max(len(s) for s in labels)  # labels slant at 40 degrees
     n = len(edges)
     f = _Frame(width=1090, height=300 + bottom, x=(-0.5, n - 0.5), y=(low, clip[math.inf]),
                margin=(28, 16, bottom, 52))
-    xticks = [(i, s) for i, s in enumerate(labels) if i % math.ceil(n / 80) == 0]
+    xticks = [(i, _fitting(labels[i], f.px(i))) for i in _labelled(values, f, n)]
     limits = [(clip[math.inf], "inf")] + ([(low, "−inf")] if low < lo else [])
     body = (_axes(f, [(t, _tick_text(t)) for t in _ticks(lo, hi, 6)] + limits, "SQNR (dB)", xticks, "",
                   rotate=True) + _module_bands(f, edges))
@@ -310,6 +355,32 @@ def _sqnr_plot(edges: Sequence[dict], runs: Sequence[str]) -> str:
                       _colour(r, runs), tips, [v if v in clip else 0 for v in values[r]])
     body.append(_legend(f, [(r, _colour(r, runs)) for r in runs]))
     return _svg(f, "sqnr", "SQNR along the network, one line per run", body)
+
+
+def _fitting(label: str, x: float) -> str:
+    """`label`, cut at its start so that slanted down-left from `x` it stays in the plot's box."""
+    # The box of a slanted line reaches its length's run plus its height's rise
+    # left of the anchor; 7 px is a wide character of the 11 px font.
+    room = int((x - 4 - 11 * math.sin(math.radians(40))) / (7.0 * math.cos(math.radians(40))))
+    return label if len(label) <= room else "…" + label[-max(room - 1, 1):]
+
+
+def _labelled(values: dict[str, list], f: _Frame, n: int) -> list[int]:
+    """The edges whose x labels are drawn: worst SQNR first, each kept only if
+    it is `_LABEL_GAP` px (across the 40-degree slant) from every kept one, so
+    that no two labels overlap at any number of edges."""
+    slot = (f.px(1) - f.px(0)) * math.sin(math.radians(40))
+    step = max(1, math.ceil(_LABEL_GAP / slot)) if slot > 0 else 1
+
+    def worst(i: int) -> float:
+        seen = [v[i] for v in values.values() if v[i] is not None and not math.isnan(v[i])]
+        return min(seen, default=math.inf)
+
+    kept: list[int] = []
+    for i in sorted(range(n), key=lambda i: (worst(i), i)):
+        if all(abs(i - j) >= step for j in kept):
+            kept.append(i)
+    return sorted(kept)
 
 
 def _module_bands(f: _Frame, edges: Sequence[dict]) -> list[str]:

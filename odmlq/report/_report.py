@@ -45,6 +45,7 @@ import numpy as np
 
 from odmlq.report import _text as _report_text
 from odmlq.report._advice import Advice, Measured
+from odmlq.report._islands import FloatOp, float_ops
 from odmlq.report._metrics import EdgeMetrics, ErrorHistogram, edge_metrics
 from odmlq.report._weights import OUTLIER_RATIO, WeightRange
 from odmlq.constraints import SameAsInput
@@ -117,6 +118,7 @@ class Report:
     advice: tuple[Advice, ...] = ()
     notes: tuple[str, ...] = ()
     run_names: tuple[str, ...] = ()
+    float_ops: tuple[FloatOp, ...] = ()
 
     @property
     def runs(self) -> tuple[str, ...]:
@@ -152,7 +154,9 @@ class Report:
            "advice": [{"edge", "module_path", "change", "rule": {Rule.to_dict()},
                        "why", "measured": null | {"output_sqnr_db", "gain_db",
                        "size_bytes", "size_delta_bytes", "litert_output_sqnr_db"}}, ...],
-           "notes": [str, ...]}
+           "notes": [str, ...],
+           "float_ops": [{"kind": "island" | "conversion", "op", "module_path",
+                          "why", "count"}, ...]}              # absent in older reports
 
         metrics: {"sqnr_db" (null: no error; -999: float all zeros), "cosine",
         "max_abs", "mean_abs", "lsb", "clipped", "nan", "simulate_lsb",
@@ -172,6 +176,7 @@ class Report:
             "weights": [w.to_dict() for w in self.weights],
             "advice": [a.to_dict() for a in self.advice],
             "notes": list(self.notes),
+            "float_ops": [f.to_dict() for f in self.float_ops],
         }
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -256,7 +261,8 @@ class Report:
                    unmapped_tensors=tuple(d["unmapped_tensors"]),
                    weights=tuple(WeightRange.from_dict(w) for w in d["weights"]),
                    advice=tuple(Advice.from_dict(a) for a in d["advice"]), notes=tuple(d["notes"]),
-                   run_names=tuple(d["runs"]))
+                   run_names=tuple(d["runs"]),
+                   float_ops=tuple(FloatOp.from_dict(f) for f in d.get("float_ops") or ()))
 
     def __str__(self) -> str:
         return _report_text.render(self)
@@ -353,7 +359,7 @@ def compare(model: Any, plan, scales, *inputs: Any, variables: Any = None, tflit
     present = {"local", "simulate", *backends} | {k[k.index("(") + 1:-1] for k in outputs if "(" in k}
     return Report(edges=tuple(reports), outputs=outputs, unmapped_tensors=tuple(unmapped),
                   weights=weights, advice=tuple(advice), notes=tuple(notes),
-                  run_names=tuple(r for r in RUNS if r in present))
+                  run_names=tuple(r for r in RUNS if r in present), float_ops=float_ops(plan, tflite))
 
 
 def _backend_runs(plan, scales, inputs, float_out, xla, tflite, device):

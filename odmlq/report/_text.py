@@ -24,6 +24,7 @@ def render(report) -> str:
     if report.unmapped_tensors:
         lines.append("LiteRT tensors with no plan edge: " + ", ".join(report.unmapped_tensors))
     lines += _weights(report.weights)
+    lines += _float_ops(report.float_ops)
     lines += _advice(report.advice)
     lines += [f"note: {n}" for n in report.notes]
     return "\n".join(lines)
@@ -92,3 +93,14 @@ def _advice(advice) -> list[str]:
                      a.why])
     lines.append(table(["edge", "module", "change", "gain dB", "outputs dB", "size", "why"], rows))
     return lines
+
+
+def _float_ops(rows) -> list[str]:
+    if not rows:
+        return []
+    islands = sum(r.count for r in rows if r.kind == "island")
+    conversions = sum(r.count for r in rows if r.kind == "conversion")
+    out = [f"Float islands ({islands} LiteRT ops) and conversions ({conversions})"]
+    out += [f"  {r.kind:<10}  {r.op}{f' x{r.count}' if r.count > 1 else ''}  "
+            f"(module {r.module_path or '(top)'!r}): {r.why}" for r in rows]
+    return out

@@ -134,7 +134,7 @@ def test_page_refers_to_nothing_outside_itself():
 def test_inf_is_drawn_at_the_top_and_written_inf():
     data = version2_report()
     page = render_html(data)
-    row = re.search(r"<tr><td class=\"num\">\d+</td><td class=\"code\">input_0</td>.*?</tr>", page).group(0)
+    row = re.search(r"<tr><td class=\"num\">\d+</td><td class=\"code name\">input_0<span>.*?</tr>", page).group(0)
     assert ">inf</td>" in row  # local SQNR null: no error
     plot = re.search(r'<svg class="plot" data-plot="sqnr".*?</svg>', page).group(0)
     assert ">inf</text>" in plot and "local inf dB" in plot  # the tick and the marker's tooltip
@@ -259,7 +259,9 @@ def test_version2_report_renders_in_chromium(browser, tmp_path):
     assert browser.title == "odmlq report"
     assert browser.execute_script(_ROWS, "#edges tbody tr") == len(data["edges"])
     assert browser.execute_script(_ROWS, "#advice tbody tr") == len(data["advice"])
-    assert browser.execute_script(_ROWS, "#notes li") == len(data["notes"]) + 1  # + unmapped tensors
+    assert browser.execute_script(_ROWS, "#notes li") == len(data["notes"])
+    # Internal detail (tensors no plan edge names) is folded at the end, not among the notes.
+    assert browser.execute_script(_ROWS, "#details details:not([open]) li") == 2
     sizes = browser.execute_script(_SIZES)
     names = [name for name, _, _ in sizes]
     assert names == ["sqnr"] + ["histogram"] * 6 + ["weights"] * len(data["weights"]), names
@@ -278,3 +280,89 @@ def test_report_save_html_writes_the_rendered_page_atomically(tmp_path):
     assert report.save_html(path, title="mine") == str(path)
     assert path.read_text(encoding="utf-8") == render_html(report.to_dict(), title="mine")
     assert [p.name for p in tmp_path.iterdir()] == ["report.html"]  # no temporary file left
+
+
+# --- a 100-edge model at 1280 px -------------------------------------------------
+
+@pytest.fixture(scope="module")
+def bert_report() -> dict:
+    """compare() on the zoo's BERT (100 edges) against its LiteRT export with one
+    layer's MLP kept in float (float islands and a conversion), as JSON data."""
+    from tests.zoo.models import hf_bert
+
+    zoo = hf_bert()
+    batches = zoo.make_batches(2, 2, 0)
+    rules = [odmlq.Rule("inner/encoder/layer/1/intermediate.*", skip=True)] + INT8
+    with pytest.warns(UserWarning, match="float ops in the exported model"):
+        result = odmlq.export_tflite(zoo.model, rules, batches, variables=zoo.variables, verify=False,
+                                     allow_float_ops=True, progress=False)
+    report = odmlq.compare(zoo.model, result.plan, result.scales, *batches[0], variables=zoo.variables,
+                           tflite=result.tflite, contributions=False)
+    return json.loads(report.to_json())
+
+
+_FITS = """return [document.documentElement.scrollWidth, window.innerWidth,
+  Array.from(document.querySelectorAll('.scroll')).filter(e => e.offsetParent !== null)
+    .map(e => [e.closest('section').id, e.scrollWidth, e.clientWidth])];"""
+# Each x label of the SQNR plot: its anchor (the right end of its box), the
+# height of one line of its text on screen, and its box; the plot's box.
+_LABELS = """const svg = document.querySelector('svg[data-plot=sqnr]');
+const scale = svg.getBoundingClientRect().width / svg.viewBox.baseVal.width;
+const labels = Array.from(svg.querySelectorAll('text[transform]')).map(t => {
+  const r = t.getBoundingClientRect();
+  return [r.right, t.getBBox().height * scale, r.left, r.top, r.bottom]; });
+const bands = Array.from(svg.querySelectorAll('text.band')).map(t => {
+  const r = t.getBoundingClientRect(); return [r.left, r.right]; });
+const box = svg.getBoundingClientRect();
+return [labels, bands, [box.left, box.right]];"""
+
+
+def test_a_100_edge_report_fits_1280_px_and_its_labels_do_not_overlap(browser, bert_report, tmp_path):
+    data = bert_report
+    assert len(data["edges"]) >= 100
+    browser.set_window_size(1280, 1600)
+    try:
+        assert _open(browser, render_html(data, title="BERT int8"), tmp_path / "report.html") == []
+        page, window, tables = browser.execute_script(_FITS)
+        assert page <= window, (page, window)  # no horizontal scroll of the page
+        assert tables and all(inner <= outer for _, inner, outer in tables), tables  # every table fits its card
+        labels, bands, (left, right) = browser.execute_script(_LABELS)
+    finally:
+        browser.set_window_size(1200, 1600)
+    # Slanted at 40 degrees, two labels clear each other when their anchors are a
+    # line height apart across the slant; each stays inside the plot.
+    labels.sort()
+    assert 15 <= len(labels) < len(data["edges"])  # thinned, not dropped
+    for (x0, height, *_), (x1, *_) in zip(labels, labels[1:]):
+        assert (x1 - x0) * math.sin(math.radians(40)) >= height - 0.5, (x0, x1, height)
+    assert all(box_left >= left - 1 and anchor <= right + 1 for anchor, _, box_left, _, _ in labels)
+    bands.sort()
+    assert all(a[1] <= b[0] for a, b in zip(bands, bands[1:])), bands
+    # The worst edge (first in the table) is among the labelled ones.
+    worst = data["edges"][0]["edge"]
+    texts = browser.execute_script(
+        "return Array.from(document.querySelectorAll('svg[data-plot=sqnr] text[transform]')).map(t => t.textContent)")
+    assert any(worst.endswith(t.lstrip("…")) for t in texts), (worst, texts)
+
+
+def test_a_100_edge_report_folds_all_but_the_worst_25_and_lists_float_islands(browser, bert_report, tmp_path):
+    data = bert_report
+    assert _open(browser, render_html(data), tmp_path / "report.html") == []
+    assert browser.execute_script(_ROWS, "#edges > div.scroll tbody tr") == 25
+    assert browser.execute_script(_ROWS, "#more-edges:not([open]) tbody tr") == len(data["edges"]) - 25
+    islands = [f for f in data["float_ops"] if f["kind"] == "island"]
+    conversions = [f for f in data["float_ops"] if f["kind"] == "conversion"]
+    # One MLP in float: its FULLY_CONNECTED and GELU compute in float, a DEQUANTIZE and a QUANTIZE around them.
+    assert {f["op"] for f in islands} >= {"FULLY_CONNECTED", "GELU", "QUANTIZE", "DEQUANTIZE"}, islands
+    assert conversions and all("intermediate" in f["module_path"] for f in conversions), conversions
+    assert browser.execute_script(_ROWS, "#float-ops tbody tr") == len(data["float_ops"])
+    heading = browser.execute_script("return document.querySelector('#float-ops h2').textContent")
+    assert heading == f"Float islands ({sum(f['count'] for f in islands)}) and conversions ({len(conversions)})"
+    assert "no plan edge" not in browser.execute_script("return document.querySelector('#summary').textContent")
+
+
+def test_float_ops_read_back_and_print(bert_report):
+    report = odmlq.report.Report.from_json(bert_report)
+    assert report.to_dict()["float_ops"] == bert_report["float_ops"]
+    text = str(report)
+    assert "Float islands (" in text and "conversion  inner/encoder/layer/1/intermediate" in text, text

@@ -138,7 +138,8 @@ def test_json_follows_the_contract_and_reads_back(cnn):
     report = odmlq.compare(model, plan, scales, digits.x_test[:16], variables=variables, calibration=faulty)
     data = json.loads(report.to_json())
     assert set(data) == {"format", "version", "runs", "edges", "outputs", "unmapped_tensors", "weights",
-                         "advice", "notes"}
+                         "advice", "notes", "float_ops"}
+    assert data["float_ops"] == []  # an all-int8 plan, no .tflite: nothing in float, no conversion
     assert data["version"] == 2 and data["runs"] == ["local", "simulate"]
     order = list(plan.graph.edges)
     for e in data["edges"]:
