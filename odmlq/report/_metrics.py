@@ -118,7 +118,7 @@ def _steps(scale, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def edge_metrics(reference: np.ndarray, value: np.ndarray, scale=None,
-                 simulate: np.ndarray | None = None) -> EdgeMetrics:
+                 simulate: np.ndarray | None = None, masked_from: float | None = None) -> EdgeMetrics:
     """Metrics of `value` against `reference` (float).
 
     Args:
@@ -126,9 +126,20 @@ def edge_metrics(reference: np.ndarray, value: np.ndarray, scale=None,
       value: the run's tensor (same shape).
       scale: the edge's `TensorScale`, for LSB, clipping and an LSB histogram.
       simulate: simulate's tensor at this edge, for `simulate_lsb` (needs `scale`).
+      masked_from: leave out the positions where the reference's magnitude
+        is at least this (an attention mask's sentinel, which a `Masked`
+        range places at its bottom on purpose).
     """
     ref = np.asarray(reference, np.float64)
     val = np.asarray(value, np.float64)
+    if masked_from is not None:
+        keep = np.abs(ref) < masked_from
+        if not keep.all():
+            ref, val = ref[keep], val[keep]
+            simulate = None if simulate is None else np.asarray(simulate)[keep]
+            if scale is not None and np.size(scale.scale) > 1:
+                scale = None  # per-channel steps no longer line up with the kept values
+
     finite = np.isfinite(val)
     nan = int(val.size - np.count_nonzero(finite))
     shown = np.where(finite, val, 0.0)

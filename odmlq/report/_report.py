@@ -48,6 +48,7 @@ from odmlq.report._advice import Advice, Measured
 from odmlq.report._islands import FloatOp, float_ops
 from odmlq.report._metrics import EdgeMetrics, ErrorHistogram, edge_metrics
 from odmlq.report._weights import OUTLIER_RATIO, WeightRange
+from odmlq.calibration import Masked
 from odmlq.constraints import SameAsInput
 from odmlq.errors import OdmlqError
 from odmlq.litert.device import NOT_ODMLQ
@@ -404,11 +405,16 @@ def _edge_reports(plan, scales, floats: dict, own: dict, backends: dict) -> list
         if edge_id not in floats or plan.graph.edges[edge_id].alias:
             continue
         ts = scales.edges.get(edge_id)
-        runs = {name: edge_metrics(floats[edge_id], values[edge_id], ts) for name, values in own.items()}
+        calibration = edge_plan.spec.calibration if edge_plan.spec is not None else None
+        # A mask's "minus infinity" is placed at the bottom of the range by
+        # design (calibration.Masked): those positions are no error.
+        sentinel = calibration.sentinel if isinstance(calibration, Masked) else None
+        runs = {name: edge_metrics(floats[edge_id], values[edge_id], ts, masked_from=sentinel)
+                for name, values in own.items()}
         for name, (values, backend_scales) in backends.items():
             if edge_id in values:
                 bts = backend_scales.edges.get(edge_id)
-                runs[name] = edge_metrics(floats[edge_id], values[edge_id], bts,
+                runs[name] = edge_metrics(floats[edge_id], values[edge_id], bts, masked_from=sentinel,
                                           simulate=own["simulate"][edge_id] if bts is not None else None)
         producer = plan.graph.edges[edge_id].producer
         source = _scale_source(plan, edge_id)

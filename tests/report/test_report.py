@@ -243,3 +243,24 @@ def test_a_fault_behind_a_max_pool_ranks_first_through_the_shared_scale():
     assert pool.local_sqnr_db < report.edges[0].local_sqnr_db  # it clips more, yet ranks behind
     assert pool.who == "shared" and report.edges[0].who == "local"
     assert Report.from_json(report.to_json()).edges[1].scale_from == "conv/relu"
+
+
+def test_a_masks_sentinel_is_no_error():
+    """A Masked edge places the mask's finfo.min at the bottom of its range on
+    purpose: the metrics leave those positions out, so that a mask edge is not
+    ranked first at 0 dB and 1e38 LSB."""
+    from odmlq.report._metrics import edge_metrics
+    from odmlq.scales import TensorScale
+
+    rng = np.random.default_rng(0)
+    ref = rng.normal(size=(4, 16)).astype(np.float32)
+    ref[:, 12:] = np.finfo(np.float32).min
+    scale = TensorScale(scale=np.float32(0.05), zero_point=np.int32(0), qtype=odmlq.qtype("int8"))
+    value = np.round(np.clip(ref, -6.4, 6.35) / 0.05) * 0.05  # the sentinel at the bottom
+    plain = edge_metrics(ref, value, scale)
+    masked = edge_metrics(ref, value, scale, masked_from=1e8)
+    assert plain.sqnr_db < 1 and plain.lsb > 1e30  # what the report showed before
+    # Only rounding is left: within half a step (1e-3 LSB of float32 slack),
+    # and the SQNR of uniform rounding noise on unit-variance data at step 0.05 (~33 dB).
+    assert masked.lsb <= 0.5 + 1e-3 and masked.sqnr_db > 30
+    assert sum(masked.hist.counts) == 4 * 12
