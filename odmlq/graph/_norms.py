@@ -37,7 +37,7 @@ from odmlq.graph._program import _Lit, _Region, _Step
 
 # Step kinds a norm's chain is made of.
 _NORM_KINDS = frozenset({"square", "integer_pow", "mul", "reduce_sum", "div", "sub", "max", "add",
-                         "broadcast_in_dim", "reshape", "rsqrt"})
+                         "broadcast_in_dim", "reshape", "rsqrt", "neg", "select_n"})
 _SHAPE_KINDS = ("broadcast_in_dim", "reshape")
 
 
@@ -134,6 +134,7 @@ class _Matcher:
         clamp = self._step(var, "max")
         if clamp is not None and len(clamp.ins) == 2 and self._scalar(clamp.ins[0]) == 0.0:
             var = self._through(clamp.ins[1])
+        var = self._chosen(var)
         found = self._variance(var)
         if found is None:
             return None
@@ -141,6 +142,9 @@ class _Matcher:
         if axes != tuple(range(self.w.avals[x].ndim - len(axes), self.w.avals[x].ndim)):
             return None  # only trailing axes: the form LiteRT's MEAN reads best
         r = rsqrt.outs[0]
+        affine = self._affine(r, x, axes) if centered else None
+        if affine is not None:
+            return self._checked(x, axes, eps, centered, *affine)
         first = self._only_reader(r, "mul")
         if first is None:
             return None
@@ -161,6 +165,9 @@ class _Matcher:
             b = add_bias.ins[1] if add_bias.ins[0] == out else add_bias.ins[0]
             if not isinstance(b, _Lit) and self.w.is_weight(b) and b != out:
                 out, bias = add_bias.outs[0], b
+        return self._checked(x, axes, eps, centered, scale, bias, out)
+
+    def _checked(self, x, axes, eps, centered, scale, bias, out):
         for w in (scale, bias):
             if w is not None and not _broadcasts_over(self.w.avals[w].shape, self.w.avals[x].shape, axes):
                 return None
@@ -168,6 +175,55 @@ class _Matcher:
         if piece is None:
             return None
         return x, axes, eps, centered, scale, bias, piece, out
+
+    def _chosen(self, v):
+        """`v` through a select whose predicate is a constant (Keras' variance
+        guards a count of zero with ``where(count > 0, var, nan)``)."""
+        s = self._step(v, "select_n")
+        if s is None or len(s.ins) != 3:
+            return v
+        predicate = self.w.constants.get(s.ins[0]) if not isinstance(s.ins[0], _Lit) else s.ins[0].value
+        if predicate is None or np.size(predicate) == 0:
+            return v
+        predicate = np.asarray(predicate)
+        if predicate.all():
+            return self._through(s.ins[2])
+        return self._through(s.ins[1]) if not predicate.any() else v
+
+    def _affine(self, r, x, axes):
+        """(scale, bias, output) of Keras' form, ``x * i + (bias - mean(x) * i)``
+        with ``i = rsqrt(var + eps) * scale``, or None."""
+        scale, inv = None, r
+        first = self._only_reader(r, "mul")
+        if first is not None:
+            other = first.ins[1] if first.ins[0] == r else first.ins[0]
+            if isinstance(other, _Lit) or not self.w.is_weight(other):
+                return None
+            scale, inv = other, first.outs[0]
+        muls = self.readers.get(inv, [])
+        if inv in self.exported or len(muls) != 2 or any(m.kind != "mul" or m.eqn is None for m in muls):
+            return None
+
+        def other_of(step):
+            return step.ins[1] if step.ins[0] == inv else step.ins[0]
+
+        direct = [m for m in muls if self._through(other_of(m)) == x]
+        if len(direct) != 1:
+            return None
+        shifted = muls[1] if muls[0] is direct[0] else muls[0]
+        neg = self._step(self._through(other_of(shifted)), "neg")
+        if neg is None or self._mean(neg.ins[0]) != (x, axes):
+            return None
+        shift, bias = shifted.outs[0], None
+        add_bias = self._only_reader(shift, "add")
+        if add_bias is not None:
+            b = add_bias.ins[1] if add_bias.ins[0] == shift else add_bias.ins[0]
+            if not isinstance(b, _Lit) and self.w.is_weight(b):
+                shift, bias = add_bias.outs[0], b
+        total = self._only_reader(direct[0].outs[0], "add")
+        if total is None or set(total.ins) != {direct[0].outs[0], shift}:
+            return None
+        return scale, bias, total.outs[0]
 
     def _variance(self, var):
         """(x, axes, centered) of ``mean(c^2)`` or ``mean(x^2) - mean(x)^2``."""

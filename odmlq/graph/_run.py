@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from odmlq.errors import CalibrationError, PlanError
+from odmlq.graph._keras import is_keras, keras_state
 from odmlq.graph._graph import Graph
 from odmlq.graph._trace import trace
 
@@ -26,6 +27,8 @@ def params_for(model: Any, variables: Any, what: str) -> Any:
                 "pass variables=..."
             )
         return variables
+    if variables is None and is_keras(model):
+        return keras_state(model)
     return model if variables is None else variables
 
 

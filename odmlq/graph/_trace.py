@@ -18,6 +18,7 @@ from odmlq.graph import _grouping
 from odmlq.graph._graph import Graph
 from odmlq.graph._canonical import activation_first_matmuls
 from odmlq.graph._norms import rewrite_norms
+from odmlq.graph._keras import is_keras, keras_function, keras_state
 from odmlq.graph._params import param_path, split_nnx
 from odmlq.graph._program import _Program, _TopProgram
 from odmlq.graph._walk import _W, _identity, _Walker
@@ -110,6 +111,9 @@ def _apply_fn(model, example_inputs, variables, method):
             return (getattr(m, method) if isinstance(method, str) else m)(*xs)
 
         return fn, state, "nnx", type(model).__name__
+    if is_keras(model):
+        return (keras_function(model), keras_state(model) if variables is None else variables, "keras",
+                getattr(model, "name", type(model).__name__))
     if callable(model):
         if variables is None:
             raise TraceError(

@@ -15,7 +15,7 @@ import numpy as np
 
 from odmlq.calibration import calibrate
 from odmlq.files import atomic_output, check_output_path
-from odmlq.graph import check_finite_params, params_for
+from odmlq.graph import check_finite_params, is_keras, keras_input_names, params_for
 from odmlq.calibration import Calibration
 from odmlq.errors import CalibrationError, OdmlqError, PlanError
 from odmlq.litert import _annotate, _convert, _repair
@@ -448,6 +448,9 @@ def _float_op_listing(ops, limit: int = 12) -> str:
 
 
 def _input_names(model: Any, n: int) -> list[str]:
+    if is_keras(model):
+        names = keras_input_names(model) or []
+        return names if len(names) == n else [f"input_{i}" for i in range(n)]
     try:
         fn = model.__call__
         names = [p.name for p in pyinspect.signature(fn).parameters.values()

@@ -270,11 +270,12 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
             lsb = np.abs(want - litert[e].reshape(want.shape)) / np.asarray(scales.edges[e].scale)
             s = stats[e]
             s[0], s[1], s[2] = max(s[0], float(lsb.max())), s[1] + float(lsb.sum()), s[2] + lsb.size
-        expected = np.asarray(simulator(*inputs)).reshape(-1)
+        expected = np.concatenate([np.asarray(o, np.float32).reshape(-1)
+                                   for o in jax.tree_util.tree_leaves(simulator(*inputs))])
         got = np.concatenate([from_output(interpreter.get_tensor(d["index"]), d).reshape(-1)
-                              for d in interpreter.get_output_details()])
+                              for d in output_details(interpreter)])
         if got.size != expected.size:
-            shapes = [tuple(int(n) for n in d["shape"]) for d in interpreter.get_output_details()]
+            shapes = [tuple(int(n) for n in d["shape"]) for d in output_details(interpreter)]
             raise VerificationError(
                 f"The exported model's outputs have shapes {shapes} ({got.size} values) where the model's "
                 f"have {expected.size} values: litert-converter lowered an op to other semantics. Export "
@@ -356,6 +357,22 @@ def _output_scale(plan, scales) -> float:
     if not outs:
         return 1.0
     return float(np.min(np.asarray(scales.edges[outs[0]].scale)))
+
+
+def output_details(interpreter) -> list[dict]:
+    """The output tensors' details in the model's output order (its outputs'
+    leaves, named ``output_<i>`` by the export), which the interpreter's own
+    list need not follow (seen: a dict of two outputs listed in reverse)."""
+    details = interpreter.get_output_details()
+    try:
+        named = interpreter.get_signature_runner().get_output_details()
+    except (ValueError, RuntimeError):  # no signature: the interpreter's order
+        return details
+    order = {d["index"]: int(name.rpartition("_")[2]) for name, d in named.items()
+             if re.fullmatch(r".*output_\d+", name)}
+    if len(order) != len(details):
+        return details
+    return sorted(details, key=lambda d: order[d["index"]])
 
 
 def sample_rows(samples, interpreter):

@@ -12,7 +12,7 @@ import numpy as np
 
 from odmlq.graph import params_for, trace
 from odmlq.litert.device import NOT_ODMLQ, DeviceDiff, dump_tensors, output_value
-from odmlq.litert.verify import preserving_interpreter
+from odmlq.litert.verify import output_details, preserving_interpreter
 from odmlq.report._report import Report, _outputs, compare
 from odmlq.report._runs import leaves
 
@@ -38,7 +38,7 @@ def device_report(tflite: bytes, inputs: Mapping[str, np.ndarray], dump: Mapping
         return dataclasses.replace(report, notes=(*report.notes, *notes))
     interpreter = preserving_interpreter(tflite)
     host = dump_tensors(tflite, dict(inputs))
-    out_details = interpreter.get_output_details()
+    out_details = output_details(interpreter)
     host_out = [output_value(host[d["name"]], d) for d in out_details]
     keys = [d["name"] if d["name"] in dump else f"t{d['index']}" for d in out_details]
     device_out = [output_value(np.asarray(dump[k]), d) if k in dump else None for k, d in zip(keys, out_details)]

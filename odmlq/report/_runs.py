@@ -111,7 +111,7 @@ def litert_run(tflite: bytes, plan, scales, inputs: tuple,
     Raises:
       OdmlqError: inputs that do not fit the model; a dumped tensor of another shape.
     """
-    from odmlq.litert.verify import (dequantize_tensor, from_output, params_match, sample_rows, to_input, map_tensors,
+    from odmlq.litert.verify import (dequantize_tensor, from_output, output_details, params_match, sample_rows, to_input, map_tensors,
                                      preserving_interpreter, produced_tensors)
 
     interpreter = preserving_interpreter(tflite)
@@ -119,7 +119,7 @@ def litert_run(tflite: bytes, plan, scales, inputs: tuple,
     details = {d["index"]: d for d in interpreter.get_tensor_details()}
     produced = set(produced_tensors(interpreter))
     mapping = map_tensors(list(details.values()), produced, plan, scales)
-    outputs_detail = interpreter.get_output_details()
+    outputs_detail = output_details(interpreter)
     values: dict[str, list] = {e: [] for e in mapping}
     outs: list[list] = [[] for _ in outputs_detail]
     for row in sample_rows([tuple(inputs)], interpreter):

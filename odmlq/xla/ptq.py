@@ -28,7 +28,7 @@ from odmlq.graph import GraphCache
 from odmlq.calibration import Calibration
 from odmlq.constraints import Target
 from odmlq.errors import PlanError
-from odmlq.graph import params_tree, split_nnx
+from odmlq.graph import is_keras, keras_state, params_tree, split_nnx
 from odmlq.hooks import FakeQuant, PlanHooks
 from odmlq.plan import Plan, plan as make_plan
 from odmlq.qarray import QArray
@@ -181,9 +181,12 @@ def ptq(model: Any, rules: Sequence | Plan, params: Any = None, calibration: Cal
       >>> logits = qmodel(x)
     """
     if params is None:
-        if not isinstance(model, nnx.Module):
+        if isinstance(model, nnx.Module):
+            params = params_tree(model)
+        elif is_keras(model):
+            params = keras_state(model)
+        else:
             raise PlanError(f"ptq needs the params of {type(model).__name__}: pass them as params=...")
-        params = params_tree(model)
     if isinstance(rules, Plan):
         plan = rules
     else:
