@@ -15,6 +15,8 @@ Tools:
   model's weights (checked to match it before converting).
 - ``litert_quantizer``: AI Edge Quantizer's ``static_wi8_ai8`` recipe (min/max)
   applied to the float .tflite of the same model (odmlq's float export).
+- ``qwix``: Qwix's ODML path (statistics from its QAT provider, then its
+  conversion provider's composites) converted by litert-converter.
 
 Models (``bench/accuracy.py`` builds them, so the weights are those of its
 table): ``digits_mlp``, ``digits_cnn`` (the samples, 600 Adam steps, seed 0;
@@ -172,7 +174,33 @@ def litert_quantizer(bench, float_tflite: bytes) -> bytes:
     return bytes(qt.quantize(result, enable_progress_report=False).quantized_model)
 
 
-TOOLS = ("odmlq", "tflite_converter", "litert_quantizer")
+def qwix_litert(bench) -> bytes:
+    """Qwix's ODML path: statistics from its QAT provider run over the
+    calibration batches (per-batch min/max, averaged: its default), then
+    `OdmlConversionProvider`'s composites converted by litert-converter
+    (odmlq's call of it: strict QDQ mode; Qwix's documented converter,
+    ai_edge_jax, is not published). `strict=False`: the models reshape with
+    an array method, which Qwix does not intercept."""
+    import jax
+    import qwix
+
+    from odmlq.litert._convert import convert
+
+    rules = [qwix.QuantizationRule(module_path=".*", weight_qtype="int8", act_qtype="int8")]
+    example = np.asarray(bench.example[0])[:1]
+    calibrating = qwix.quantize_model(bench.model, qwix.OdmlQatProvider(rules, strict=False))
+    params = bench.variables["params"]
+    stats = calibrating.init(jax.random.key(0), example)["quant_stats"]
+    for batch in bench.calibration:
+        x = batch[0] if isinstance(batch, tuple) else batch
+        _, updated = calibrating.apply({"params": params, "quant_stats": stats}, x, mutable=["quant_stats"])
+        stats = updated["quant_stats"]
+    converting = qwix.quantize_model(bench.model, qwix.OdmlConversionProvider(rules, params, stats, strict=False))
+    return convert(lambda x: converting.apply({"params": params}, x), (example,), input_names=["x"],
+                   output_names=["output_0"])
+
+
+TOOLS = ("odmlq", "tflite_converter", "litert_quantizer", "qwix")
 
 
 # --- the table ---------------------------------------------------------------
@@ -190,8 +218,10 @@ def measure(name: str, tools) -> list[dict]:
             tflite = odmlq_int8(bench)
         elif tool == "tflite_converter":
             tflite = tflite_converter(name, bench, held_out, reference)
-        else:
+        elif tool == "litert_quantizer":
             tflite = litert_quantizer(bench, float_tflite)
+        else:
+            tflite = qwix_litert(bench)
         seconds = time.perf_counter() - start
         summary = odmlq.litert.inspect(tflite)
         outputs = run_tflite(tflite, held_out)
