@@ -1,4 +1,5 @@
-"""The `odmlq` command line.
+"""Quantize JAX/Flax and Keras models for XLA and LiteRT from one set of rules, and
+line every layer up against float.
 
   odmlq demo [--out DIR] [--seconds S]   train the digits CNN, export int8, compare
   odmlq plan SAMPLE|module:function [--rules rules.yaml] [--json]
@@ -136,7 +137,7 @@ def _diff(sub) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="odmlq", description=__doc__.split("\n\n")[0],
+    top = argparse.ArgumentParser(prog="odmlq", description=" ".join(__doc__.split("\n\n")[0].split()),
                                   epilog="odmlq COMMAND --help describes each command.")
     top.add_argument("--verbose", action="store_true",
                      help="keep LiteRT's own log lines (its INFO lines are dropped by default)")
