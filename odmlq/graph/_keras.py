@@ -33,10 +33,24 @@ def _check(model: Any) -> None:
         raise TraceError(
             f"{type(model).__name__} is a Keras model on the {keras.backend.backend()!r} backend; odmlq "
             "traces JAX: set KERAS_BACKEND=jax before keras is first imported.")
+    quantized = [f"{layer.name} ({layer.quantization_mode})" for layer in _layers(model)
+                 if getattr(layer, "quantization_mode", None)]
+    if quantized:
+        raise TraceError(
+            f"Keras model {model.name!r} has layers quantized by model.quantize(): {', '.join(quantized[:8])}"
+            + (f" and {len(quantized) - 8} more" if len(quantized) > 8 else "") + ". odmlq does not read "
+            "Keras' own quantized layers yet: pass the float model (before model.quantize) with rules for "
+            "those layers, e.g. odmlq.Rule('dense_1', weight_qtype='int8', act_qtype='int8').")
     if not getattr(model, "built", True) or not model.variables:
         raise TraceError(
             f"Keras model {getattr(model, 'name', type(model).__name__)!r} has no variables yet: build "
             "it (call it once on an example batch, or give it a keras.Input) before quantizing.")
+
+
+def _layers(model: Any) -> list:
+    """Every layer inside `model`, nested ones included."""
+    flatten = getattr(model, "_flatten_layers", None)
+    return list(flatten(include_self=False)) if callable(flatten) else list(getattr(model, "layers", []))
 
 
 def keras_state(model: Any) -> dict[str, Any]:

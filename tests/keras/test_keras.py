@@ -116,3 +116,13 @@ def test_an_unbuilt_keras_model_is_refused_by_name():
     model = keras.Sequential([keras.layers.Dense(2, name="d")], name="unbuilt")
     with pytest.raises(TraceError, match="'unbuilt' has no variables yet: build it"):
         odmlq.plan(model, INT8, np.ones((1, 4), np.float32))
+
+
+def test_a_model_quantized_by_keras_is_refused_by_layer_until_odmlq_reads_it():
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(8, name="d1", activation="relu"),
+                              keras.layers.Dense(4, name="d2")])
+    model.quantize("int8")
+    # Before: "LiteRT has no int8 kernel for 'round'", about Keras' own activation rounding.
+    with pytest.raises(TraceError, match=r"quantized by model.quantize\(\): d1 \(int8\), d2 \(int8\)\. "
+                                         r"odmlq does not read Keras' own quantized layers yet"):
+        odmlq.export_tflite(model, INT8, [np.ones((4, 16), np.float32)], progress=False)
