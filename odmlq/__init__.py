@@ -42,6 +42,7 @@ from odmlq.simulate import Simulator, simulate
 from odmlq.litert import VerificationError, export_tflite
 from odmlq.xla import QuantizedModel, load_params, quantize_params, save_params
 from odmlq.targets import plan, ptq
+from odmlq.keras_quantized import keras_quantized
 from odmlq.report import Report, compare
 from odmlq.report.tune import Candidate, TuneResult, TuneTarget, autotune
 
@@ -57,5 +58,5 @@ __all__ = [
     "calibrate", "Scales", "TensorScale", "compute_scales", "Simulator", "simulate",
     "export_tflite", "VerificationError", "Report", "compare",
     "ptq", "QuantizedModel", "quantize_params", "save_params", "load_params",
-    "autotune", "Candidate", "TuneResult", "TuneTarget",
+    "autotune", "Candidate", "TuneResult", "TuneTarget", "keras_quantized",
 ]

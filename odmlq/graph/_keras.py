@@ -38,9 +38,9 @@ def _check(model: Any) -> None:
     if quantized:
         raise TraceError(
             f"Keras model {model.name!r} has layers quantized by model.quantize(): {', '.join(quantized[:8])}"
-            + (f" and {len(quantized) - 8} more" if len(quantized) > 8 else "") + ". odmlq does not read "
-            "Keras' own quantized layers yet: pass the float model (before model.quantize) with rules for "
-            "those layers, e.g. odmlq.Rule('dense_1', weight_qtype='int8', act_qtype='int8').")
+            + (f" and {len(quantized) - 8} more" if len(quantized) > 8 else "") + ". Read it with "
+            "odmlq.keras_quantized(model) (int8 Dense layers: a float twin and the rules that quantize it as "
+            "Keras did), or pass the float model (before model.quantize) with your own rules.")
     if not getattr(model, "built", True) or not model.variables:
         raise TraceError(
             f"Keras model {getattr(model, 'name', type(model).__name__)!r} has no variables yet: build "
