@@ -142,9 +142,12 @@ def check_plan(plan: Plan, *, allow_float_ops: bool = False) -> list[str]:
             if spec.qtype not in _LITERT_ACT_QTYPES:
                 raise PlanError(f"{where}: output {edge_id!r} is {spec.qtype}; LiteRT activations are "
                                 f"{' or '.join(_LITERT_ACT_QTYPES)}. Change act_qtype.")
-            if spec.scale_axes:
+            # LiteRT's hybrid kernels quantize a dynamic input per batch row:
+            # that one per-channel form is what they compute.
+            if spec.scale_axes and not (spec.dynamic and tuple(spec.scale_axes) == (0,)):
                 raise PlanError(f"{where}: output {edge_id!r} is per-channel; LiteRT activations "
-                                "are per-tensor. Use act_granularity=PerTensor().")
+                                "are per-tensor (dynamic ones may be per batch row, PerChannel(0)). Use "
+                                "act_granularity=PerTensor().")
             if spec.dynamic:
                 if spec.qtype != "int8":
                     raise PlanError(f"{where}: dynamic output {edge_id!r} is {spec.qtype}; LiteRT's "

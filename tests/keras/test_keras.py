@@ -105,6 +105,27 @@ def test_a_keras_hub_bert_backbone_exports_full_integer_and_verifies(tmp_path):
     assert result.verification.litert_float_sqnr_db >= 25, result.verification
 
 
+def test_a_keras_hub_gpt2_backbone_exports_full_integer_and_verifies(tmp_path):
+    import keras_hub
+
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GPT2Backbone(vocabulary_size=100, num_layers=2, num_heads=2, hidden_dim=32,
+                                             intermediate_dim=64, max_sequence_length=16)
+    names = odmlq.graph.keras_input_names(backbone)
+    rng = np.random.default_rng(0)
+
+    def batch(n):
+        ids = rng.integers(1, 100, (n, 16)).astype("int32")
+        mask = (np.arange(16)[None] < rng.integers(6, 17, n)[:, None]).astype("int32")
+        return tuple({"token_ids": ids * mask, "padding_mask": mask}[k] for k in names)
+
+    result = odmlq.export_tflite(backbone, INT8, [batch(8) for _ in range(5)], tmp_path / "gpt2.tflite",
+                                 progress=False)
+    assert result.verification.passed and result.summary.float_islands == ()
+    # A causal decoder: the zoo's transformer floor (measured 31.4 dB).
+    assert result.verification.litert_float_sqnr_db >= 25, result.verification
+
+
 def test_a_keras_model_with_named_inputs_takes_one_array_per_name():
     inputs = {"a": keras.Input((4,), name="a"), "b": keras.Input((4,), name="b")}
     model = keras.Model(inputs, keras.layers.Dense(2, name="d")(inputs["a"] + inputs["b"]))
@@ -154,3 +175,33 @@ def test_keras_quantized_refuses_a_float_model():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, name="d")])
     with pytest.raises(TraceError, match="has no layer quantized by model.quantize"):
         odmlq.keras_quantized(model)
+
+
+def test_keras_int8_layers_export_to_litert_with_their_own_integers(tmp_path):
+    """The dynamic-range .tflite of the twin holds Keras' int8 kernels, and
+    LiteRT's built-in hybrid kernels (per-row symmetric inputs, as Keras)
+    compute Keras' int8 forward pass: the same integers, float32 rounding of
+    the rescale only. XNNPACK's dynamic path quantizes inputs asymmetrically
+    (measured 0.021 off on outputs up to 2.7), so the built-in kernels are used here."""
+    from ai_edge_litert.interpreter import Interpreter, OpResolverType
+
+    model = _int8_mlp()
+    twin, rules = odmlq.keras_quantized(model)
+    x = np.random.default_rng(1).normal(size=(64, 16)).astype(np.float32)
+    result = odmlq.export_tflite(twin, rules, [x[:32], x[32:]], tmp_path / "int8.tflite", progress=False)
+    assert result.summary.schema == "dynamic" and result.verification.passed
+    stored = {name: np.asarray(model.get_layer(name).kernel.value) for name in ("d1", "d2")}
+    weights = [t for t in result.summary.tensors if t.is_constant and t.dtype == "int8"]
+    runner = Interpreter(model_content=result.tflite,
+                         experimental_op_resolver_type=OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES)
+    runner.allocate_tensors()
+    kernels = sorted((runner.get_tensor(t.index) for t in weights), key=lambda k: k.size)
+    np.testing.assert_array_equal(kernels[0], stored["d2"].T)
+    np.testing.assert_array_equal(kernels[1], stored["d1"].T)
+    inp, out = runner.get_input_details()[0], runner.get_output_details()[0]
+    outputs = []
+    for row in x:
+        runner.set_tensor(inp["index"], row[None])
+        runner.invoke()
+        outputs.append(runner.get_tensor(out["index"])[0])
+    np.testing.assert_allclose(np.stack(outputs), np.asarray(model(x)), rtol=0, atol=2e-6)
