@@ -1,4 +1,5 @@
-"""Writing files so that a reader never sees half of one (internal)."""
+"""Files (internal): writing so that a reader never sees half of one, and
+reading the .npz inputs and .tflite models commands are given."""
 
 from __future__ import annotations
 
@@ -59,3 +60,37 @@ def atomic_output(path: str | os.PathLike) -> Iterator[str]:
         with contextlib.suppress(OSError):
             os.unlink(temporary)
         raise
+
+
+def read_arrays(path: str, what: str) -> dict:
+    """The arrays of an .npz, by name, in the file's order."""
+    import numpy as np
+
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            arrays = {k: f[k] for k in f.files}
+    except (OSError, ValueError) as e:
+        raise OdmlqError(f"Cannot read {what} {path!r}: {getattr(e, 'strerror', None) or e}; give an .npz "
+                         "with one array per model input (numpy.savez).") from None
+    if not arrays:
+        raise OdmlqError(f"{what} {path!r} holds no arrays; give one array per model input (numpy.savez).")
+    return arrays
+
+
+
+def load_batches(path: str, batch_size: int, what: str) -> list[tuple]:
+    """Batches of `batch_size` rows of an .npz holding one array per model input."""
+    if batch_size < 1:
+        raise OdmlqError(f"--batch-size {batch_size} must be at least 1.")
+    arrays = list(read_arrays(path, what).values())
+    n = len(arrays[0])
+    return [tuple(a[i:i + batch_size] for a in arrays) for i in range(0, n, batch_size)]
+
+
+
+def read_model_file(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise OdmlqError(f"Cannot read model {path!r}: {e.strerror}; give a .tflite file.") from None

@@ -159,7 +159,7 @@ def _digits_like(path, rows=64, seed=0):
 
 
 def test_every_option_of_every_command_says_what_it_does():
-    from odmlq.cli._main import parser
+    from odmlq.cli import parser
 
     top = parser()
     commands = next(a for a in top._actions if a.dest == "command").choices
