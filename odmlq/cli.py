@@ -215,7 +215,7 @@ def _cmd_demo(args) -> int:
 
 def _cmd_compare(args) -> int:
     """Quantize a model by its rules and line every edge up against float."""
-    from odmlq.calibration import calibrate
+    from odmlq.calibration import calibrate, calibrated_edges
     from odmlq.graph import params_for
     from odmlq.scales import compute_scales
     from odmlq.targets import plan as make_plan
@@ -236,8 +236,7 @@ def _cmd_compare(args) -> int:
     model, example_inputs, variables = load_model(args.model)
     with warnings_on_stderr():
         plan = make_plan(model, rules, *example_inputs, variables=variables)
-    static = any(e.spec is not None and not e.spec.dynamic for e in plan.edges.values())
-    if calibration is None and static:
+    if calibration is None and calibrated_edges(plan):
         calibration = calibrate(model, plan, data, variables=variables, progress=False if args.quiet else None)
     scales = compute_scales(plan, calibration, params_for(model, variables, "odmlq compare"))
     inputs = _rows(shown if shown is not None else data, args.rows)
@@ -340,14 +339,14 @@ def _cmd_diff(args) -> int:
 
 def _plan_and_scales(rules, calibration, model, example_inputs, variables):
     """The plan and scales an odmlq .tflite was exported with."""
+    from odmlq.calibration import calibrated_edges
     from odmlq.graph import params_for
     from odmlq.scales import compute_scales
     from odmlq.targets import plan as make_plan
 
     with warnings_on_stderr():
         p = make_plan(model, rules, *example_inputs, variables=variables)
-    static = any(e.spec is not None and not e.spec.dynamic for e in p.edges.values())
-    if static and calibration is None:
+    if calibrated_edges(p) and calibration is None:
         raise OdmlqError("odmlq diff --model needs --calibration C.npz for a model with calibrated "
                          "activations: the statistics the .tflite was exported with (odmlq export "
                          "--save-calibration, or Calibration.save).")

@@ -21,7 +21,7 @@ import numpy as np
 from odmlq.algorithms import Nearest
 from odmlq.errors import TraceError
 from odmlq.granularity import PerChannel
-from odmlq.graph import is_keras
+from odmlq.graph import is_keras, keras_layers
 from odmlq.rules import Rule
 
 __all__ = ["keras_quantized"]
@@ -52,8 +52,7 @@ def keras_quantized(model: Any) -> tuple[Any, list[Rule]]:
 
     if not is_keras(model):
         raise TraceError(f"keras_quantized takes a Keras model; got {type(model).__name__}.")
-    layers = [layer for layer in model._flatten_layers(include_self=False)
-              if getattr(layer, "quantization_mode", None)]
+    layers = [layer for layer in keras_layers(model) if getattr(layer, "quantization_mode", None)]
     if not layers:
         raise TraceError(f"Keras model {model.name!r} has no layer quantized by model.quantize(); pass it "
                          "to odmlq as it is, with your rules.")

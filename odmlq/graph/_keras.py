@@ -33,7 +33,7 @@ def _check(model: Any) -> None:
         raise TraceError(
             f"{type(model).__name__} is a Keras model on the {keras.backend.backend()!r} backend; odmlq "
             "traces JAX: set KERAS_BACKEND=jax before keras is first imported.")
-    quantized = [f"{layer.name} ({layer.quantization_mode})" for layer in _layers(model)
+    quantized = [f"{layer.name} ({layer.quantization_mode})" for layer in keras_layers(model)
                  if getattr(layer, "quantization_mode", None)]
     if quantized:
         raise TraceError(
@@ -47,7 +47,7 @@ def _check(model: Any) -> None:
             "it (call it once on an example batch, or give it a keras.Input) before quantizing.")
 
 
-def _layers(model: Any) -> list:
+def keras_layers(model: Any) -> list:
     """Every layer inside `model`, nested ones included."""
     flatten = getattr(model, "_flatten_layers", None)
     return list(flatten(include_self=False)) if callable(flatten) else list(getattr(model, "layers", []))

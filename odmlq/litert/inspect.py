@@ -371,15 +371,14 @@ def _op_module_path(op: OpInfo, tensors, derived: set[int]) -> str | None:
     for i in (*op.outputs, *(i for i in op.inputs if i in derived)):
         if i < 0:
             continue
-        paths = [module_path_from_tensor_name(location) for location in tensors[i].name.split(";")]
-        paths = [p for p in paths if p is not None]
+        first = None
         for location in tensors[i].name.split(";"):
             path = module_path_from_tensor_name(location)
-            primitive = location.rpartition("/")[2].rstrip("0123456789")
-            if path is not None and primitive in own:
+            if path is not None and location.rpartition("/")[2].rstrip("0123456789") in own:
                 return path
-        if paths:
-            return paths[0]
+            first = path if first is None else first
+        if first is not None:
+            return first
     return None
 
 

@@ -344,7 +344,8 @@ def compare(model: Any, plan, scales, *inputs: Any, variables: Any = None, tflit
         reports = [dataclasses.replace(e, alone_sqnr_db=measured[e.edge][0], float_gain_db=measured[e.edge][1])
                    if e.edge in measured else e for e in reports]
     weights = weight_ranges(plan, params, scales)
-    islands = tflite is not None and _has_float_ops(plan, tflite)
+    found = float_ops(plan, tflite)
+    islands = tflite is not None and _has_float_ops(plan, found)
     advice, advice_notes = _report_advice.propose(
         plan, reports, weights=weights, calibration=calibration, floats=floats, litert=tflite is not None,
         allow_float_ops=islands, limit=max_advice,
@@ -360,7 +361,7 @@ def compare(model: Any, plan, scales, *inputs: Any, variables: Any = None, tflit
     present = {"local", "simulate", *backends} | {k[k.index("(") + 1:-1] for k in outputs if "(" in k}
     return Report(edges=tuple(reports), outputs=outputs, unmapped_tensors=tuple(unmapped),
                   weights=weights, advice=tuple(advice), notes=tuple(notes),
-                  run_names=tuple(r for r in RUNS if r in present), float_ops=float_ops(plan, tflite))
+                  run_names=tuple(r for r in RUNS if r in present), float_ops=found)
 
 
 def _backend_runs(plan, scales, inputs, float_out, xla, tflite, device):
@@ -480,13 +481,13 @@ def _outputs(reference: list, values: list, run: str) -> dict[str, EdgeMetrics]:
             if v is not None and np.shape(v) == np.shape(r)}
 
 
-def _has_float_ops(plan, tflite: bytes) -> bool:
-    """Whether the compared .tflite runs some ops in float (so re-exports may too)."""
+def _has_float_ops(plan, found: tuple[FloatOp, ...]) -> bool:
+    """Whether the compared .tflite runs some ops in float (so re-exports may
+    too): planned so, or among its float islands (`found`)."""
     from odmlq.litert.export import check_plan
-    from odmlq.litert.inspect import inspect
 
     try:
         planned = bool(check_plan(plan, allow_float_ops=True))
     except OdmlqError:
         planned = False
-    return planned or bool(inspect(bytes(tflite)).float_islands)
+    return planned or any(f.kind == "island" for f in found)
