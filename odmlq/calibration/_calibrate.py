@@ -86,10 +86,10 @@ def calibrate(model: Any, plan, rep_dataset: Iterable | Callable[[], Iterable], 
             if edge_id in values:
                 out.observe(name, method, np.asarray(values[edge_id]), keep_axes=keep_axes,
                             batch_index=index)
-        for param, (matrix, fourth) in grams.items():
+        for param, (matrix, fourth, total) in grams.items():
             layout, rows = layouts[param]
             out.observe_gram(param, Gram(np.asarray(matrix, np.float64), rows, layout,
-                                         np.asarray(fourth, np.float64)))
+                                         np.asarray(fourth, np.float64), np.asarray(total, np.float64)))
         count += 1
     if count == 0:
         raise CalibrationError(
@@ -128,8 +128,9 @@ def _collector(graph, edges, rounded: dict[str, bool], layouts: dict):
                     patches = patches[::-(-patches.shape[0] // _MAX_ROWS)]
                 gram = jnp.einsum("rgi,rgj->gij", patches, patches, precision=jax.lax.Precision.HIGHEST)
                 fourth = jnp.sum(jnp.sum(patches * patches, axis=-1) ** 2, axis=0)
-                before = grams.get(param, (0, 0))
-                grams[param] = (before[0] + gram, before[1] + fourth)
+                total = jnp.sum(patches.astype(jnp.float32), axis=0)
+                before = grams.get(param, (0, 0, 0))
+                grams[param] = (before[0] + gram, before[1] + fourth, before[2] + total)
                 known_layout, rows = traced.get(param, (layout, 0))
                 if known_layout != layout and not rounded[param]:
                     left_out.add(param)

@@ -30,12 +30,15 @@ class Gram:
       fourth: ``(groups,)``, ``sum over rows of |p|^4``: how far each row's
         outer product strays from the mean, which says how much of `matrix`
         is sampling noise (`shrinkage`).
+      total: ``(groups, taps)``, ``sum over rows of p`` (the mean patch, times
+        `rows`, for bias correction); None in statistics saved without it.
     """
 
     matrix: np.ndarray
     rows: int
     layout: WeightLayout
     fourth: np.ndarray
+    total: np.ndarray | None = None
 
     def shrinkage(self) -> np.ndarray:
         """``(groups,)`` Ledoit-Wolf shrinkage intensities in [0, 1]: the weight
@@ -61,10 +64,15 @@ class Gram:
             raise CalibrationError(
                 f"{where}: the weight's inputs were observed with two layouts ({self.layout} and "
                 f"{other.layout}); calibrate one plan of one model.")
-        return Gram(self.matrix + other.matrix, self.rows + other.rows, self.layout, self.fourth + other.fourth)
+        total = None if self.total is None or other.total is None else self.total + other.total
+        return Gram(self.matrix + other.matrix, self.rows + other.rows, self.layout, self.fourth + other.fourth,
+                    total)
 
     def metadata(self) -> dict[str, Any]:
-        return {"rows": self.rows, "layout": self.layout.to_dict(), "fourth": self.fourth.tolist()}
+        out = {"rows": self.rows, "layout": self.layout.to_dict(), "fourth": self.fourth.tolist()}
+        if self.total is not None:
+            out["total"] = self.total.tolist()
+        return out
 
     @classmethod
     def from_parts(cls, metadata: Any, matrix: Any, where: str) -> "Gram":
@@ -73,13 +81,16 @@ class Gram:
             layout = WeightLayout.from_dict(metadata["layout"])
             rows = metadata["rows"]
             fourth = np.asarray(metadata["fourth"], np.float64)
+            total = metadata.get("total")
+            total = None if total is None else np.asarray(total, np.float64)
             matrix = np.asarray(matrix, np.float64)
         except (KeyError, TypeError, ValueError) as e:
             raise CalibrationError(f"{where}: unreadable input statistics ({type(e).__name__}: {e}).") from e
         if (type(rows) is not int or rows < 1 or matrix.ndim != 3 or matrix.shape[1] != matrix.shape[2]
                 or matrix.shape[0] != layout.groups or fourth.shape != (layout.groups,)
-                or not np.all(np.isfinite(matrix)) or not np.all(np.isfinite(fourth))):
+                or not np.all(np.isfinite(matrix)) or not np.all(np.isfinite(fourth))
+                or (total is not None and (total.shape != matrix.shape[:2] or not np.all(np.isfinite(total))))):
             raise CalibrationError(
                 f"{where}: the input statistics are inconsistent (rows {rows!r}, matrix of shape "
                 f"{matrix.shape} for {layout.groups} group(s)); write them with Calibration.save.")
-        return cls(matrix, rows, layout, fourth)
+        return cls(matrix, rows, layout, fourth, total)

@@ -36,6 +36,7 @@ from odmlq.graph import flat_params, fold_params, operand_values, replace_params
 from odmlq.plan import op_qtype
 from odmlq.qarray import QArray, scale_shape
 from odmlq.scales._balance import balance_shifts
+from odmlq.scales._bias import bias_corrections, bias_room
 from odmlq.scales._edges import check_edge_scales, edge_scales
 from odmlq.scales._rounded import rounded_weights
 from odmlq.scales._tensor import TensorScale, constant_scale, reshaped, tensor_scale
@@ -105,9 +106,11 @@ def compute_scales(plan, calibration: Calibration | None, params: Any, *,
     weight_values: dict[str, np.ndarray] = {}
     if weight_scales is None:
         folded = flat_params(fold_params(plan.graph, params, plan.weight_specs()))
-        weights = _weight_scales(plan, folded)
+        weights = bias_room(plan, scales, _weight_scales(plan, folded), folded, params)
         weight_values = rounded_weights(plan, folded, weights, calibration,
                                         lambda op, edge: scales.input_scale(plan, op, edge))
+        for op_id, correction in bias_corrections(plan, folded, weight_values, calibration).items():
+            shifts[op_id] = shifts.get(op_id, 0) + correction
     else:
         weights = dict(weight_scales)
     scales = dataclasses.replace(scales, weights=weights)
