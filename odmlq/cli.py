@@ -215,7 +215,7 @@ def _cmd_demo(args) -> int:
 
 def _cmd_compare(args) -> int:
     """Quantize a model by its rules and line every edge up against float."""
-    from odmlq.calibration import calibrate, calibrated_edges
+    from odmlq.calibration import calibrate, needs_calibration
     from odmlq.graph import params_for
     from odmlq.scales import compute_scales
     from odmlq.targets import plan as make_plan
@@ -236,7 +236,7 @@ def _cmd_compare(args) -> int:
     model, example_inputs, variables = load_model(args.model)
     with warnings_on_stderr():
         plan = make_plan(model, rules, *example_inputs, variables=variables)
-    if calibration is None and calibrated_edges(plan):
+    if calibration is None and needs_calibration(plan):
         calibration = calibrate(model, plan, data, variables=variables, progress=False if args.quiet else None)
     scales = compute_scales(plan, calibration, params_for(model, variables, "odmlq compare"))
     inputs = _rows(shown if shown is not None else data, args.rows)
@@ -339,7 +339,7 @@ def _cmd_diff(args) -> int:
 
 def _plan_and_scales(rules, calibration, model, example_inputs, variables):
     """The plan and scales an odmlq .tflite was exported with."""
-    from odmlq.calibration import calibrated_edges
+    from odmlq.calibration import calibrated_edges, needs_calibration
     from odmlq.graph import params_for
     from odmlq.scales import compute_scales
     from odmlq.targets import plan as make_plan
@@ -350,6 +350,9 @@ def _plan_and_scales(rules, calibration, model, example_inputs, variables):
         raise OdmlqError("odmlq diff --model needs --calibration C.npz for a model with calibrated "
                          "activations: the statistics the .tflite was exported with (odmlq export "
                          "--save-calibration, or Calibration.save).")
+    if needs_calibration(p) and calibration is None:  # weights only: nearest, unless told otherwise
+        print("odmlq diff: weights rounded to nearest (no --calibration); for a .tflite exported "
+              "with data (GPTQ weights) pass its statistics: --calibration C.npz.", file=sys.stderr)
     return p, compute_scales(p, calibration, params_for(model, variables, "odmlq diff"))
 
 

@@ -245,11 +245,23 @@ def test_diff_asks_for_the_calibration_before_reading_the_dump(tmp_path, capsys)
 
 def test_export_says_when_there_is_no_calibration_to_save(tmp_path, capsys):
     rules = tmp_path / "w.yaml"
-    rules.write_text("- {module_path: '.*', weight_qtype: int8}\n")
+    rules.write_text("- {module_path: '.*', weight_qtype: int8, weight_algorithm: nearest}\n")
     saved = tmp_path / "c.npz"
     assert cli.main(["export", "mlp", "--data", _digits_like(tmp_path / "d.npz", rows=4), "--rules", str(rules),
                      "--out", str(tmp_path / "m.tflite"), "--save-calibration", str(saved), "--quiet"]) == 0
     assert "calibrate no activation" in capsys.readouterr().err and not saved.exists()
+
+
+def test_a_weight_only_export_saves_the_statistics_its_gptq_weights_were_rounded_with(tmp_path):
+    """GPTQ (the default) rounds weights against the data's inputs, weight-only too."""
+    from odmlq.calibration import Calibration
+
+    rules = tmp_path / "w.yaml"
+    rules.write_text("- {module_path: '.*', weight_qtype: int8}\n")
+    saved = tmp_path / "c.npz"
+    assert cli.main(["export", "mlp", "--data", _digits_like(tmp_path / "d.npz", rows=4), "--rules", str(rules),
+                     "--out", str(tmp_path / "m.tflite"), "--save-calibration", str(saved), "--quiet"]) == 0
+    assert Calibration.load(saved).grams
 
 
 def test_verbose_is_taken_before_or_after_the_command(capsys, monkeypatch):

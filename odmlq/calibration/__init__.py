@@ -29,12 +29,12 @@ from odmlq.calibration._wrapped import (
     calibration_method_from_dict,
     parse_calibration_method,
 )
-from odmlq.calibration._reuse import calibrated_edges, derivable, restricted, reusable
+from odmlq.calibration._reuse import calibrated_edges, derivable, needs_calibration, restricted, reusable
 from odmlq.calibration._statistics import Statistics, compute_range, merge, observe, range_of
 
 __all__ = [
     "AbsMax", "CALIBRATION_METHODS", "MASK_SENTINEL", "Calibration", "CalibrationMethod", "Capped", "Entropy", "FixedRange",
     "Gram", "HISTOGRAM_BINS", "MSE", "Masked", "MinMax", "MovingAverageMinMax", "Percentile", "RMS", "RelativeMSE", "Statistics",
     "calibrate", "calibration_method_from_dict", "channel_key", "compute_range", "merge", "observe",
-    "parse_calibration_method", "range_of", "calibrated_edges", "derivable", "restricted", "reusable",
+    "parse_calibration_method", "range_of", "calibrated_edges", "derivable", "needs_calibration", "restricted", "reusable",
 ]

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from odmlq.calibration._calibration import Calibration, channel_key
 from odmlq.calibration._methods import FixedRange, MovingAverageMinMax
 
-__all__ = ["calibrated_edges", "derivable", "reusable", "restricted"]
+__all__ = ["calibrated_edges", "derivable", "needs_calibration", "reusable", "restricted"]
 
 
 def derivable(method, stats, new_method, scale_axes) -> bool:
@@ -38,6 +38,15 @@ def calibrated_edges(plan) -> dict:
         # quantized where it is read: its range is calibrated too.
         edges.setdefault(conversion.edge, conversion.spec)
     return edges
+
+
+def needs_calibration(plan) -> bool:
+    """Whether `plan` reads calibration statistics: edges it calibrates, or
+    weights rounded against their inputs (`odmlq.GPTQ`, the default where
+    calibration data reaches a weight, dynamic-range and weight-only plans
+    included)."""
+    return bool(calibrated_edges(plan)) or any(
+        spec.algorithm is not None for spec in plan.weight_specs().values())
 
 
 def reusable(calibration: Calibration, plan, edges: Iterable[str] | None = None) -> tuple[Calibration, list[str]]:

@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from odmlq.calibration import calibrate
+from odmlq.calibration import calibrate, calibrated_edges, needs_calibration
 from odmlq.files import atomic_output, check_output_path
 from odmlq.graph import check_finite_params, is_keras, keras_input_names, params_for
 from odmlq.calibration import Calibration
@@ -279,7 +279,9 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
     if io_dtype != "float":
         _check_io_dtype(plan, io_dtype)
     held_back = batches[-1:] if len(batches) >= 2 else batches
-    if calibration is None and any(p.spec is not None and not p.spec.dynamic for p in plan.edges.values()):
+    # Static edges need statistics (an empty rep_dataset is an error there);
+    # weights rounded against their inputs (GPTQ, the default) use them where there is data.
+    if calibration is None and (calibrated_edges(plan) or (batches and needs_calibration(plan))):
         calibration = calibrate(model, plan, batches[:-1] if len(batches) >= 2 else batches,
                                 variables=variables, progress=progress)
     scales = compute_scales(plan, calibration, params)

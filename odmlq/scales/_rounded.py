@@ -88,7 +88,12 @@ def rounded_weight(param: str, value: Any, ts: TensorScale, spec, calibration,
     qmin, qmax = ts.qtype.range(ts.narrow_range)
     matrix = layout.matrix(w)
     shrinkage = gram.shrinkage()
-    noisy = gram.matrix + gram.rows * noise * np.eye(gram.matrix.shape[-1])
+    moment = gram.matrix
+    if getattr(spec.algorithm, "bias_correction", False) and gram.total is not None:
+        # The mean error is taken back through the bias afterwards: round for
+        # what is left, the error on the inputs' spread around their mean.
+        moment = moment - np.einsum("gi,gj->gij", gram.total, gram.total) / gram.rows
+    noisy = moment + gram.rows * noise * np.eye(gram.matrix.shape[-1])
     rounded = np.stack([
         gptq_round(matrix[g], scale[g], None if zero_point is None else zero_point[g], qmin, qmax,
                    noisy[g], spec.algorithm, shrinkage=float(shrinkage[g]), where=f"weight {param!r}")

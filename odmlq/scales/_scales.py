@@ -80,7 +80,8 @@ class Scales:
 
 
 def compute_scales(plan, calibration: Calibration | None, params: Any, *,
-                   weight_scales: Mapping[str, TensorScale] | None = None) -> Scales:
+                   weight_scales: Mapping[str, TensorScale] | None = None,
+                   quantized: Mapping[str, Any] | None = None) -> Scales:
     """Scale and zero point of every quantized edge, weight and bias of `plan`.
 
     Weights whose spec names an algorithm (`odmlq.GPTQ`) are rounded here too,
@@ -90,7 +91,13 @@ def compute_scales(plan, calibration: Calibration | None, params: Any, *,
       weight_scales: the weights' scales when they are already known (from
         quantized params, see `odmlq.quantize_params`); `params` is then read
         only for values derived from them by arithmetic that the plan
-        quantizes where they are read (`WeightPlan.read_as`).
+        quantizes where they are read (`WeightPlan.read_as`), and, with
+        `quantized`, for the float weights bias correction compares with.
+      quantized: with `weight_scales`, parameter path -> the weight's
+        rounded values (its QArray dequantized), `params` holding the float
+        weights: the ops whose algorithm asks for bias correction
+        (``GPTQ(bias_correction=True)``) get their shifts as when the
+        weights are rounded here. Without it those shifts are not applied.
 
     Raises:
       CalibrationError: a static edge has no statistics in `calibration`, or
@@ -113,6 +120,10 @@ def compute_scales(plan, calibration: Calibration | None, params: Any, *,
             shifts[op_id] = shifts.get(op_id, 0) + correction
     else:
         weights = dict(weight_scales)
+        if quantized:  # the weights' rounded values: their bias corrections as the export computes them
+            folded = flat_params(fold_params(plan.graph, params, plan.weight_specs()))
+            for op_id, correction in bias_corrections(plan, folded, quantized, calibration).items():
+                shifts[op_id] = shifts.get(op_id, 0) + correction
     scales = dataclasses.replace(scales, weights=weights)
     biases, op_biases = _bias_scales(plan, scales, weights)
     constants = _constant_scales(plan, edges)

@@ -207,7 +207,12 @@ def ptq(model: Any, rules: Sequence | Plan, params: Any = None, calibration: Cal
                                 "pass its float value or use the plan the params were made with.")
             _params.check_qarray(path, leaf, specs[path])
     weight_scales = {p: _params.weight_scale_of(q) for p, q in leaves if isinstance(q, QArray)}
-    scales = compute_scales(plan, calibration, params, weight_scales=weight_scales)
+    # Bias corrections compare the rounded weights with the float ones: given
+    # float params only (params already quantized carry no float weights).
+    given_float = not any(isinstance(q, QArray) for _, q in _params.flat_leaves(params)[0])
+    rounded = {p: np.asarray(q.dequantize(np.float32)) for p, q in leaves
+               if isinstance(q, QArray)} if given_float else None
+    scales = compute_scales(plan, calibration, params, weight_scales=weight_scales, quantized=rounded)
     qparams = jax.tree_util.tree_unflatten(tree, [
         fake_quant_bias(jnp.asarray(leaf), scales.biases[p]) if p in scales.biases else leaf
         for p, leaf in leaves])

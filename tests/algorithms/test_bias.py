@@ -110,3 +110,19 @@ def test_bias_correction_is_written_in_the_plan_and_the_saved_calibration(conv_b
 def test_bias_correction_field_must_be_a_bool():
     with pytest.raises(odmlq.RuleError, match=r"bias_correction='yes'.*True or False"):
         GPTQ(bias_correction="yes")
+
+
+def test_xla_applies_the_same_bias_corrections_as_the_export(conv_bn, tmp_path):
+    """Both read the shifts from the scales: XLA's output equals simulate's
+    exactly (same integers, same folded biases), and the export's edges are
+    verified within 1 LSB of simulate."""
+    model, variables, x = conv_bn
+    rules = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8", weight_algorithm=GPTQ(bias_correction=True))]
+    export = odmlq.export_tflite(model, rules, [x[i:i + 16] for i in range(0, 64, 16)],
+                                 tmp_path / "m.tflite", variables=variables)
+    qmodel = odmlq.ptq(model, export.plan, variables, export.calibration)
+    assert export.scales.shifts and set(qmodel.scales.shifts) == set(export.scales.shifts)
+    for op_id, shift in export.scales.shifts.items():
+        np.testing.assert_array_equal(qmodel.scales.shifts[op_id], shift)
+    simulated = odmlq.simulate(model, export.plan, export.scales, x[:8], variables=variables)
+    np.testing.assert_array_equal(np.asarray(qmodel(x[:8])), np.asarray(simulated))

@@ -6,7 +6,8 @@ on the output edge's grid in both and may differ by rounding only: 1 LSB
 (seen: 0 on all 100 images). Weight-only outputs differ by float32 noise
 (seen: 129-132 dB SQNR; floor 100 dB). Dynamic-range LiteRT kernels pick
 their own run-time quantization (per batch row, one image per invoke) where
-the plan asks per tensor: 30 dB, the floor `export_tflite` verifies against.
+the plan asks per tensor: 30 dB, the floor `export_tflite` verifies against,
+and top-1 agreement >= 97% (one near-tie of the untrained MLP flips).
 """
 
 import numpy as np
@@ -14,6 +15,7 @@ import pytest
 
 import odmlq
 from odmlq import Rule
+from odmlq.calibration import needs_calibration
 from samples.digits import batches, load_digits_splits
 from samples.models import SAMPLES
 
@@ -58,15 +60,19 @@ def test_xla_outputs_agree_with_the_litert_export(name, schema, digits):
     model, _, variables = SAMPLES[name]()
     representative = batches(digits.x_calibration, 64)
     plan = odmlq.plan(model, SCHEMAS[schema], digits.x_calibration[:1], variables=variables)
-    calibration = None
-    if schema == "static":
-        calibration = odmlq.calibrate(model, plan, representative, variables=variables)
+    # Every schema reads the data: static edges' ranges, and the inputs GPTQ
+    # (the default) rounds the weights against.
+    assert needs_calibration(plan)
+    calibration = odmlq.calibrate(model, plan, representative, variables=variables)
     export = odmlq.export_tflite(model, plan, representative, variables=variables, calibration=calibration,
                                  verify=False)
     qmodel = odmlq.ptq(model, plan, variables, calibration)
     x = digits.x_test[:100]
     y_litert, y_xla = _litert(export.tflite, x), np.asarray(qmodel(x))
-    np.testing.assert_array_equal(y_litert.argmax(-1), y_xla.argmax(-1))
+    if schema == "dynamic":  # the kernels' own run-time quantization: near-ties of the untrained MLP may flip
+        assert np.mean(y_litert.argmax(-1) == y_xla.argmax(-1)) >= 0.97
+    else:
+        np.testing.assert_array_equal(y_litert.argmax(-1), y_xla.argmax(-1))
     if schema == "static":
         lsb = float(np.asarray(qmodel.scales.edges[plan.graph.outputs[0]].scale).reshape(-1)[0])
         assert np.max(np.abs(y_litert - y_xla)) <= lsb * (1 + 1e-4)
