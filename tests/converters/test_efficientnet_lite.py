@@ -9,11 +9,9 @@ TensorFlow's SAME padding computed by hand, BatchNorm from its running
 statistics, ReLU6, the global mean and the classifier.
 """
 
-import io
 import math
 import pickle
 import struct
-from pathlib import Path
 
 import numpy as np
 import pytest
