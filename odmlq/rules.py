@@ -125,6 +125,7 @@ class Rule:
                 object.__setattr__(self, "weight_algorithm", parse_weight_algorithm(self.weight_algorithm))
             except RuleError as e:
                 raise RuleError(f"Rule {self.module_path!r}: weight_algorithm: {e}") from None
+        _check_histogram_granularity(self)
 
     @property
     def pattern(self) -> re.Pattern:
@@ -236,6 +237,19 @@ def _check_rule(rule: Rule) -> None:
         )
     _check_qtype_fields(rule, where)
 
+
+
+def _check_histogram_granularity(rule: Rule) -> None:
+    """Histogram methods (Percentile, MSE, Entropy) keep one histogram per tensor."""
+    where = f"Rule({rule.module_path!r})"
+    for prefix in ("weight", "act"):
+        method = getattr(rule, f"{prefix}_calibration")
+        granularity = rule.resolved(f"{prefix}_granularity")
+        if getattr(method, "needs_histogram", False) and not isinstance(granularity, PerTensor):
+            raise RuleError(
+                f"{where}: {prefix}_calibration={method!r} reads a histogram, kept per tensor only, but "
+                f"{prefix}_granularity is {granularity!r}; use MinMax() or AbsMax(clip_ratio=...) per "
+                f"channel or block, or {prefix}_granularity=PerTensor().")
 
 def _check_qtype_fields(rule: Rule, where: str) -> None:
     for prefix in ("weight", "act"):

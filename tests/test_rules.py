@@ -147,3 +147,13 @@ def test_boolean_fields_refuse_other_values(field):
     fields = {"weight_qtype": "int8", "act_qtype": "int8", field: "false"}
     with pytest.raises(RuleError, match=f"{field}='false' must be true or false"):
         Rule(".*", **fields)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(weight_qtype="int8", weight_calibration="mse"), r"weight_calibration=MSE\(\).*PerChannel.*PerTensor\(\)"),
+    (dict(act_qtype="int8", act_calibration=odmlq.Percentile(99.9), act_granularity=odmlq.PerChannel(-1)),
+     r"act_calibration=Percentile.*histogram.*act_granularity=PerTensor\(\)"),
+], ids=["weights-per-channel", "activations-per-channel"])
+def test_a_histogram_method_per_channel_is_refused_by_the_rule(kwargs, match):
+    with pytest.raises(odmlq.RuleError, match=match):
+        odmlq.Rule("encoder/.*", **kwargs)
