@@ -20,19 +20,51 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from odmlq.graph import folded_bias, operand_values
 from odmlq.scales._tensor import TensorScale
 
-__all__ = ["BIAS_LIMIT", "bias_corrections", "bias_room"]
+__all__ = ["BIAS_LIMIT", "Int32Bias", "bias_corrections", "bias_room", "int32_bias_ops"]
 
 # Largest |bias| in accumulator units. Half of int32's range leaves the other
 # half for the products the kernel adds to it (K x 127 x 255 < 2**30 for any
 # K under 33,000).
 BIAS_LIMIT = 2.0**30
+
+
+class Int32Bias(NamedTuple):
+    """An op whose integer kernel adds an int32 bias at ``input_scale x`` its kernel's scale."""
+
+    op: Any
+    fold: bool  # the bias is a folded BatchNorm's ``b s + t`` (computed where the op runs)
+    biases: list  # the op's own bias WeightPlans (none for a fold without one)
+    kernel: str  # the kernel's parameter path
+    input_scale: float
+
+
+def int32_bias_ops(plan, scales) -> list[Int32Bias]:
+    """The ops that add an int32 bias: a bias or a folded BatchNorm, one integer
+    kernel (per tensor or per channel, not blocks or stacked layers), and a
+    statically quantized per-tensor input."""
+    found = []
+    for op in plan.graph.ops:
+        fold = bool(op.attributes.get("fold"))
+        biases = [w for w in plan.ops[op.id].weights if w.role == "bias"]
+        kernels = [w for w in plan.ops[op.id].weights if w.role == "weight" and w.spec is not None]
+        if not (biases or fold) or len(kernels) != 1 or not op.inputs:
+            continue
+        spec = kernels[0].spec
+        if spec.qtype.kind != "int" or spec.block_size or len(spec.scale_axes) > 1:
+            continue  # stacked layers (several scale axes): biases stay float for now
+        source = scales.input_scale(plan, op, op.inputs[0])
+        if source is None or source.scale_axes:
+            continue
+        found.append(Int32Bias(op, fold, biases, kernels[0].param,
+                               float(np.asarray(source.scale).reshape(-1)[0])))
+    return found
 
 
 def bias_room(plan, scales, weights: Mapping[str, TensorScale], values: Mapping[str, Any],
@@ -47,34 +79,21 @@ def bias_room(plan, scales, weights: Mapping[str, TensorScale], values: Mapping[
       params: the float params (for folded biases, computed from them).
     """
     out = dict(weights)
-    candidates = []
-    for op in plan.graph.ops:
-        fold = bool(op.attributes.get("fold"))
-        biases = [w for w in plan.ops[op.id].weights if w.role == "bias"]
-        kernels = [w for w in plan.ops[op.id].weights if w.role == "weight" and w.spec is not None]
-        if not (biases or fold) or len(kernels) != 1 or not op.inputs:
-            continue
-        spec = kernels[0].spec
-        if spec.qtype.kind != "int" or spec.block_size or len(spec.scale_axes) > 1:
-            continue
-        source = scales.input_scale(plan, op, op.inputs[0])
-        if source is None or source.scale_axes:
-            continue
-        candidates.append((op, fold, biases, kernels[0].param, float(np.asarray(source.scale).reshape(-1)[0])))
-    folded = {op.id for op, fold, *_ in candidates if fold}
+    candidates = int32_bias_ops(plan, scales)
+    folded = {c.op.id for c in candidates if c.fold}
     operands = operand_values(plan.graph, params, folded) if folded else {}
-    for op, fold, biases, param, in_scale in candidates:
-        if fold:
-            bias = np.abs(np.asarray(folded_bias(op, operands[op.id]), np.float64))
+    for c in candidates:
+        if c.fold:
+            bias = np.abs(np.asarray(folded_bias(c.op, operands[c.op.id]), np.float64))
         else:
-            bias = np.max([np.abs(np.asarray(values[b.param], np.float64)).reshape(-1) for b in biases],
+            bias = np.max([np.abs(np.asarray(values[b.param], np.float64)).reshape(-1) for b in c.biases],
                           axis=0)
-        ts = out[param]
+        ts = out[c.kernel]
         scale = np.asarray(ts.scale, np.float64)
-        needed = bias / (in_scale * BIAS_LIMIT)
+        needed = bias / (c.input_scale * BIAS_LIMIT)
         needed = needed.reshape(scale.shape) if scale.size == needed.size else needed.max()
         if np.any(needed > scale):
-            out[param] = dataclasses.replace(ts, scale=np.maximum(scale, needed).astype(np.float32))
+            out[c.kernel] = dataclasses.replace(ts, scale=np.maximum(scale, needed).astype(np.float32))
     return out
 
 

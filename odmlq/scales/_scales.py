@@ -36,7 +36,7 @@ from odmlq.graph import flat_params, fold_params, operand_values, replace_params
 from odmlq.plan import op_qtype
 from odmlq.qarray import QArray, scale_shape
 from odmlq.scales._balance import balance_shifts
-from odmlq.scales._bias import bias_corrections, bias_room
+from odmlq.scales._bias import bias_corrections, bias_room, int32_bias_ops
 from odmlq.scales._edges import check_edge_scales, edge_scales
 from odmlq.scales._rounded import rounded_weights
 from odmlq.scales._tensor import TensorScale, constant_scale, reshaped, tensor_scale
@@ -210,27 +210,12 @@ def _bias_scales(plan, scales: Scales, weights) -> tuple[dict[str, np.ndarray], 
     (their bias is computed from the folded BatchNorm, not read from a parameter)."""
     out: dict[str, np.ndarray] = {}
     folded: dict[str, np.ndarray] = {}
-    for op in plan.graph.ops:
-        fold = bool(op.attributes.get("fold"))
-        biases = [w for w in plan.ops[op.id].weights if w.role == "bias"]
-        kernels = [w for w in plan.ops[op.id].weights if w.role == "weight" and w.spec is not None]
-        if not (biases or fold) or len(kernels) != 1 or not op.inputs:
-            continue
-        source = scales.input_scale(plan, op, op.inputs[0])
-        if source is None or source.scale_axes or kernels[0].spec.block_size:
-            continue
-        if kernels[0].spec.qtype.kind != "int":
-            continue
-        kernel = weights[kernels[0].param]
-        if len(kernel.scale_axes) > 1:  # stacked layers: biases stay float for now
-            continue
-        w_scale = np.asarray(kernel.scale).reshape(-1)
-        in_scale = float(np.asarray(source.scale).reshape(-1)[0])
-        if fold:
-            folded[op.id] = (w_scale * in_scale).astype(np.float32)
-            continue
-        for b in biases:
-            out[b.param] = (w_scale * in_scale).astype(np.float32)
+    for c in int32_bias_ops(plan, scales):
+        bias_scale = (np.asarray(weights[c.kernel].scale).reshape(-1) * c.input_scale).astype(np.float32)
+        if c.fold:
+            folded[c.op.id] = bias_scale
+        else:
+            out.update({b.param: bias_scale for b in c.biases})
     return out, folded
 
 
