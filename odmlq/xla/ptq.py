@@ -207,11 +207,13 @@ def ptq(model: Any, rules: Sequence | Plan, params: Any = None, calibration: Cal
                                 "pass its float value or use the plan the params were made with.")
             _params.check_qarray(path, leaf, specs[path])
     weight_scales = {p: _params.weight_scale_of(q) for p, q in leaves if isinstance(q, QArray)}
-    # Bias corrections compare the rounded weights with the float ones: given
-    # float params only (params already quantized carry no float weights).
-    given_float = not any(isinstance(q, QArray) for _, q in _params.flat_leaves(params)[0])
+    # Bias corrections compare the rounded weights with the float ones: only
+    # for the weights that ask for one, given float params (params already
+    # quantized carry no float weights).
+    corrected = {p for p, spec in specs.items() if getattr(spec.algorithm, "bias_correction", False)}
+    given_float = corrected and not any(isinstance(q, QArray) for _, q in _params.flat_leaves(params)[0])
     rounded = {p: np.asarray(q.dequantize(np.float32)) for p, q in leaves
-               if isinstance(q, QArray)} if given_float else None
+               if p in corrected and isinstance(q, QArray)} if given_float else None
     scales = compute_scales(plan, calibration, params, weight_scales=weight_scales, quantized=rounded)
     qparams = jax.tree_util.tree_unflatten(tree, [
         fake_quant_bias(jnp.asarray(leaf), scales.biases[p]) if p in scales.biases else leaf
