@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -66,9 +67,8 @@ def agreement(reference: np.ndarray, logits: np.ndarray) -> dict:
             if noise > 0 else float("inf")}
 
 
-def tflite_logits(tflite: bytes, images: np.ndarray) -> np.ndarray:
-    """Logits of a .tflite, one image per invoke as on a phone."""
-    interpreter = odmlq.litert.interpreter(tflite, num_threads=1)
+def tflite_logits(interpreter, images: np.ndarray) -> np.ndarray:
+    """Logits of a .tflite's interpreter, one image per invoke as on a phone."""
     inp, out = interpreter.get_input_details()[0], interpreter.get_output_details()[0]
     rows = []
     for image in images:
@@ -78,43 +78,22 @@ def tflite_logits(tflite: bytes, images: np.ndarray) -> np.ndarray:
     return np.stack(rows)
 
 
-def partitions(tflite: bytes) -> int:
+def partitions(interpreter) -> int:
     """XNNPACK partitions: the DELEGATE nodes of the interpreter's execution plan."""
-    interpreter = odmlq.litert.interpreter(tflite, num_threads=1)
     return [op["op_name"] for op in interpreter._get_ops_details()].count("DELEGATE")
 
 
-def litert_latency(files: dict[str, bytes], image: np.ndarray, rounds: int = 7,
+def interleaved_ms(calls: dict[str, Callable[[], object]], rounds: int = 7,
                    invokes: int = 10) -> dict[str, float]:
-    """Median ms per invoke at batch 1, one thread, all files timed in the same interleaved rounds."""
-    interpreters = {}
-    for name, tflite in files.items():
-        interpreter = odmlq.litert.interpreter(tflite, num_threads=1)
-        inp = interpreter.get_input_details()[0]
-        interpreter.set_tensor(inp["index"], image[None].astype(inp["dtype"]))
-        interpreter.invoke()
-        interpreters[name] = interpreter
-    times: dict[str, list[float]] = {name: [] for name in files}
+    """Median ms per call of each warmed-up call, all timed in the same interleaved rounds."""
+    for call in calls.values():
+        call()
+    times: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(rounds):
-        for name, interpreter in interpreters.items():
+        for name, call in calls.items():
             start = time.perf_counter()
             for _ in range(invokes):
-                interpreter.invoke()
-            times[name].append((time.perf_counter() - start) / invokes * 1e3)
-    return {name: float(np.median(t)) for name, t in times.items()}
-
-
-def xla_latency(functions: dict, image: np.ndarray, rounds: int = 7, invokes: int = 10) -> dict[str, float]:
-    """Median ms per call at batch 1 of jitted functions, interleaved rounds."""
-    x = jax.numpy.asarray(image[None])
-    for f in functions.values():
-        jax.block_until_ready(f(x))
-    times: dict[str, list[float]] = {name: [] for name in functions}
-    for _ in range(rounds):
-        for name, f in functions.items():
-            start = time.perf_counter()
-            for _ in range(invokes):
-                jax.block_until_ready(f(x))
+                call()
             times[name].append((time.perf_counter() - start) / invokes * 1e3)
     return {name: float(np.median(t)) for name, t in times.items()}
 
@@ -148,15 +127,18 @@ def main(out_dir: str = "out", evaluation_crops: int = EVALUATION_CROPS) -> dict
         worst = "no integer edge" if check.worst is None else f"worst {check.worst.max_lsb:.0f} LSB"
         print(f"exported {name} in {time.perf_counter() - start:.0f} s; verified against simulate "
               f"({worst}; outputs {check.output_sqnr_db:.1f} dB from simulate)")
-    latency = litert_latency({name: e.tflite for name, e in exports.items()}, evaluation[0])
+    interpreters = {name: odmlq.litert.interpreter(e.tflite, num_threads=1) for name, e in exports.items()}
     results: dict = {"litert": {}, "xla": {}}
     for name, export in exports.items():
-        row = agreement(reference, tflite_logits(export.tflite, evaluation))
+        row = agreement(reference, tflite_logits(interpreters[name], evaluation))
         islands = [f"{op.name} ({export.summary.why_float(op)})" for op in export.summary.float_islands]
-        row.update(bytes=len(export.tflite), ms=latency[name], vs_float=latency[name] / latency["float"],
-                   partitions=partitions(export.tflite), float_ops=islands,
+        row.update(bytes=len(export.tflite), partitions=partitions(interpreters[name]), float_ops=islands,
                    ops=dict(export.summary.op_histogram))
         results["litert"][name] = row
+    # The last image each interpreter ran stays set: every invoke reruns it.
+    latency = interleaved_ms({name: interpreter.invoke for name, interpreter in interpreters.items()})
+    for name, row in results["litert"].items():
+        row.update(ms=latency[name], vs_float=latency[name] / latency["float"])
 
     functions = {"float": forward}
     for name, rules in XLA_SCHEMAS.items():
@@ -169,7 +151,8 @@ def main(out_dir: str = "out", evaluation_crops: int = EVALUATION_CROPS) -> dict
         logits = np.concatenate([np.asarray(functions[name](evaluation[i:i + 16]))
                                  for i in range(0, len(evaluation), 16)])
         results["xla"][name] = agreement(reference, logits)
-    xla_ms = xla_latency(functions, evaluation[0])
+    x = jax.numpy.asarray(evaluation[:1])
+    xla_ms = interleaved_ms({name: (lambda f=f: jax.block_until_ready(f(x))) for name, f in functions.items()})
     for name in XLA_SCHEMAS:
         results["xla"][name].update(ms=xla_ms[name], vs_float=xla_ms[name] / xla_ms["float"])
     results["xla"]["float"] = {"ms": xla_ms["float"]}
