@@ -144,14 +144,19 @@ class _AllowListUnpickler(pickle.Unpickler):
         return storage
 
 
-def _unpickle_header(file, source: str, what: str):
+def _load(unpickler: _AllowListUnpickler, what: str):
+    """One pickle of the stream, its failures named by the part of the file it is."""
     try:
-        return _AllowListUnpickler(file, source).load()
+        return unpickler.load()
     except (UnsafeCheckpointError, TorchCheckpointError):
         raise
     except Exception as error:  # a truncated or foreign stream: say which part
-        raise TorchCheckpointError(f"{source}: cannot read its {what} ({error}); it is not a PyTorch "
-                                   "legacy checkpoint, or it is damaged.") from None
+        raise TorchCheckpointError(f"{unpickler.source}: cannot read its {what} ({error}); it is not a "
+                                   "PyTorch legacy checkpoint, or it is damaged.") from None
+
+
+def _unpickle_header(file, source: str, what: str):
+    return _load(_AllowListUnpickler(file, source), what)
 
 
 def read_state_dict(path: str | Path) -> dict[str, np.ndarray]:
@@ -185,12 +190,7 @@ def read_state_dict(path: str | Path) -> dict[str, np.ndarray]:
         raise TorchCheckpointError(f"{source} was saved on a big-endian machine; re-save it on a "
                                    "little-endian one.")
     unpickler = _AllowListUnpickler(file, source)
-    try:
-        state = unpickler.load()
-    except (UnsafeCheckpointError, TorchCheckpointError):
-        raise
-    except Exception as error:
-        raise TorchCheckpointError(f"{source}: cannot read its object pickle ({error}).") from None
+    state = _load(unpickler, "object pickle")
     keys = _unpickle_header(file, source, "storage keys")
     _read_storages(file, unpickler.storages, keys, source)
     return _tensors(state, source)
