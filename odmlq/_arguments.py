@@ -48,6 +48,10 @@ def _export_parser(sub) -> None:
     e.add_argument("--allow-float-ops", action="store_true",
                    help="let ops without an integer LiteRT kernel stay in float (listed and warned about) "
                         "instead of refusing the export")
+    e.add_argument("--require-delegate", action="store_true",
+                   help="refuse the export when any op runs outside XNNPACK (named in the error)")
+    e.add_argument("--benchmark", action="store_true",
+                   help="also time the float twin on one thread; warn when the export is slower")
     e.add_argument("--quiet", action="store_true", help=_QUIET)
 
 
@@ -125,7 +129,7 @@ def parser(description: str) -> argparse.ArgumentParser:
     for add in (_demo_parser, _plan_parser, _export_parser, _compare_parser, _tune_parser, _diff_parser):
         add(sub)
     sub.add_parser("ops", help="what each op kind becomes on LiteRT, per schema (docs/OPS.md)")
-    i = sub.add_parser("inspect", help="ops, quantization and float islands of a .tflite")
+    i = sub.add_parser("inspect", help="ops, quantization, float islands and XNNPACK delegation of a .tflite")
     i.add_argument("model", help="the .tflite file")
     for command in sub.choices.values():  # also after the command's name (SUPPRESS keeps the top one's value)
         command.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS,

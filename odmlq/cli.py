@@ -151,7 +151,8 @@ def _cmd_export(args) -> int:
     with warnings_on_stderr():
         result = export_tflite(model, rules, data or [tuple(inputs)], args.out, variables=variables,
                                example_inputs=inputs, calibration=calibration, verify=not args.no_verify,
-                               allow_float_ops=args.allow_float_ops, progress=_progress_of(args))
+                               allow_float_ops=args.allow_float_ops, require_delegate=args.require_delegate,
+                               benchmark=args.benchmark, progress=_progress_of(args))
     print(result)
     if args.save_calibration:
         if result.calibration is None:
@@ -187,9 +188,16 @@ def _cmd_tune(args) -> int:
 
 
 def _cmd_inspect(args) -> int:
+    from odmlq.litert._probe import probe
     from odmlq.litert.inspect import inspect as inspect_model
+    from odmlq.litert.speed import delegation
 
-    print(inspect_model(args.model))
+    summary = inspect_model(args.model)
+    print(summary)
+    with open(args.model, "rb") as f:
+        tflite = f.read()
+    probe(tflite, repr(args.model))  # a file that crashes LiteRT is reported, not loaded here
+    print(delegation(tflite, summary))
     return 0
 
 

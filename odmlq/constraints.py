@@ -139,6 +139,10 @@ class Target:
     ops: Mapping[str, OpConstraints] = dataclasses.field(default_factory=dict)
     # The most axes a weight's per-channel scales may run along (None: any).
     weight_channel_axes: int | None = None
+    # Whether a dynamically quantized input needs a kernel that reads a
+    # quantized constant weight (LiteRT's dynamic-range kernels): an
+    # activation x activation matmul then reads its dynamic inputs in float.
+    dynamic_inputs_need_weight: bool = False
 
     def constraints_of(self, kind: str) -> OpConstraints | None:
         return self.ops.get(kind)

@@ -78,11 +78,6 @@ def tflite_logits(interpreter, images: np.ndarray) -> np.ndarray:
     return np.stack(rows)
 
 
-def partitions(interpreter) -> int:
-    """XNNPACK partitions: the DELEGATE nodes of the interpreter's execution plan."""
-    return [op["op_name"] for op in interpreter._get_ops_details()].count("DELEGATE")
-
-
 def interleaved_ms(calls: dict[str, Callable[[], object]], rounds: int = 7,
                    invokes: int = 10) -> dict[str, float]:
     """Median ms per call of each warmed-up call, all timed in the same interleaved rounds."""
@@ -132,7 +127,7 @@ def main(out_dir: str = "out", evaluation_crops: int = EVALUATION_CROPS) -> dict
     for name, export in exports.items():
         row = agreement(reference, tflite_logits(interpreters[name], evaluation))
         islands = [f"{op.name} ({export.summary.why_float(op)})" for op in export.summary.float_islands]
-        row.update(bytes=len(export.tflite), partitions=partitions(interpreters[name]), float_ops=islands,
+        row.update(bytes=len(export.tflite), partitions=export.delegation.partitions, float_ops=islands,
                    ops=dict(export.summary.op_histogram))
         results["litert"][name] = row
     # The last image each interpreter ran stays set: every invoke reruns it.

@@ -190,7 +190,7 @@ def measure(schema: str, out_dir: str, model, variables, calibration, evaluation
         "schema": schema, "path": path, "cosine_mean": float(cosine.mean()), "cosine_min": float(cosine.min()),
         "top1_all": retrieval(unit, reference), "top1_paraphrase": retrieval(unit, reference, paraphrases),
         "bytes": os.path.getsize(path), "latency_ms": 1000 * seconds,
-        "float_ops": float_ops_by_reason(result.summary),
+        "float_ops": float_ops_by_reason(result.summary), "partitions": result.delegation.partitions,
         "verified": None if result.verification is None else result.verification.passed,
         "max_lsb": max((c.max_lsb for c in result.verification.checks), default=0.0),
     }
@@ -229,10 +229,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
               file=sys.stderr, flush=True)
     print(f"all-MiniLM-L6-v2 on {len(sentences)} sentences ({SEQ_LEN} tokens), LiteRT, 1 thread")
     header = ("schema", "cos mean", "cos min", "top-1 all", "top-1 paraphrase", "size MB",
-              "ms/sentence", "float ops", "max LSB vs simulate")
+              "ms/sentence", "XNNPACK partitions", "float ops", "max LSB vs simulate")
     rows = [(r["schema"], f"{r['cosine_mean']:.4f}", f"{r['cosine_min']:.4f}", f"{r['top1_all']:.3f}",
              f"{r['top1_paraphrase']:.3f}", f"{r['bytes'] / 1e6:.1f}", f"{r['latency_ms']:.1f}",
-             str(sum(n for _, n, _ in r["float_ops"])), f"{r['max_lsb']:.3f}") for r in results]
+             str(r["partitions"]), str(sum(n for _, n, _ in r["float_ops"])), f"{r['max_lsb']:.3f}") for r in results]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
     for row in (header, tuple("-" * w for w in widths), *rows):
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)))

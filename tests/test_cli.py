@@ -62,6 +62,7 @@ def test_inspect_prints_ops_and_float_islands(tmp_path, capsys):
     assert cli.main(["inspect", str(path)]) == 0
     out = capsys.readouterr().out
     assert "CONV_2D" in out and "conv2/relu" in out and "0 float islands" in out
+    assert "XNNPACK: 1 partition," in out and "0 on reference kernels" in out
 
 
 def test_inspect_bad_file(tmp_path, capsys):

@@ -19,23 +19,17 @@ from odmlq.graph import check_finite_params, is_keras, keras_input_names, params
 from odmlq.calibration import Calibration
 from odmlq.errors import CalibrationError, OdmlqError, PlanError
 from odmlq.litert import _annotate, _convert, _repair
+from odmlq.litert._check import FloatOpsError, check_io_dtype, check_plan
 from odmlq.litert._probe import LiteRTCrashError, probe
 from odmlq.litert.inspect import ModelSummary, inspect
-from odmlq.constraints import SharedWithInputs
-from odmlq.litert.spec import OP_SPEC, TARGET, WITHOUT_KERNEL, pool_as_depthwise
+from odmlq.litert.speed import Delegation, Latency, check_delegation, delegation as delegation_of, interleaved_latency
+from odmlq.litert.spec import TARGET
 from odmlq.progress import Stage
 from odmlq.litert.verify import VerificationReport, verification_samples, verify as verify_model
 from odmlq.plan import Plan, plan as make_plan
 from odmlq.scales import Scales, compute_scales
 
 __all__ = ["export_tflite", "Export", "FloatOpsError", "check_plan"]
-
-_LITERT_WEIGHT_QTYPES = ("int8", "int4")
-_LITERT_ACT_QTYPES = ("int8", "int16")
-
-
-class FloatOpsError(OdmlqError, ValueError):
-    """A full-integer export would run some ops in float."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -50,12 +44,17 @@ class Export:
     summary: ModelSummary
     verification: VerificationReport | None
     batch_size: int = 1
+    # Which ops XNNPACK runs (partitions, ops on reference kernels), and with
+    # benchmark=True the measured latency against the float twin.
+    delegation: Delegation | None = None
+    latency: Latency | None = None
 
     def __str__(self) -> str:
         lines = [f"{self.path or '<bytes>'}: {len(self.tflite)} bytes, batch size {self.batch_size}, ops: "
                  + ", ".join(f"{k} x{v}" for k, v in self.summary.op_histogram.items()),
                  "float islands: " + (", ".join(f"{o.name} ({o.module_path})" for o in
                                                 self.summary.float_islands) or "none")]
+        lines += [str(x) for x in (self.delegation, self.latency) if x is not None]
         if self.verification is not None:
             lines.append(str(self.verification))
         return "\n".join(lines)
@@ -93,96 +92,6 @@ def schema_of(plan: Plan) -> str:
     return "weight_only" if weights else "float"
 
 
-def check_plan(plan: Plan, *, allow_float_ops: bool = False) -> list[str]:
-    """LiteRT's check of a plan, before any work: what it cannot honour.
-
-    Returns the ops that will stay in float (allowed with `allow_float_ops`).
-
-    Raises:
-      PlanError: a decision LiteRT cannot honour (per-block or multi-axis
-        weight scales, per-channel activations, a qtype without a LiteRT
-        kernel), naming the op, the rule and what to change.
-    """
-    if TARGET.name not in plan.targets:
-        raise PlanError(
-            f"This plan was made for the targets {list(plan.targets) or 'none'}, so LiteRT's scale "
-            "constraints (shared, fixed and same-as-input output scales, fused activations) are not "
-            "in it; make it with odmlq.plan(model, rules, x, target='litert') or target='both' "
-            "(the default).")
-    float_ops = []
-    for op in plan.graph.ops:
-        op_plan = plan.ops[op.id]
-        where = f"op {op.id!r} (module {op.module_path!r}, rules[{op_plan.rule}])"
-        for w in op_plan.weights:
-            spec = w.spec
-            if spec is None:
-                continue
-            if spec.qtype not in _LITERT_WEIGHT_QTYPES or (spec.qtype == "int4" and not spec.symmetric):
-                raise PlanError(f"{where}: weight {w.param!r} is {spec.qtype}; LiteRT stores weights "
-                                f"as {' or '.join(_LITERT_WEIGHT_QTYPES)}. Change weight_qtype.")
-            if spec.block_size is not None or len(spec.scale_axes) > 1:
-                raise PlanError(f"{where}: weight {w.param!r} has {spec.describe()}; LiteRT takes one "
-                                "scale per tensor or per output channel. Use PerChannel() or PerTensor().")
-        _check_one_activation_type(plan, op, where)
-        read = [e for e in op.inputs if plan.edges[e].spec is not None and not plan.edges[e].spec.dynamic]
-        if read and op.outputs and not any(plan.graph.edges[e].is_float for e in op.outputs):
-            # GREATER, ARG_MAX...: litert-converter 0.5.0 runs them on the
-            # dequantized input (measured, Q/DQ on every input).
-            dtypes = sorted({plan.graph.edges[e].dtype for e in op.outputs})
-            message = (f"{where} reads quantized {read[0]!r} and writes {', '.join(dtypes)}; LiteRT has no "
-                       f"integer kernel for {op.kind!r} (litert-converter 0.5.0 runs comparisons and "
-                       "ARG_MAX on dequantized values). Pass allow_float_ops=True to run it in float")
-            if not allow_float_ops:
-                raise FloatOpsError(message + ".")
-            float_ops.append(op.id)
-        for edge_id in op.outputs:
-            spec = plan.edges[edge_id].spec
-            if spec is None:
-                continue
-            if spec.qtype not in _LITERT_ACT_QTYPES:
-                raise PlanError(f"{where}: output {edge_id!r} is {spec.qtype}; LiteRT activations are "
-                                f"{' or '.join(_LITERT_ACT_QTYPES)}. Change act_qtype.")
-            # LiteRT's hybrid kernels quantize a dynamic input per batch row:
-            # that one per-channel form is what they compute.
-            if spec.scale_axes and not (spec.dynamic and tuple(spec.scale_axes) == (0,)):
-                raise PlanError(f"{where}: output {edge_id!r} is per-channel; LiteRT activations "
-                                "are per-tensor (dynamic ones may be per batch row, PerChannel(0)). Use "
-                                "act_granularity=PerTensor().")
-            if spec.dynamic:
-                if spec.qtype != "int8":
-                    raise PlanError(f"{where}: dynamic output {edge_id!r} is {spec.qtype}; LiteRT's "
-                                    "dynamic-range kernels quantize activations to int8.")
-                continue
-            if spec.qtype == "int16" and not spec.symmetric:
-                raise PlanError(f"{where}: int16 output {edge_id!r} must be symmetric (LiteRT's "
-                                "16x8 kernels take zero point 0). Remove act_symmetric=False.")
-            limitation = _kernel_limitation(op, spec.qtype, plan.graph)
-            if limitation is not None:
-                if not allow_float_ops:
-                    raise FloatOpsError(f"{where}: {limitation}.")
-                float_ops.append(op.id)
-                continue
-            kind_spec = OP_SPEC.get(op.kind)
-            fused = any(plan.edges[e].fused_into == op.id for e in op.inputs)  # the producer's kernel applies it
-            if op.kind != "scan" and not fused and (kind_spec is None or spec.qtype not in kind_spec.schemas):
-                why = (WITHOUT_KERNEL.get(op.kind) if kind_spec is None
-                       else (kind_spec.refused or {}).get(spec.qtype))
-                message = (f"{where}: LiteRT has no {spec.qtype} kernel for {op.kind!r}"
-                           + (f" ({why})" if why else "")
-                           + "; keep it in float with Rule(..., skip=True) and allow_float_ops=True")
-                if not allow_float_ops:
-                    raise FloatOpsError(message + ".")
-                float_ops.append(op.id)
-    return float_ops
-
-
-def _kernel_limitation(op, qtype: str, graph) -> str | None:
-    """Why LiteRT's kernel for the op's kind cannot run this op with `qtype`
-    activations (see `spec.OpSpec.limitation`), or None."""
-    check = getattr(OP_SPEC.get(op.kind), "limitation", None)
-    return None if check is None else check(op, qtype, graph)
-
-
 def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Callable | None,
                   path: str | os.PathLike | None = None, *, variables: Any = None,
                   example_inputs: Sequence[Any] | None = None,
@@ -192,6 +101,8 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
                   output_names: Sequence[str] | None = None,
                   io_dtype: str = "float",
                   batch_size: int = 1,
+                  require_delegate: bool = False,
+                  benchmark: bool = False,
                   progress: bool | None = None) -> Export:
     """Exports `model` as a LiteRT flatbuffer quantized by `rules`, and checks it.
 
@@ -216,6 +127,14 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
         calibration range covers (x 1.5, and with noise).
       allow_float_ops: let ops without an integer kernel stay in float
         (listed and warned about) instead of failing.
+      require_delegate: refuse the export (`DelegateError`, naming the ops)
+        when any op runs outside LiteRT's default delegate, XNNPACK. Without
+        it the export warns when a quantized matmul or convolution runs
+        outside XNNPACK (the model may be slower than float); either way
+        `Export.delegation` lists the partitions and the ops outside.
+      benchmark: also convert the float twin (the same model, no rules) and
+        time both at the exported batch size on one thread in interleaved
+        rounds (`Export.latency`); warn when the export is slower.
       progress: bars on stderr while calibrating, converting and verifying
         (default: when stderr is a terminal; False: never).
       io_dtype: 'float' (the model quantizes its inputs and dequantizes its
@@ -238,6 +157,7 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
       CalibrationError: bad representative data.
       ConversionError: the converter failed (its diagnostic is kept).
       VerificationError: the converted model does not compute what the plan says.
+      DelegateError: `require_delegate` and an op outside XNNPACK.
 
     Example:
       >>> result = odmlq.export_tflite(model, [odmlq.Rule('.*', weight_qtype='int8',
@@ -277,7 +197,7 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
     if io_dtype != "float" and schema != "static":
         raise PlanError(f"io_dtype={io_dtype!r} needs a full-integer model; this plan is {schema}.")
     if io_dtype != "float":
-        _check_io_dtype(plan, io_dtype)
+        check_io_dtype(plan, io_dtype)
     held_back = batches[-1:] if len(batches) >= 2 else batches
     # Static edges need statistics (an empty rep_dataset is an error there);
     # weights rounded against their inputs (GPTQ, the default) use them where there is data.
@@ -310,6 +230,12 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
         probe(tflite, f"the model exported for {os.fspath(path)!r}" if path is not None else "the exported model")
     except LiteRTCrashError as error:
         raise LiteRTCrashError(f"{error}\nNothing was written.") from None
+    delegation = delegation_of(tflite, summary)
+    check_delegation(delegation, schema, require_delegate)
+    latency = None
+    if benchmark:
+        latency = _benchmark(model, tflite, example_inputs, variables=variables, progress=progress,
+                             names=(names_in, names_out), io_dtype=io_dtype)
     report = None
     if verify:
         samples = verification_samples(held_back, verify_samples)
@@ -317,8 +243,24 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
                               min_output_sqnr_db=_MIN_SQNR_DB.get(schema), progress=progress)
     written = _write_atomically(path, tflite) if path is not None else None
     return Export(tflite=tflite, path=written, plan=plan, calibration=calibration, scales=scales,
-                  summary=summary, verification=report,
+                  summary=summary, verification=report, delegation=delegation, latency=latency,
                   batch_size=int(np.shape(jax.tree_util.tree_leaves(example_inputs)[0])[0]))
+
+
+def _benchmark(model, tflite: bytes, example_inputs, *, variables, progress, names, io_dtype: str) -> Latency:
+    """The export's latency against its float twin's (`speed.interleaved_latency`);
+    warns when the export is the slower one."""
+    with Stage("benchmarking", progress=progress):
+        twin = export_tflite(model, [], None, variables=variables, example_inputs=example_inputs, verify=False,
+                             input_names=names[0], output_names=names[1], progress=False).tflite
+        # Float inputs where the export reads float; an integer interface reads zeros.
+        inputs = [np.asarray(x) for x in example_inputs] if io_dtype == "float" else []
+        ms, float_ms = interleaved_latency([tflite, twin], inputs)
+    latency = Latency(ms=ms, float_ms=float_ms)
+    if latency.vs_float > 1.0:
+        warnings.warn(f"The quantized model runs slower than its float twin here: {latency}. "
+                      "Export.delegation lists the ops outside XNNPACK.", stacklevel=3)
+    return latency
 
 
 # Models with float activations are checked end to end: LiteRT's float kernels
@@ -345,58 +287,6 @@ def _with_module_paths(error, plan: Plan):
     return _convert.ConversionError(f"{error}\nFailing: {where}.")
 
 
-def _check_one_activation_type(plan: Plan, op, where: str) -> None:
-    """LiteRT kernels read and write one activation type (an int8 -> int16
-    FULLY_CONNECTED computes garbage, without an error): an input of another
-    qtype is read through a conversion (`Plan.conversions`, a QUANTIZE op).
-    Kernels that read every input at their output's scale (CONCATENATION,
-    MAXIMUM, MINIMUM) would fold that QUANTIZE into their own scale, which the
-    plan does not model: refused."""
-    converted = [c for c in plan.conversions.values() if op.id in c.consumers]
-    for c in converted:
-        producer = plan.graph.edges[c.edge].producer
-        kind = None if producer is None else plan.graph.op(producer).kind
-        # An average pool lowered as a depthwise convolution requantizes too.
-        requantizing = kind is not None and (plan.edges[c.edge].constraint is None or (
-            kind == "avg_pool" and pool_as_depthwise(plan.graph.op(producer), c.source)))
-        if c.source != "float" and requantizing:
-            # Seen with FULLY_CONNECTED (its int8 output silently rescaled: 0 dB),
-            # GELU ('input and output must have same element type') and the
-            # depthwise pool ('output->type != data_type (INT16 != INT8)').
-            raise PlanError(
-                f"{where} reads {c.source} edge {c.edge!r} as {c.spec.qtype}: litert-converter 0.5.0 "
-                f"folds that requantization into the producing {kind!r} op, which then reads "
-                f"{c.source} and writes {c.spec.qtype} (computed wrongly or refused). Give the "
-                f"producer ({producer!r}) act_qtype={c.spec.qtype!r} too, or keep it in float "
-                "(skip=True, allow_float_ops=True): a QUANTIZE after a float op converts correctly.",
-                ops=(op.id, producer))
-    if converted and isinstance(plan.edges[op.outputs[0]].constraint, SharedWithInputs):
-        c = converted[0]
-        raise PlanError(
-            f"{where} reads {c.source} edge {c.edge!r} as {c.spec.qtype}; LiteRT's {op.kind} reads "
-            "its inputs at its output's scale, so the requantization cannot be placed before it. "
-            "Give the producer of that edge and this op the same act_qtype.",
-            ops=tuple(o for o in (op.id, plan.graph.edges[c.edge].producer) if o is not None))
-
-
-def _check_io_dtype(plan: Plan, io_dtype: str) -> None:
-    """Integer model inputs and outputs carry their edges' own type: LiteRT's
-    interface rewrite cannot turn an int8 edge into an int16 input."""
-    graph = plan.graph
-    for kind, edges in (("input", graph.inputs), ("output", graph.outputs)):
-        for edge_id in edges:
-            edge_id = graph.resolve(edge_id)
-            spec = plan.edges[edge_id].spec
-            if not graph.edges[edge_id].is_float:
-                continue  # token ids and other integer inputs stay as they are
-            if spec is None or spec.qtype != io_dtype:
-                have = "float" if spec is None else spec.qtype.name
-                raise PlanError(
-                    f"io_dtype={io_dtype!r}, but the model's {kind} {edge_id!r} is {have} in the plan; "
-                    f"integer inputs and outputs take their edge's type. Use io_dtype={have!r}"
-                    + ("" if spec is None else f", or give that edge act_qtype={io_dtype!r}") + ".")
-
-
 def _integer_interface(tflite: bytes, io_dtype: str) -> bytes:
     """The model with int8/int16 inputs and outputs (no QUANTIZE/DEQUANTIZE at its ends)."""
     from ai_edge_litert import _pywrap_modify_model_interface as modify
@@ -416,6 +306,14 @@ def _integer_interface(tflite: bytes, io_dtype: str) -> bytes:
 
 def _check_summary(schema: str, summary: ModelSummary, allow_float_ops: bool, float_ops) -> None:
     static = schema == "static"
+    composites = [o for o in summary.ops if o.name == "STABLEHLO_COMPOSITE"]
+    if composites:
+        first = composites[0].module_path or ""
+        raise _convert.ConversionError(
+            f"litert-converter left {len(composites)} quantization markers it did not lower "
+            f"(STABLEHLO_COMPOSITE ops) in the model: {_float_op_listing(composites)}. They would run "
+            "their float decomposition outside XNNPACK, not the quantization the plan says. Keep those "
+            f"ops in float, e.g. Rule({first!r}, skip=True) before your other rules; nothing was written.")
     slow = summary.weight_dequantize_or_transpose_at_run_time
     if schema == "weight_only":  # dequantizing the weights is what weight-only means
         slow = tuple(o for o in slow if o.name == "TRANSPOSE")

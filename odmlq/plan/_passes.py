@@ -143,7 +143,7 @@ def dynamic_kernel_inputs(plan) -> dict[str, list]:
     kernel quantizes at run time (other consumers read them in float)."""
     out: dict[str, list] = {}
     for op in plan.graph.ops:
-        if op.kind not in MATMUL_KINDS:
+        if op.kind not in MATMUL_KINDS or plan.ops[op.id].dynamic_inputs_float:
             continue
         own = plan.ops[op.id].dynamic_input
         for index, operand in enumerate(op.operands):

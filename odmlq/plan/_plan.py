@@ -82,6 +82,10 @@ class OpPlan:
       skip: a skip rule keeps the op in float.
       dynamic_input: the spec a matmul/conv kernel quantizes its float inputs
         with at run time (a dynamic rule), or None.
+      dynamic_inputs_float: a target has no dynamic kernel for this op (it
+        reads no quantized constant, and LiteRT's dynamic-range kernels need
+        one: an attention matmul), so every backend reads its dynamically
+        quantized inputs in float.
     """
 
     op: str
@@ -90,19 +94,22 @@ class OpPlan:
     constants: tuple[QuantSpec | None, ...] = ()
     skip: bool = False
     dynamic_input: QuantSpec | None = None
+    dynamic_inputs_float: bool = False
 
     def to_dict(self) -> dict:
         return {"op": self.op, "rule": self.rule, "weights": [w.to_dict() for w in self.weights],
                 "constants": [None if c is None else c.to_dict() for c in self.constants],
                 "skip": self.skip,
-                "dynamic_input": None if self.dynamic_input is None else self.dynamic_input.to_dict()}
+                "dynamic_input": None if self.dynamic_input is None else self.dynamic_input.to_dict(),
+                "dynamic_inputs_float": self.dynamic_inputs_float}
 
     @classmethod
     def from_dict(cls, d: dict) -> "OpPlan":
         return cls(op=d["op"], rule=d["rule"],
                    weights=tuple(WeightPlan.from_dict(w) for w in d["weights"]),
                    constants=tuple(_spec_or_none(c) for c in d.get("constants", ())),
-                   skip=bool(d.get("skip", False)), dynamic_input=_spec_or_none(d.get("dynamic_input")))
+                   skip=bool(d.get("skip", False)), dynamic_input=_spec_or_none(d.get("dynamic_input")),
+                   dynamic_inputs_float=bool(d.get("dynamic_inputs_float", False)))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -308,6 +315,7 @@ def plan_graph(graph: Graph, rules: Sequence[Rule], target: Target | Sequence[Ta
     matched: set[int] = set()
     limits = [t.weight_channel_axes for t in targets if t.weight_channel_axes is not None]
     limit = min(limits) if limits else None
+    need_weight = any(t.dynamic_inputs_need_weight for t in targets)
     for op in graph.ops:
         index = None
         if op.kind != "scan":
@@ -315,9 +323,13 @@ def plan_graph(graph: Graph, rules: Sequence[Rule], target: Target | Sequence[Ta
         if index is not None:
             matched.add(index)
         rule = rules[index] if index is not None else None
-        op_plans[op.id] = OpPlan(op=op.id, rule=index, weights=_weight_plans(op, rule, index, limit),
-                                 constants=constant_specs(op, rule), skip=rule is not None and rule.skip,
-                                 dynamic_input=dynamic_input_spec(op, rule))
+        weights, constants = _weight_plans(op, rule, index, limit), constant_specs(op, rule)
+        quantized_constant = any(w.role == "weight" and w.spec is not None for w in weights) or any(
+            c is not None for c in constants)
+        op_plans[op.id] = OpPlan(op=op.id, rule=index, weights=weights, constants=constants,
+                                 skip=rule is not None and rule.skip, dynamic_input=dynamic_input_spec(op, rule),
+                                 dynamic_inputs_float=need_weight and op.kind in MATMUL_KINDS
+                                 and not quantized_constant)
     _share_weight_specs(op_plans)
     edge_plans = _edge_plans(graph, rules, op_plans, combine_targets(targets))
     unmatched = warn_unmatched(rules, matched)

@@ -1,0 +1,166 @@
+"""LiteRT's check of a plan before any work: what its kernels cannot honour.
+
+`check_plan` runs first in `export_tflite` (and in the report's advice): a
+weight or activation type without a LiteRT kernel, per-block or per-channel
+activation scales, mixed activation types a kernel cannot read, and the
+integer interface's types. Each refusal names the op, its module and rule,
+and what to change.
+"""
+
+from __future__ import annotations
+
+from odmlq.constraints import SharedWithInputs
+from odmlq.errors import OdmlqError, PlanError
+from odmlq.litert.spec import OP_SPEC, TARGET, WITHOUT_KERNEL, pool_as_depthwise
+from odmlq.plan import Plan
+
+__all__ = ["FloatOpsError", "check_io_dtype", "check_plan"]
+
+_LITERT_WEIGHT_QTYPES = ("int8", "int4")
+_LITERT_ACT_QTYPES = ("int8", "int16")
+
+
+class FloatOpsError(OdmlqError, ValueError):
+    """A full-integer export would run some ops in float."""
+
+
+def check_plan(plan: Plan, *, allow_float_ops: bool = False) -> list[str]:
+    """LiteRT's check of a plan, before any work: what it cannot honour.
+
+    Returns the ops that will stay in float (allowed with `allow_float_ops`).
+
+    Raises:
+      PlanError: a decision LiteRT cannot honour (per-block or multi-axis
+        weight scales, per-channel activations, a qtype without a LiteRT
+        kernel), naming the op, the rule and what to change.
+    """
+    if TARGET.name not in plan.targets:
+        raise PlanError(
+            f"This plan was made for the targets {list(plan.targets) or 'none'}, so LiteRT's scale "
+            "constraints (shared, fixed and same-as-input output scales, fused activations) are not "
+            "in it; make it with odmlq.plan(model, rules, x, target='litert') or target='both' "
+            "(the default).")
+    float_ops = []
+    for op in plan.graph.ops:
+        op_plan = plan.ops[op.id]
+        where = f"op {op.id!r} (module {op.module_path!r}, rules[{op_plan.rule}])"
+        for w in op_plan.weights:
+            spec = w.spec
+            if spec is None:
+                continue
+            if spec.qtype not in _LITERT_WEIGHT_QTYPES or (spec.qtype == "int4" and not spec.symmetric):
+                raise PlanError(f"{where}: weight {w.param!r} is {spec.qtype}; LiteRT stores weights "
+                                f"as {' or '.join(_LITERT_WEIGHT_QTYPES)}. Change weight_qtype.")
+            if spec.block_size is not None or len(spec.scale_axes) > 1:
+                raise PlanError(f"{where}: weight {w.param!r} has {spec.describe()}; LiteRT takes one "
+                                "scale per tensor or per output channel. Use PerChannel() or PerTensor().")
+        _check_one_activation_type(plan, op, where)
+        read = [e for e in op.inputs if plan.edges[e].spec is not None and not plan.edges[e].spec.dynamic]
+        if read and op.outputs and not any(plan.graph.edges[e].is_float for e in op.outputs):
+            # GREATER, ARG_MAX...: litert-converter 0.5.0 runs them on the
+            # dequantized input (measured, Q/DQ on every input).
+            dtypes = sorted({plan.graph.edges[e].dtype for e in op.outputs})
+            message = (f"{where} reads quantized {read[0]!r} and writes {', '.join(dtypes)}; LiteRT has no "
+                       f"integer kernel for {op.kind!r} (litert-converter 0.5.0 runs comparisons and "
+                       "ARG_MAX on dequantized values). Pass allow_float_ops=True to run it in float")
+            if not allow_float_ops:
+                raise FloatOpsError(message + ".")
+            float_ops.append(op.id)
+        for edge_id in op.outputs:
+            spec = plan.edges[edge_id].spec
+            if spec is None:
+                continue
+            if spec.qtype not in _LITERT_ACT_QTYPES:
+                raise PlanError(f"{where}: output {edge_id!r} is {spec.qtype}; LiteRT activations are "
+                                f"{' or '.join(_LITERT_ACT_QTYPES)}. Change act_qtype.")
+            # LiteRT's hybrid kernels quantize a dynamic input per batch row:
+            # that one per-channel form is what they compute.
+            if spec.scale_axes and not (spec.dynamic and tuple(spec.scale_axes) == (0,)):
+                raise PlanError(f"{where}: output {edge_id!r} is per-channel; LiteRT activations "
+                                "are per-tensor (dynamic ones may be per batch row, PerChannel(0)). Use "
+                                "act_granularity=PerTensor().")
+            if spec.dynamic:
+                if spec.qtype != "int8":
+                    raise PlanError(f"{where}: dynamic output {edge_id!r} is {spec.qtype}; LiteRT's "
+                                    "dynamic-range kernels quantize activations to int8.")
+                continue
+            if spec.qtype == "int16" and not spec.symmetric:
+                raise PlanError(f"{where}: int16 output {edge_id!r} must be symmetric (LiteRT's "
+                                "16x8 kernels take zero point 0). Remove act_symmetric=False.")
+            limitation = _kernel_limitation(op, spec.qtype, plan.graph)
+            if limitation is not None:
+                if not allow_float_ops:
+                    raise FloatOpsError(f"{where}: {limitation}.")
+                float_ops.append(op.id)
+                continue
+            kind_spec = OP_SPEC.get(op.kind)
+            fused = any(plan.edges[e].fused_into == op.id for e in op.inputs)  # the producer's kernel applies it
+            if op.kind != "scan" and not fused and (kind_spec is None or spec.qtype not in kind_spec.schemas):
+                why = (WITHOUT_KERNEL.get(op.kind) if kind_spec is None
+                       else (kind_spec.refused or {}).get(spec.qtype))
+                message = (f"{where}: LiteRT has no {spec.qtype} kernel for {op.kind!r}"
+                           + (f" ({why})" if why else "")
+                           + "; keep it in float with Rule(..., skip=True) and allow_float_ops=True")
+                if not allow_float_ops:
+                    raise FloatOpsError(message + ".")
+                float_ops.append(op.id)
+    return float_ops
+
+
+def _kernel_limitation(op, qtype: str, graph) -> str | None:
+    """Why LiteRT's kernel for the op's kind cannot run this op with `qtype`
+    activations (see `spec.OpSpec.limitation`), or None."""
+    check = getattr(OP_SPEC.get(op.kind), "limitation", None)
+    return None if check is None else check(op, qtype, graph)
+
+
+def _check_one_activation_type(plan: Plan, op, where: str) -> None:
+    """LiteRT kernels read and write one activation type (an int8 -> int16
+    FULLY_CONNECTED computes garbage, without an error): an input of another
+    qtype is read through a conversion (`Plan.conversions`, a QUANTIZE op).
+    Kernels that read every input at their output's scale (CONCATENATION,
+    MAXIMUM, MINIMUM) would fold that QUANTIZE into their own scale, which the
+    plan does not model: refused."""
+    converted = [c for c in plan.conversions.values() if op.id in c.consumers]
+    for c in converted:
+        producer = plan.graph.edges[c.edge].producer
+        kind = None if producer is None else plan.graph.op(producer).kind
+        # An average pool lowered as a depthwise convolution requantizes too.
+        requantizing = kind is not None and (plan.edges[c.edge].constraint is None or (
+            kind == "avg_pool" and pool_as_depthwise(plan.graph.op(producer), c.source)))
+        if c.source != "float" and requantizing:
+            # Seen with FULLY_CONNECTED (its int8 output silently rescaled: 0 dB),
+            # GELU ('input and output must have same element type') and the
+            # depthwise pool ('output->type != data_type (INT16 != INT8)').
+            raise PlanError(
+                f"{where} reads {c.source} edge {c.edge!r} as {c.spec.qtype}: litert-converter 0.5.0 "
+                f"folds that requantization into the producing {kind!r} op, which then reads "
+                f"{c.source} and writes {c.spec.qtype} (computed wrongly or refused). Give the "
+                f"producer ({producer!r}) act_qtype={c.spec.qtype!r} too, or keep it in float "
+                "(skip=True, allow_float_ops=True): a QUANTIZE after a float op converts correctly.",
+                ops=(op.id, producer))
+    if converted and isinstance(plan.edges[op.outputs[0]].constraint, SharedWithInputs):
+        c = converted[0]
+        raise PlanError(
+            f"{where} reads {c.source} edge {c.edge!r} as {c.spec.qtype}; LiteRT's {op.kind} reads "
+            "its inputs at its output's scale, so the requantization cannot be placed before it. "
+            "Give the producer of that edge and this op the same act_qtype.",
+            ops=tuple(o for o in (op.id, plan.graph.edges[c.edge].producer) if o is not None))
+
+
+def check_io_dtype(plan: Plan, io_dtype: str) -> None:
+    """Integer model inputs and outputs carry their edges' own type: LiteRT's
+    interface rewrite cannot turn an int8 edge into an int16 input."""
+    graph = plan.graph
+    for kind, edges in (("input", graph.inputs), ("output", graph.outputs)):
+        for edge_id in edges:
+            edge_id = graph.resolve(edge_id)
+            spec = plan.edges[edge_id].spec
+            if not graph.edges[edge_id].is_float:
+                continue  # token ids and other integer inputs stay as they are
+            if spec is None or spec.qtype != io_dtype:
+                have = "float" if spec is None else spec.qtype.name
+                raise PlanError(
+                    f"io_dtype={io_dtype!r}, but the model's {kind} {edge_id!r} is {have} in the plan; "
+                    f"integer inputs and outputs take their edge's type. Use io_dtype={have!r}"
+                    + ("" if spec is None else f", or give that edge act_qtype={io_dtype!r}") + ".")

@@ -1,0 +1,161 @@
+"""Where an exported model runs, and how fast: XNNPACK delegation and latency.
+
+LiteRT hands the ops XNNPACK can run to its delegate, in partitions (one
+DELEGATE node each); every other op runs on LiteRT's reference kernels, and
+each change between the two costs a hand-over. A quantized model whose
+matmuls or convolutions fall off the delegate (int16x8 convolutions,
+dynamic-range convolutions, an op XNNPACK has no quantized kernel for) is
+often slower than its float twin, which XNNPACK runs whole.
+
+`delegation` reads it from the interpreter itself, not from a table of what
+XNNPACK supports: the tensors inside a partition are never allocated, so an
+op is delegated when each of its outputs is either unallocated or an output
+of a DELEGATE node. `interleaved_latency` times several models in the same
+rounds, so they share the machine's state.
+
+Example:
+  >>> found = odmlq.litert.delegation(tflite, odmlq.litert.inspect(tflite))
+  >>> found.partitions, [op.name for op in found.outside]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from collections.abc import Sequence
+
+import numpy as np
+
+from odmlq.errors import OdmlqError
+from odmlq.litert._runtime import interpreter
+from odmlq.litert.inspect import ModelSummary, OpInfo
+
+__all__ = ["COMPUTE_OPS", "Delegation", "DelegateError", "Latency", "check_delegation", "delegation",
+           "interleaved_latency"]
+
+# The ops that carry a model's arithmetic: off the delegate, they decide its speed.
+COMPUTE_OPS = frozenset({"CONV_2D", "DEPTHWISE_CONV_2D", "TRANSPOSE_CONV", "CONV_3D", "FULLY_CONNECTED",
+                         "BATCH_MATMUL"})
+
+
+class DelegateError(OdmlqError, ValueError):
+    """An export asked to run whole on the delegate has ops outside it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Delegation:
+    """How LiteRT's default delegate (XNNPACK) takes a model.
+
+    Attributes:
+      partitions: DELEGATE nodes (the graph runs in this many XNNPACK pieces).
+      delegated: ops of the model that run inside a partition.
+      outside: ops that run on LiteRT's reference kernels, in model order.
+    """
+
+    partitions: int
+    delegated: int
+    outside: tuple[OpInfo, ...]
+
+    @property
+    def compute_outside(self) -> tuple[OpInfo, ...]:
+        """The matmuls and convolutions among `outside`."""
+        return tuple(op for op in self.outside if op.name in COMPUTE_OPS)
+
+    def describe_outside(self, limit: int = 8) -> str:
+        """'CONV_2D (module 'a/b'), ...': the first `limit` ops outside."""
+        names = [f"{op.name} (module {op.module_path or ''!r})" for op in self.outside[:limit]]
+        more = len(self.outside) - limit
+        return ", ".join(names) + (f" and {more} more" if more > 0 else "")
+
+    def __str__(self) -> str:
+        line = (f"XNNPACK: {self.partitions} partition{'s' * (self.partitions != 1)}, {self.delegated} ops "
+                f"delegated, {len(self.outside)} on reference kernels")
+        return line + (f": {self.describe_outside()}" if self.outside else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Latency:
+    """Median ms per invoke of the export and of its float twin (same rounds, 1 thread)."""
+
+    ms: float
+    float_ms: float
+
+    @property
+    def vs_float(self) -> float:
+        return self.ms / self.float_ms
+
+    def __str__(self) -> str:
+        return f"latency: {self.ms:.3f} ms, float {self.float_ms:.3f} ms ({self.vs_float:.2f}x float)"
+
+
+def delegation(tflite: bytes, summary: ModelSummary) -> Delegation:
+    """Which ops of `tflite` the default delegate takes (see the module docstring)."""
+    runner = interpreter(tflite, num_threads=1)
+    try:
+        runner.invoke()  # tensors a kernel sizes at run time are allocated by then
+    except (RuntimeError, ValueError):
+        pass  # zeros a model cannot take (a gather's indices): allocation as planned
+    nodes = runner._get_ops_details()
+    delegate_outputs = {t for node in nodes if node["op_name"] == "DELEGATE" for t in node["outputs"]}
+
+    def allocated(tensor: int) -> bool:
+        try:
+            runner.get_tensor(tensor)
+        except ValueError:  # 'Tensor data is null': inside a partition
+            return False
+        return True
+
+    by_index = {op.index: op for op in summary.ops}
+    outside = []
+    for node in nodes:
+        op = by_index.get(node["index"])
+        if node["op_name"] == "DELEGATE" or op is None:
+            continue
+        if any(allocated(t) and t not in delegate_outputs for t in node["outputs"] if t >= 0):
+            outside.append(op)
+    partitions = sum(node["op_name"] == "DELEGATE" for node in nodes)
+    return Delegation(partitions=partitions, delegated=len(summary.ops) - len(outside), outside=tuple(outside))
+
+
+def check_delegation(found: Delegation, schema: str, require_delegate: bool, stacklevel: int = 3) -> None:
+    """Refuses ops outside the delegate when `require_delegate`; otherwise warns
+    when a quantized model's matmuls or convolutions run outside it (slower
+    than float there, as a rule)."""
+    if require_delegate and found.outside:
+        raise DelegateError(
+            f"require_delegate=True, but {len(found.outside)} ops run outside XNNPACK on LiteRT's reference "
+            f"kernels ({found.partitions} partitions): {found.describe_outside()}. Quantize those ops with a "
+            "schema XNNPACK runs (int8 static, or dynamic int8 for matmuls), keep them in float with "
+            "Rule(<module>, skip=True), or drop require_delegate.")
+    compute = found.compute_outside
+    if schema != "float" and compute:
+        listing = ", ".join(f"{op.name} (module {op.module_path or ''!r})" for op in compute[:4])
+        more = f" and {len(compute) - 4} more" if len(compute) > 4 else ""
+        warnings.warn(
+            f"{len(compute)} quantized matmuls or convolutions run outside XNNPACK, on LiteRT's reference "
+            f"kernels: {listing}{more}. This model may run slower than its float twin; export with "
+            "benchmark=True to measure both, or require_delegate=True to refuse such an export.",
+            stacklevel=stacklevel)
+
+
+def interleaved_latency(models: Sequence[bytes], inputs: Sequence[np.ndarray] = (), *, rounds: int = 7,
+                        invokes: int = 10) -> list[float]:
+    """Median ms per invoke of each model (1 thread), all timed in the same
+    interleaved rounds after a warm-up. `inputs` are set where their shapes and
+    dtypes match the model's inputs; other inputs stay zero."""
+    runners = [interpreter(m, num_threads=1) for m in models]
+    for runner in runners:
+        for detail, x in zip(runner.get_input_details(), inputs):
+            x = np.asarray(x)
+            if tuple(x.shape) == tuple(detail["shape"]) and x.dtype == detail["dtype"]:
+                runner.set_tensor(detail["index"], x)
+        runner.invoke()
+    times: list[list[float]] = [[] for _ in runners]
+    for _ in range(rounds):
+        for runner, spent in zip(runners, times):
+            start = time.perf_counter()
+            for _ in range(invokes):
+                runner.invoke()
+            spent.append((time.perf_counter() - start) / invokes * 1e3)
+    return [float(np.median(t)) for t in times]
