@@ -54,6 +54,14 @@ def check_plan(plan: Plan, *, allow_float_ops: bool = False) -> list[str]:
             if spec.block_size is not None or len(spec.scale_axes) > 1:
                 raise PlanError(f"{where}: weight {w.param!r} has {spec.describe()}; LiteRT takes one "
                                 "scale per tensor or per output channel. Use PerChannel() or PerTensor().")
+            if spec.qtype == "int4" and op.kind == "conv" and op_plan.dynamic_input is not None:
+                # ai-edge-litert 2.3.0 fails at the first invoke: 'Type FLOAT32
+                # with filter type INT4 not currently supported' (DEPTHWISE_CONV_2D).
+                raise PlanError(f"{where}: weight {w.param!r} is int4 in a dynamic-range convolution; LiteRT's "
+                                "hybrid convolution kernels read int8 filters only (an int4 one fails at run "
+                                "time). Give convolutions weight_qtype='int8' (e.g. Rule(..., op='conv', "
+                                "weight_qtype='int8', act_qtype='int8', act_dynamic=True) before this rule), "
+                                "or use int4 weights with a static or weight-only schema.")
         _check_one_activation_type(plan, op, where)
         read = [e for e in op.inputs if plan.edges[e].spec is not None and not plan.edges[e].spec.dynamic]
         if read and op.outputs and not any(plan.graph.edges[e].is_float for e in op.outputs):

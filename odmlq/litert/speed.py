@@ -140,11 +140,11 @@ def check_delegation(found: Delegation, schema: str, require_delegate: bool, sta
 
 
 def interleaved_latency(models: Sequence[bytes], inputs: Sequence[np.ndarray] = (), *, rounds: int = 7,
-                        invokes: int = 10) -> list[float]:
-    """Median ms per invoke of each model (1 thread), all timed in the same
-    interleaved rounds after a warm-up. `inputs` are set where their shapes and
-    dtypes match the model's inputs; other inputs stay zero."""
-    runners = [interpreter(m, num_threads=1) for m in models]
+                        invokes: int = 10, num_threads: int = 1) -> list[float]:
+    """Median ms per invoke of each model, all timed in the same interleaved
+    rounds after a warm-up. `inputs` are set where their shapes and dtypes
+    match the model's inputs; other inputs stay zero."""
+    runners = [interpreter(m, num_threads=num_threads) for m in models]
     for runner in runners:
         for detail, x in zip(runner.get_input_details(), inputs):
             x = np.asarray(x)

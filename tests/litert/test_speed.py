@@ -128,3 +128,17 @@ def test_without_benchmark_no_latency_is_claimed():
     result = odmlq.export_tflite(model, [R(".*", weight_qtype="int8", act_qtype="int8")],
                                  _batches(x.shape[1:]), variables=variables, verify=False)
     assert result.latency is None and result.delegation.partitions == 1
+
+
+def test_int4_dynamic_convolutions_are_refused_before_any_work():
+    """LiteRT's hybrid convolutions take int8 filters only: an int4 one exported
+    and then failed at its first invoke with a bare RuntimeError."""
+    model, (x,), variables = cnn()
+    with pytest.raises(odmlq.PlanError, match=r"conv1/conv.*int4 in a dynamic-range convolution.*op='conv'"):
+        odmlq.export_tflite(model, [R(".*", weight_qtype="int4", act_qtype="int8", act_dynamic=True)],
+                            _batches(x.shape[1:]), variables=variables)
+    # What the error suggests: int8 convolutions, int4 elsewhere.
+    result = odmlq.export_tflite(model, [R(".*", op="conv", weight_qtype="int8", act_qtype="int8", act_dynamic=True),
+                                         R(".*", weight_qtype="int4", act_qtype="int8", act_dynamic=True)],
+                                 _batches(x.shape[1:]), variables=variables)
+    assert result.verification.passed

