@@ -143,6 +143,9 @@ class Target:
     # quantized constant weight (LiteRT's dynamic-range kernels): an
     # activation x activation matmul then reads its dynamic inputs in float.
     dynamic_inputs_need_weight: bool = False
+    # How the target stores a weight's block scales ('float16': LiteRT's
+    # blockwise tensors); None: as computed (float32).
+    block_scale_dtype: str | None = None
 
     def constraints_of(self, kind: str) -> OpConstraints | None:
         return self.ops.get(kind)

@@ -36,6 +36,8 @@ from odmlq.litert.spec import (
 from odmlq.graph import MATMUL_KINDS, flat_params, replace_params
 from odmlq.scales import Scales, TensorScale, fake_quant_bias, folded_weights
 from odmlq.hooks import FakeQuant, PlanHooks
+from odmlq.litert._blockwise import placeholder
+from odmlq.litert._check import blockwise_weights
 
 _DTYPES = {"int8": "i8", "int16": "i16", "int4": "i4"}
 
@@ -147,7 +149,12 @@ def annotated_function(graph, plan, scales: Scales, params: Any, float_ops=()) -
     # values already on the grid (our integers times the scale) it cannot round
     # a near-tie (w / s = -20.5000016) differently from us.
     on_grid = {p: np.asarray(ts.fake_quant(jnp.asarray(values[p]))) for p, ts in scales.weights.items()}
+    blockwise = blockwise_weights(plan)
+    per_channel = {p: (placeholder(scales.weights[p]), None) for p in blockwise}
+    per_channel = {p: (ts, np.asarray(ts.fake_quant(jnp.asarray(on_grid[p])))) for p, (ts, _) in per_channel.items()}
     for path, ts in scales.weights.items():
+        if path in blockwise:
+            continue  # annotated per channel; its blocks are written into the file (`_blockwise`)
         if len(ts.scale_axes) > 1 or ts.block_size is not None:
             raise OdmlqError(
                 f"Weight {path!r} has {ts.scale_axes} scale axes / blocks; LiteRT takes one "
@@ -169,8 +176,12 @@ def annotated_function(graph, plan, scales: Scales, params: Any, float_ops=()) -
         new = {}
         for p, ts in scales.weights.items():
             with jax.named_scope(p):
-                new[p] = (jnp.asarray(on_grid[p]) if p in float_only
-                          else _annotated_weight(on_grid[p], ts, layouts.get(p)))
+                if p in float_only:
+                    new[p] = jnp.asarray(on_grid[p])
+                elif p in blockwise:
+                    new[p] = _annotated_weight(per_channel[p][1], per_channel[p][0], layouts.get(p))
+                else:
+                    new[p] = _annotated_weight(on_grid[p], ts, layouts.get(p))
         for p, s in scales.biases.items():
             new[p] = fake_quant_bias(jnp.asarray(values[p]), s)
         qparams = replace_params(params, new)

@@ -14,7 +14,12 @@ from odmlq.errors import OdmlqError, PlanError
 from odmlq.litert.spec import OP_SPEC, TARGET, WITHOUT_KERNEL, pool_as_depthwise
 from odmlq.plan import Plan
 
-__all__ = ["FloatOpsError", "check_io_dtype", "check_plan"]
+__all__ = ["BLOCKWISE_KERNEL", "FloatOpsError", "blockwise_weights", "check_io_dtype", "check_plan"]
+
+# XNNPACK's blockwise kernel (int4 weights, float16 block scales, inputs
+# quantized to int8 per call), which LiteRT reaches from a FULLY_CONNECTED.
+BLOCKWISE_KERNEL = ("for the int4 weight of a dynamic-range matmul (FULLY_CONNECTED), in blocks of a multiple "
+                    "of 32 along its input axis with one scale column per output channel")
 
 _LITERT_WEIGHT_QTYPES = ("int8", "int4")
 _LITERT_ACT_QTYPES = ("int8", "int16")
@@ -51,7 +56,13 @@ def check_plan(plan: Plan, *, allow_float_ops: bool = False) -> list[str]:
             if spec.qtype not in _LITERT_WEIGHT_QTYPES or (spec.qtype == "int4" and not spec.symmetric):
                 raise PlanError(f"{where}: weight {w.param!r} is {spec.qtype}; LiteRT stores weights "
                                 f"as {' or '.join(_LITERT_WEIGHT_QTYPES)}. Change weight_qtype.")
-            if spec.block_size is not None or len(spec.scale_axes) > 1:
+            if spec.block_size is not None:
+                why = _blockwise_refusal(plan, op, w.param, spec)
+                if why is not None:
+                    raise PlanError(f"{where}: weight {w.param!r} has {spec.describe()}; LiteRT takes block "
+                                    f"scales only {BLOCKWISE_KERNEL}, and {why}. Use PerChannel() (or "
+                                    "PerTensor()) here.")
+            elif len(spec.scale_axes) > 1:
                 raise PlanError(f"{where}: weight {w.param!r} has {spec.describe()}; LiteRT takes one "
                                 "scale per tensor or per output channel. Use PerChannel() or PerTensor().")
             if spec.qtype == "int4" and op.kind == "conv" and op_plan.dynamic_input is not None:
@@ -172,3 +183,35 @@ def check_io_dtype(plan: Plan, io_dtype: str) -> None:
                     f"io_dtype={io_dtype!r}, but the model's {kind} {edge_id!r} is {have} in the plan; "
                     f"integer inputs and outputs take their edge's type. Use io_dtype={have!r}"
                     + ("" if spec is None else f", or give that edge act_qtype={io_dtype!r}") + ".")
+
+
+def blockwise_weights(plan: Plan) -> dict[str, tuple[str, int, int]]:
+    """Parameter path -> (op id, input axis, output axis) of each blockwise
+    weight the plan gives LiteRT's blockwise kernel (checked by `check_plan`)."""
+    out = {}
+    for op in plan.graph.ops:
+        for w in plan.ops[op.id].weights:
+            if w.spec is not None and w.spec.block_size is not None:
+                operand = next(o for o in op.weights if o.param == w.param)
+                out[w.param] = (op.id, operand.contraction_axes[0], operand.channel_axes[0])
+    return out
+
+
+def _blockwise_refusal(plan: Plan, op, param: str, spec) -> str | None:
+    """Why LiteRT's blockwise kernel cannot take this weight, or None."""
+    op_plan = plan.ops[op.id]
+    operand = next(o for o in op.weights if o.param == param)
+    if spec.qtype != "int4":
+        return f"this weight is {spec.qtype}"
+    if op.kind not in ("dot_general", "einsum"):
+        return f"this op is a {op.kind!r}"
+    if op_plan.dynamic_input is None or op_plan.dynamic_inputs_float:
+        return "this op's inputs are not quantized per call (give its rule act_dynamic=True)"
+    if len(operand.shape) != 2 or not operand.contraction_axes or not operand.channel_axes \
+            or len(operand.channel_axes) != 1:
+        return f"this weight has shape {tuple(operand.shape)} (a 2-D matrix is needed)"
+    if spec.block_axis != operand.contraction_axes[0] or tuple(spec.scale_axes) != tuple(operand.channel_axes):
+        return f"its blocks run along axis {spec.block_axis} (the input axis is {operand.contraction_axes[0]})"
+    if spec.block_size % 32:
+        return f"the block size is {spec.block_size}"
+    return None

@@ -41,9 +41,9 @@ import flatbuffers
 import numpy as np
 from ai_edge_litert import schema_py_generated as schema
 
-__all__ = ["repair_int16_conv_bias", "int16_conv_bias_problems"]
+__all__ = ["FILE_IDENTIFIER", "aligned_buffers", "repair_int16_conv_bias", "int16_conv_bias_problems"]
 
-_FILE_IDENTIFIER = b"TFL3"
+FILE_IDENTIFIER = b"TFL3"
 # The schema asks for 16-byte aligned buffer data (`force_align: 16`); the
 # generated Python writer aligns it to 1 byte only.
 _BUFFER_ALIGNMENT = 16
@@ -76,6 +76,11 @@ class _AlignedBufferT(schema.BufferT):
         schema.BufferAddOffset(builder, self.offset)
         schema.BufferAddSize(builder, self.size)
         return schema.BufferEnd(builder)
+
+
+def aligned_buffers(buffers) -> list[_AlignedBufferT]:
+    """The model's buffers, each written 16-byte aligned when packed."""
+    return [_aligned(b) for b in buffers or []]
 
 
 def _aligned(buffer: schema.BufferT) -> _AlignedBufferT:
@@ -296,7 +301,7 @@ def repair_int16_conv_bias(tflite: bytes, *, int32_bias_when_exact: bool = False
         tensor.buffer = int64_buffer[old]
         tensor.type = _T.INT64
 
-    model.buffers = [_aligned(b) for b in model.buffers]
+    model.buffers = aligned_buffers(model.buffers)
     builder = flatbuffers.Builder(len(tflite) + 1024)
-    builder.Finish(model.Pack(builder), file_identifier=_FILE_IDENTIFIER)
+    builder.Finish(model.Pack(builder), file_identifier=FILE_IDENTIFIER)
     return bytes(builder.Output())

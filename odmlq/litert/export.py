@@ -18,7 +18,7 @@ from odmlq.files import atomic_output, check_output_path
 from odmlq.graph import check_finite_params, is_keras, keras_input_names, params_for
 from odmlq.calibration import Calibration
 from odmlq.errors import CalibrationError, OdmlqError, PlanError
-from odmlq.litert import _annotate, _convert, _repair
+from odmlq.litert import _annotate, _blockwise, _convert, _repair
 from odmlq.litert._check import FloatOpsError, check_io_dtype, check_plan
 from odmlq.litert._probe import LiteRTCrashError, probe
 from odmlq.litert.inspect import ModelSummary, inspect
@@ -217,6 +217,8 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
                                       dynamic_range=schema == "dynamic")
     except _convert.ConversionError as error:
         raise _with_module_paths(error, plan) from error
+    # int4 weights in blocks: the converter wrote them per channel; their blocks go in here.
+    tflite = _blockwise.write_blockwise(tflite, _blockwise.payloads(plan, scales, params))
     # litert-converter 0.5.0 writes an int32 bias for 16x8 convolutions, whose
     # kernels read int64 (outputs off by the whole range, or a depthwise
     # convolution refused at allocation): the bias is rewritten in the file.

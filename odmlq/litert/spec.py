@@ -331,4 +331,5 @@ WITHOUT_KERNEL: dict[str, str] = {
 # span two axes (Flax's DenseGeneral (embed, heads, head_dim)) gets per-tensor
 # scales by default.
 TARGET = Target(name="litert", ops={kind: spec.constraints for kind, spec in OP_SPEC.items()},
-                weight_channel_axes=1, dynamic_inputs_need_weight=True)
+                weight_channel_axes=1, dynamic_inputs_need_weight=True,
+                block_scale_dtype="float16")

@@ -316,6 +316,7 @@ def plan_graph(graph: Graph, rules: Sequence[Rule], target: Target | Sequence[Ta
     limits = [t.weight_channel_axes for t in targets if t.weight_channel_axes is not None]
     limit = min(limits) if limits else None
     need_weight = any(t.dynamic_inputs_need_weight for t in targets)
+    block_scale_dtype = next((t.block_scale_dtype for t in targets if t.block_scale_dtype), None)
     for op in graph.ops:
         index = None
         if op.kind != "scan":
@@ -324,6 +325,9 @@ def plan_graph(graph: Graph, rules: Sequence[Rule], target: Target | Sequence[Ta
             matched.add(index)
         rule = rules[index] if index is not None else None
         weights, constants = _weight_plans(op, rule, index, limit), constant_specs(op, rule)
+        if block_scale_dtype is not None:
+            weights = tuple(dataclasses.replace(w, spec=dataclasses.replace(w.spec, scale_dtype=block_scale_dtype))
+                            if w.spec is not None and w.spec.block_size is not None else w for w in weights)
         quantized_constant = any(w.role == "weight" and w.spec is not None for w in weights) or any(
             c is not None for c in constants)
         op_plans[op.id] = OpPlan(op=op.id, rule=index, weights=weights, constants=constants,

@@ -30,6 +30,8 @@ class QuantSpec:
       dynamic: the range is taken from the tensor itself at run time.
       algorithm: how a weight's values are rounded to the grid (`odmlq.GPTQ`);
         None: to nearest.
+      scale_dtype: how the scales are stored: 'float32', or 'float16' (each
+        scale rounded up to a float16, as LiteRT stores block scales).
     """
 
     qtype: QType
@@ -41,6 +43,7 @@ class QuantSpec:
     calibration: Any = None
     dynamic: bool = False
     algorithm: Any = None
+    scale_dtype: str = "float32"
 
     def __post_init__(self):
         object.__setattr__(self, "qtype", lookup_qtype(self.qtype))
@@ -65,6 +68,8 @@ class QuantSpec:
             parts.append(_method_str(self.calibration))
         if self.algorithm is not None:
             parts.append(_method_str(self.algorithm, "algorithm"))
+        if self.scale_dtype != "float32":
+            parts.append(f"{self.scale_dtype} scales")
         emulated = [b for b in BACKENDS if not self.qtype.runs_natively_on(b)]
         if emulated:
             parts.append(f"(emulated on {'/'.join(emulated)})")

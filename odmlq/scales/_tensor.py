@@ -58,11 +58,29 @@ def tensor_scale(spec, lo, hi, shape) -> TensorScale:
     lo, hi = np.reshape(lo, shape), np.reshape(hi, shape)
     scale, zero_point = compute_scale(lo, hi, spec.qtype, symmetric=spec.symmetric,
                                       narrow_range=spec.narrow_range)
+    if getattr(spec, "scale_dtype", "float32") == "float16":
+        scale = float16_up(scale)
     return TensorScale(
         qtype=spec.qtype, scale=np.asarray(scale, np.float32),
         zero_point=None if zero_point is None else np.asarray(zero_point, np.int32),
         scale_axes=spec.scale_axes, block_axis=spec.block_axis, block_size=spec.block_size,
         narrow_range=spec.narrow_range)
+
+
+def float16_up(scale) -> np.ndarray:
+    """Each scale as the nearest float16 not below it (float32 values): a
+    weight's largest magnitude still fits the grid, as the computed scale
+    promised."""
+    scale = np.asarray(scale, np.float32)
+    half = scale.astype(np.float16)
+    low = half.astype(np.float32) < scale
+    half = np.where(low, np.nextafter(half, np.float16(np.inf)), half)
+    # A block of magnitudes under float16's smallest step rounds to zero codes with it.
+    half = np.where((half == 0) & (scale > 0), np.float16(2.0 ** -24), half)
+    if not np.all(np.isfinite(half)):
+        raise PlanError(f"A weight scale of {float(np.max(scale)):.3g} is past float16's range (65504), in "
+                        "which LiteRT stores block scales; rescale the weight or use per-channel scales.")
+    return half.astype(np.float32)
 
 
 def reshaped(ts: TensorScale, ndim: int) -> TensorScale:
