@@ -7,13 +7,15 @@ schema is exported by odmlq at batch 1 and at batch 32:
 - float; int8 (full integer; MiniLM: the sample's mixed rules); int16x8;
   dynamic int8 (int8 weights, inputs quantized by the kernels);
 - int4 weights per channel, weight-only and with dynamic int8 inputs;
-- int4 in blocks of 128 with dynamic int8 inputs (refused today: the plan
-  check names why).
+- int4 in blocks of 128 with dynamic int8 inputs (XNNPACK's blockwise
+  kernel); convolutions stay int8 in the dynamic int4 schemas (LiteRT's
+  hybrid convolutions read int8 filters only).
 
 All files of one model and batch size are timed in the same interleaved
 rounds, on one thread and on two. The table gives bytes, XNNPACK partitions,
-the ops left on LiteRT's reference kernels, median ms per invoke and the
-ratio to the float file. Exports are not verified here (the tests verify
+the ops left on LiteRT's reference kernels, output SQNR against the float
+JAX model on 32 held-out rows, median ms per invoke and the ratio to the
+float file. Exports are not verified here (the tests verify
 every schema); only where the ops run and how fast is measured.
 
 Run: python bench/litert_speed.py [--models cnn,mlp25m,minilm] [--rounds 5]
@@ -52,16 +54,34 @@ def schemas(bench) -> dict[str, list]:
         fixed = {"int8": [R(".*", weight_qtype="int8", act_qtype="int8")],
                  "int16x8": [R(".*", weight_qtype="int8", act_qtype="int16")],
                  "dynamic int8": [R(".*", weight_qtype="int8", act_qtype="int8", act_dynamic=True)]}
+    # LiteRT's hybrid convolutions read int8 filters: int4 goes to the matmuls.
+    convs = [R(".*", op="conv", weight_qtype="int8", act_qtype="int8", act_dynamic=True)]
     return {"float": [], **fixed,
             "int4 weight-only": keep + [R(".*", weight_qtype="int4")],
-            "int4 dynamic": keep + [R(".*", weight_qtype="int4", act_qtype="int8", act_dynamic=True)],
-            "int4 b128 dynamic": keep + [R(".*", weight_qtype="int4", act_qtype="int8", act_dynamic=True,
-                                           weight_granularity=odmlq.PerBlock(128))]}
+            "int4 dynamic": keep + convs + [R(".*", weight_qtype="int4", act_qtype="int8", act_dynamic=True)],
+            "int4 b128 dynamic": keep + convs + [R(".*", weight_qtype="int4", act_qtype="int8", act_dynamic=True,
+                                                   weight_granularity=odmlq.PerBlock(128))]}
 
 
 def example(bench, batch: int) -> tuple:
     """`batch` rows of the held-out inputs (they have 32 or more)."""
     return tuple(np.asarray(x)[:batch] for x in bench.held_out[0])
+
+
+def sqnr_db(bench, tflite: bytes, batch: int) -> float:
+    """Output SQNR (dB) of the file against the float model on the 32 held-out rows, `batch` per invoke."""
+    rows = example(bench, 32)
+    reference = np.asarray(bench.model.apply(bench.variables, *rows), np.float64)
+    runner = odmlq.litert.interpreter(tflite, num_threads=1)
+    details, out = runner.get_input_details(), runner.get_output_details()[0]
+    outputs = []
+    for start in range(0, 32, batch):
+        for detail, x in zip(details, rows):
+            runner.set_tensor(detail["index"], x[start:start + batch].astype(detail["dtype"]))
+        runner.invoke()
+        outputs.append(np.asarray(runner.get_tensor(out["index"]), np.float64))
+    noise = np.sum((np.concatenate(outputs) - reference) ** 2)
+    return float(10 * np.log10(np.sum(reference ** 2) / noise)) if noise > 0 else float("inf")
 
 
 def export_all(bench, batch: int) -> dict[str, object]:
@@ -84,13 +104,13 @@ def export_all(bench, batch: int) -> dict[str, object]:
 
 def main(models: list[str], rounds: int) -> None:
     makers = {"cnn": lambda: digits("cnn"), "mlp25m": mlp25m, "minilm": minilm}
-    print("| model | schema | batch | bytes | XNNPACK partitions | ops outside XNNPACK | ms, 1 thread | "
-          "vs float | ms, 2 threads | vs float |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| model | schema | batch | bytes | SQNR dB vs float | XNNPACK partitions | ops outside XNNPACK | "
+          "ms, 1 thread | vs float | ms, 2 threads | vs float |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for key in models:
         bench = makers[key]()
         if bench is None:
-            print(f"| {key} | not installed (see README) | | | | | | | | |")
+            print(f"| {key} | not installed (see README) | | | | | | | | | |")
             continue
         for batch in BATCHES:
             exports = export_all(bench, batch)
@@ -102,14 +122,15 @@ def main(models: list[str], rounds: int) -> None:
                 for threads in THREADS}
             for name, e in exports.items():
                 if isinstance(e, str):
-                    print(f"| {bench.name} | {name} | {batch} | refused: {e} | | | | | | |")
+                    print(f"| {bench.name} | {name} | {batch} | refused: {e} | | | | | | | |")
                     continue
                 outside = e.delegation.outside
                 kinds = sorted({op.name for op in outside})
                 listing = f"{len(outside)}" + (f" ({', '.join(kinds[:4])}{', ...' if len(kinds) > 4 else ''})"
                                                if outside else "")
                 cells = [f"{ms[t][name]:.3f} | {ms[t][name] / ms[t]['float']:.2f}" for t in THREADS]
-                print(f"| {bench.name} | {name} | {batch} | {len(e.tflite):,} | {e.delegation.partitions} | "
+                sqnr = "-" if name == "float" else f"{sqnr_db(bench, e.tflite, batch):.1f}"
+                print(f"| {bench.name} | {name} | {batch} | {len(e.tflite):,} | {sqnr} | {e.delegation.partitions} | "
                       f"{listing} | {' | '.join(cells)} |", flush=True)
 
 

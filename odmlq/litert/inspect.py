@@ -17,6 +17,7 @@ import os
 import re
 import struct
 
+import numpy as np
 from ai_edge_litert import schema_py_generated as schema
 
 from odmlq.plan import text_table as table
@@ -53,6 +54,10 @@ class TensorInfo:
     quantized_dimension: int | None
     nbytes: int
     is_constant: bool
+    # Blockwise quantization (an int4 weight of XNNPACK's blockwise kernel):
+    # the block size along the last axis; `scales` then holds the (float16)
+    # block scales, row by row.
+    block_size: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -268,6 +273,7 @@ def _read(buf: bytes, label: str) -> ModelSummary:
         if is_constant:
             buffer_bytes[tensor.Buffer()] = nbytes
         tensors.append(_tensor_info(i, tensor, nbytes if is_constant else 0, is_constant))
+    tensors = [_with_block_scales(t, graph.Tensors(t.index), model, graph) for t in tensors]
     ops = []
     for i in range(graph.OperatorsLength()):
         op = graph.Operators(i)
@@ -318,6 +324,22 @@ def _tensor_info(index: int, tensor, nbytes: int, is_constant: bool) -> TensorIn
         shape=tuple(_indices(tensor.ShapeAsNumpy())), scales=scales, zero_points=zero_points,
         quantized_dimension=q.QuantizedDimension() if scales else None,
         nbytes=nbytes, is_constant=is_constant)
+
+
+def _with_block_scales(info: TensorInfo, tensor, model, graph) -> TensorInfo:
+    """`info` with the block scales and size of a blockwise-quantized tensor."""
+    q = tensor.Quantization()
+    if q is None or q.DetailsType() != schema.QuantizationDetails.BlockwiseQuantization:
+        return info
+    details = schema.BlockwiseQuantization()
+    details.Init(q.Details().Bytes, q.Details().Pos)
+    scales = graph.Tensors(details.Scales())
+    dtype = {schema.TensorType.FLOAT16: np.float16, schema.TensorType.FLOAT32: np.float32}.get(scales.Type())
+    data = model.Buffers(scales.Buffer()).DataAsNumpy()
+    values = () if dtype is None or isinstance(data, int) else tuple(
+        float(v) for v in np.frombuffer(data.tobytes(), dtype))
+    return dataclasses.replace(info, scales=values, zero_points=(), quantized_dimension=0,
+                               block_size=details.BlockSize())
 
 
 _INTEGER_DTYPES = frozenset({"int8", "uint8", "int16"})
@@ -440,6 +462,8 @@ def _quantization(x: TensorInfo) -> str:
         return ""
     distinct = set(x.zero_points)  # an omitted zero point means 0 to the interpreter
     zp = str(distinct.pop()) if len(distinct) == 1 else f"[{len(x.zero_points)}]" if distinct else "0"
+    if x.block_size is not None:
+        return f"s=[{len(x.scales)}] blocks of {x.block_size} zp=0"
     if len(x.scales) == 1:
         return f"s={x.scales[0]:.6g} zp={zp}"
     return f"s=[{len(x.scales)}] axis={x.quantized_dimension} zp={zp}"
