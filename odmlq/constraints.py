@@ -143,6 +143,10 @@ class Target:
     # quantized constant weight (LiteRT's dynamic-range kernels): an
     # activation x activation matmul then reads its dynamic inputs in float.
     dynamic_inputs_need_weight: bool = False
+    # Whether a dynamic rule leaves a depthwise convolution's weight float:
+    # LiteRT's hybrid depthwise kernel runs outside XNNPACK, slower than the
+    # float one XNNPACK runs (and the weight is a small share of a model's).
+    dynamic_depthwise_float: bool = False
     # How the target stores a weight's block scales ('float16': LiteRT's
     # blockwise tensors); None: as computed (float32).
     block_scale_dtype: str | None = None

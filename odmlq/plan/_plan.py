@@ -317,6 +317,7 @@ def plan_graph(graph: Graph, rules: Sequence[Rule], target: Target | Sequence[Ta
     limit = min(limits) if limits else None
     need_weight = any(t.dynamic_inputs_need_weight for t in targets)
     block_scale_dtype = next((t.block_scale_dtype for t in targets if t.block_scale_dtype), None)
+    depthwise_float = any(t.dynamic_depthwise_float for t in targets)
     for op in graph.ops:
         index = None
         if op.kind != "scan":
@@ -325,6 +326,9 @@ def plan_graph(graph: Graph, rules: Sequence[Rule], target: Target | Sequence[Ta
             matched.add(index)
         rule = rules[index] if index is not None else None
         weights, constants = _weight_plans(op, rule, index, limit), constant_specs(op, rule)
+        if depthwise_float and rule is not None and rule.act_dynamic and _depthwise(op):
+            weights = tuple(dataclasses.replace(w, spec=None, note=_DEPTHWISE_NOTE) if w.role == "weight"
+                            and w.spec is not None else w for w in weights)
         if block_scale_dtype is not None:
             weights = tuple(dataclasses.replace(w, spec=dataclasses.replace(w.spec, scale_dtype=block_scale_dtype))
                             if w.spec is not None and w.spec.block_size is not None else w for w in weights)
@@ -372,6 +376,17 @@ def _share_weight_specs(op_plans: dict[str, OpPlan]) -> None:
             weights[i] = dataclasses.replace(weights[i], spec=shared,
                                              note=f"one spec for the ops that read it ({readers})")
             op_plans[op_id] = dataclasses.replace(op_plans[op_id], weights=tuple(weights))
+
+
+_DEPTHWISE_NOTE = ("float: a dynamic-range depthwise convolution runs outside XNNPACK on LiteRT, slower than "
+                   "the float kernel XNNPACK runs")
+
+
+def _depthwise(op: Op) -> bool:
+    """A convolution that reads one input feature per group (LiteRT's DEPTHWISE_CONV_2D)."""
+    weight = next((o for o in op.weights if o.role == "weight"), None)
+    return (op.kind == "conv" and weight is not None and bool(weight.contraction_axes)
+            and len(weight.contraction_axes) == 1 and weight.shape[weight.contraction_axes[0]] == 1)
 
 
 def _weight_plans(op: Op, rule: Rule | None, index: int | None,

@@ -47,6 +47,13 @@ def test_schema(models, digits, name, schema):
     assert present <= ops, ops
     assert not (absent & ops), ops
     weights = _weights(result)
+    if schema == "dynamic" and name == "cnn":
+        # A dynamic-range depthwise convolution (conv1 reads one channel) keeps
+        # its weight float: LiteRT's hybrid kernel for it runs outside XNNPACK.
+        depthwise = [op for op in result.summary.ops if op.name == "DEPTHWISE_CONV_2D"]
+        assert len(depthwise) == 1 and result.summary.tensors[depthwise[0].inputs[1]].dtype == "float32"
+        assert result.delegation.partitions == 1 and result.delegation.outside == ()
+        weights = [t for t in weights if t.index != depthwise[0].inputs[1]]
     assert weights and {t.dtype for t in weights} == {weight_dtype}
     assert all(len(t.scales) == (t.shape[0] if t.quantized_dimension == 0 else t.shape[-1]) for t in weights)
     assert result.verification.passed

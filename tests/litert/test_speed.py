@@ -142,3 +142,17 @@ def test_int4_dynamic_convolutions_are_refused_before_any_work():
                                          R(".*", weight_qtype="int4", act_qtype="int8", act_dynamic=True)],
                                  _batches(x.shape[1:]), variables=variables)
     assert result.verification.passed
+
+
+def test_dynamic_depthwise_convolutions_keep_float_weights_where_litert_is_a_target():
+    """LiteRT's hybrid depthwise kernel runs outside XNNPACK (the digits CNN's
+    conv1 split the graph); the plan keeps that weight float and says why."""
+    model, (x,), variables = cnn()
+    both = odmlq.plan(model, DYNAMIC, x, variables=variables)
+    xla = odmlq.plan(model, DYNAMIC, x, variables=variables, target="xla")
+    kernel = {p.param: p for o in both.ops.values() for p in o.weights}["conv1/kernel"]
+    assert kernel.spec is None and "outside XNNPACK" in kernel.note
+    assert {p.param: p for o in xla.ops.values() for p in o.weights}["conv1/kernel"].spec is not None
+    assert {p.param: p for o in both.ops.values() for p in o.weights}["conv2/kernel"].spec is not None
+    result = odmlq.export_tflite(model, both, _batches(x.shape[1:]), variables=variables)
+    assert result.delegation.partitions == 1 and result.delegation.outside == ()
