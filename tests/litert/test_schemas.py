@@ -155,7 +155,7 @@ def test_mixing_static_and_dynamic_is_refused(models, digits):
 
 @pytest.mark.parametrize("rules, match", [
     ([R(".*", weight_qtype="fp8_e4m3")], r"weight 'dense1/kernel' is fp8_e4m3; LiteRT stores weights as int8 or int4"),
-    ([R(".*", weight_qtype="int4", weight_granularity=odmlq.PerBlock(16))], r"LiteRT takes one scale per tensor or per output channel"),
+    ([R(".*", weight_qtype="int4", weight_granularity=odmlq.PerBlock(16))], r"LiteRT takes block scales only for the int4 weight of a dynamic-range matmul"),
     ([R(".*", weight_qtype="int8", act_qtype="int8", act_granularity=odmlq.PerChannel(-1))], r"per-channel; LiteRT activations are per-tensor"),
 ], ids=["fp8-weights", "block-weights", "per-channel-activations"])
 def test_decisions_litert_cannot_honour_are_refused_first(models, digits, rules, match):

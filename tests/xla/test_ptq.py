@@ -37,7 +37,10 @@ def digits():
 
 def _setup(name, rules, digits):
     model, (x,), variables = SAMPLES[name]()
-    plan = odmlq.plan(model, rules, x, variables=variables)
+    # XLA's own plan: with LiteRT among the targets a dynamic rule keeps the
+    # CNN's depthwise convolution (conv1) float (tests/litert/test_speed.py).
+    target = "xla" if any(r.act_dynamic for r in rules) else "both"
+    plan = odmlq.plan(model, rules, x, variables=variables, target=target)
     calibration = None
     if any(p.spec is not None and not p.spec.dynamic for p in plan.edges.values()):
         calibration = odmlq.calibrate(model, plan, batches(digits.x_calibration, 64), variables=variables)
