@@ -157,7 +157,7 @@ def main(out_dir: str = "out", evaluation_crops: int = EVALUATION_CROPS) -> dict
     _print(results)
     slower = [name for name, r in results["litert"].items() if r["vs_float"] > 1.0]
     if slower:
-        print(f"\nslower than the float .tflite here: " + "; ".join(
+        print("\nslower than the float .tflite here: " + "; ".join(
             f"{name} ({SLOWER.get(name, 'see its export warning')})" for name in slower))
     return results
 
