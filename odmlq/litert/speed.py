@@ -142,14 +142,16 @@ def check_delegation(found: Delegation, schema: str, require_delegate: bool, sta
 def interleaved_latency(models: Sequence[bytes], inputs: Sequence[np.ndarray] = (), *, rounds: int = 7,
                         invokes: int = 10, num_threads: int = 1) -> list[float]:
     """Median ms per invoke of each model, all timed in the same interleaved
-    rounds after a warm-up. `inputs` are set where their shapes and dtypes
-    match the model's inputs; other inputs stay zero."""
+    rounds after a warm-up. `inputs` are set, in the input's dtype, where
+    their shapes match the model's inputs and their kinds (float or integer)
+    agree; other inputs stay zero."""
     runners = [interpreter(m, num_threads=num_threads) for m in models]
     for runner in runners:
         for detail, x in zip(runner.get_input_details(), inputs):
             x = np.asarray(x)
-            if tuple(x.shape) == tuple(detail["shape"]) and x.dtype == detail["dtype"]:
-                runner.set_tensor(detail["index"], x)
+            same_kind = (x.dtype.kind == "f") == (np.dtype(detail["dtype"]).kind == "f")
+            if tuple(x.shape) == tuple(detail["shape"]) and same_kind:
+                runner.set_tensor(detail["index"], x.astype(detail["dtype"]))
         runner.invoke()
     times: list[list[float]] = [[] for _ in runners]
     for _ in range(rounds):
