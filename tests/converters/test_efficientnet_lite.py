@@ -187,3 +187,21 @@ def test_flax_logits_match_an_independent_numpy_reference(state):
     relative = np.max(np.abs(got - want)) / np.max(np.abs(want))
     assert relative <= 1e-5, relative
     assert np.argmax(want, axis=1).tolist() == np.argmax(got, axis=1).tolist()
+
+
+def test_refuses_opcodes_that_construct_objects(tmp_path):
+    """NEWOBJ (cls.__new__) is no opcode a tensor checkpoint is written with: the
+    reader, which runs opcodes itself, stops there with the byte it is at."""
+    payload = b"\x80\x02ccollections\nOrderedDict\n)\x81."
+    path = tmp_path / "odd.pth"
+    path.write_bytes(_legacy_file(payload))
+    with pytest.raises(torch_checkpoint.TorchCheckpointError,
+                       match=r"opcode b'\\x81' at byte \d+.*nothing in it was run"):
+        torch_checkpoint.read_state_dict(path)
+
+
+def test_the_reader_does_not_use_python_pickle():
+    import inspect
+
+    source = inspect.getsource(torch_checkpoint)
+    assert "import pickle" not in source and "Unpickler" not in source
