@@ -11,6 +11,7 @@ from odmlq.graph import flat_params
 from odmlq.scales import folded_weights
 from odmlq.scales._tensor import float16_up
 from samples.models import cnn
+from tests._runs import litert_rows
 
 R = odmlq.Rule
 IN, HIDDEN, OUT = 256, 128, 64
@@ -43,17 +44,6 @@ def mlp():
 def _sqnr(reference, value):
     reference, value = np.asarray(reference, np.float64), np.asarray(value, np.float64)
     return 10 * np.log10(np.sum(reference ** 2) / np.sum((value - reference) ** 2))
-
-
-def _run(tflite, rows):
-    runner = odmlq.litert.interpreter(tflite, num_threads=1)
-    inp, out = runner.get_input_details()[0], runner.get_output_details()[0]
-    ys = []
-    for row in rows:
-        runner.set_tensor(inp["index"], row[None])
-        runner.invoke()
-        ys.append(runner.get_tensor(out["index"])[0])
-    return np.stack(ys)
 
 
 def _unpacked(tflite: bytes, tensor) -> np.ndarray:
@@ -95,7 +85,7 @@ def test_blocks_beat_one_scale_per_channel_on_both_backends_alike(mlp):
     for name, granularity in (("channel", odmlq.PerChannel()), ("block", odmlq.PerBlock(32))):
         rules = _rules(granularity)
         result = odmlq.export_tflite(model, rules, data, variables=variables)
-        litert = _run(result.tflite, held_out)
+        litert = litert_rows(result.tflite, held_out)
         xla = np.asarray(odmlq.ptq(model, rules, variables, result.calibration, example_inputs=(held_out[:1],))(held_out))
         sqnr[name] = _sqnr(reference, litert)
         # Same integers and scales; the kernels quantize the inputs per row

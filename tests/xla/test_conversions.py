@@ -26,7 +26,7 @@ import odmlq
 from odmlq.errors import PlanError
 from odmlq.scales import compute_scales
 from odmlq.xla import QuantizedModel
-from tests.xla.test_cross_check import _litert
+from tests._runs import litert_rows
 
 R = odmlq.Rule
 
@@ -143,7 +143,7 @@ def test_xla_agrees_with_the_litert_export(rules_name):
         export = odmlq.export_tflite(model, plan, batches, variables=variables, calibration=calibration,
                                      verify=False, allow_float_ops=bool(plan.float_ops))
     qmodel = odmlq.ptq(model, plan, variables, calibration)
-    y_litert, y_xla = _litert(export.tflite, x), np.asarray(qmodel(x))
+    y_litert, y_xla = litert_rows(export.tflite, x), np.asarray(qmodel(x))
     lsb = float(np.asarray(qmodel.scales.edges[plan.graph.outputs[0]].scale).reshape(-1)[0])
     assert np.max(np.abs(y_litert - y_xla)) <= lsb * (1 + 1e-4)
 

@@ -18,6 +18,7 @@ from odmlq import Rule
 from odmlq.calibration import needs_calibration
 from samples.digits import batches, load_digits_splits
 from samples.models import SAMPLES
+from tests._runs import litert_rows
 
 SCHEMAS = {
     "static": [Rule(".*", weight_qtype="int8", act_qtype="int8")],
@@ -29,20 +30,6 @@ SCHEMAS = {
 @pytest.fixture(scope="module")
 def digits():
     return load_digits_splits()
-
-
-def _litert(tflite: bytes, x: np.ndarray) -> np.ndarray:
-    from ai_edge_litert.interpreter import Interpreter
-
-    interpreter = Interpreter(model_content=tflite)
-    interpreter.allocate_tensors()
-    inp, out = interpreter.get_input_details()[0], interpreter.get_output_details()[0]
-    rows = []
-    for image in x:
-        interpreter.set_tensor(inp["index"], image[None])
-        interpreter.invoke()
-        rows.append(interpreter.get_tensor(out["index"])[0])
-    return np.stack(rows)
 
 
 def _sqnr_db(reference, other) -> float:
@@ -68,7 +55,7 @@ def test_xla_outputs_agree_with_the_litert_export(name, schema, digits):
                                  verify=False)
     qmodel = odmlq.ptq(model, plan, variables, calibration)
     x = digits.x_test[:100]
-    y_litert, y_xla = _litert(export.tflite, x), np.asarray(qmodel(x))
+    y_litert, y_xla = litert_rows(export.tflite, x), np.asarray(qmodel(x))
     if schema == "dynamic":  # the kernels' own run-time quantization: near-ties of the untrained MLP may flip
         assert np.mean(y_litert.argmax(-1) == y_xla.argmax(-1)) >= 0.97
     else:
