@@ -36,7 +36,7 @@ from odmlq.litert.spec import (
 from odmlq.graph import MATMUL_KINDS, flat_params, replace_params
 from odmlq.scales import Scales, TensorScale, fake_quant_bias, folded_weights
 from odmlq.hooks import FakeQuant, PlanHooks
-from odmlq.litert._blockwise import placeholder
+from odmlq.litert._blockwise import Blockwise, payload, placeholder
 from odmlq.litert._check import blockwise_weights
 
 _DTYPES = {"int8": "i8", "int16": "i16", "int4": "i4"}
@@ -131,8 +131,11 @@ def _permuted(ts: TensorScale, perm) -> TensorScale:
                                scale_axes=(perm.index(ts.scale_axes[0]),))
 
 
-def annotated_function(graph, plan, scales: Scales, params: Any, float_ops=()) -> Callable:
-    """A function of the model inputs only (weights are constants in it).
+def annotated_function(graph, plan, scales: Scales, params: Any,
+                       float_ops=()) -> tuple[Callable, list[Blockwise]]:
+    """A function of the model inputs only (weights are constants in it), and
+    the blocks of its blockwise weights, which `_blockwise.write_blockwise`
+    puts into the converted file.
 
     `float_ops`: ops LiteRT must run in float (kept by a skip rule, or with no
     integer kernel), besides those no rule matched."""
@@ -149,9 +152,15 @@ def annotated_function(graph, plan, scales: Scales, params: Any, float_ops=()) -
     # values already on the grid (our integers times the scale) it cannot round
     # a near-tie (w / s = -20.5000016) differently from us.
     on_grid = {p: np.asarray(ts.fake_quant(jnp.asarray(values[p]))) for p, ts in scales.weights.items()}
+    # int4 weights in blocks are annotated per channel, and their blocks written
+    # into the converted file (`_blockwise`): one placeholder and payload each.
     blockwise = blockwise_weights(plan)
-    per_channel = {p: (placeholder(scales.weights[p]), None) for p in blockwise}
-    per_channel = {p: (ts, np.asarray(ts.fake_quant(jnp.asarray(on_grid[p])))) for p, (ts, _) in per_channel.items()}
+    per_channel = {}
+    for p in blockwise:
+        channel = placeholder(scales.weights[p])
+        per_channel[p] = (channel, np.asarray(channel.fake_quant(jnp.asarray(on_grid[p]))))
+    payloads = [payload(p, on_grid[p], scales.weights[p], input_axis, output_axis)
+                for p, (_, input_axis, output_axis) in blockwise.items()]
     for path, ts in scales.weights.items():
         if path in blockwise:
             continue  # annotated per channel; its blocks are written into the file (`_blockwise`)
@@ -188,7 +197,7 @@ def annotated_function(graph, plan, scales: Scales, params: Any, float_ops=()) -
 
         return PlanHooks(plan, scales, Annotation(scales, plan.graph, keep_float)).evaluate(graph, qparams, *inputs)
 
-    return fn
+    return fn, payloads
 
 
 # Ops that move values without computing: quantizing one changes nothing the

@@ -22,17 +22,13 @@ from __future__ import annotations
 import dataclasses
 
 import flatbuffers
-import jax.numpy as jnp
 import numpy as np
 from ai_edge_litert import schema_py_generated as schema
 
-from odmlq.graph import flat_params
-from odmlq.litert._check import blockwise_weights
 from odmlq.litert._convert import ConversionError
-from odmlq.scales import folded_weights
 from odmlq.litert._repair import FILE_IDENTIFIER, aligned_buffers
 
-__all__ = ["Blockwise", "payloads", "placeholder", "write_blockwise"]
+__all__ = ["Blockwise", "payload", "placeholder", "write_blockwise"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,17 +47,7 @@ def placeholder(ts):
     return dataclasses.replace(ts, scale=scale, zero_point=None, block_axis=None, block_size=None)
 
 
-def payloads(plan, scales, params) -> list[Blockwise]:
-    """Every blockwise weight of the plan (`_check.blockwise_weights`) as the file stores it."""
-    blockwise = blockwise_weights(plan)
-    if not blockwise:
-        return []
-    values = flat_params(folded_weights(plan.graph, params, scales))
-    return [_payload(p, np.asarray(scales.weights[p].fake_quant(jnp.asarray(values[p]))), scales.weights[p],
-                     *blockwise[p][1:]) for p in blockwise]
-
-
-def _payload(param: str, on_grid: np.ndarray, ts, input_axis: int, output_axis: int) -> Blockwise:
+def payload(param: str, on_grid: np.ndarray, ts, input_axis: int, output_axis: int) -> Blockwise:
     """The weight's integers and scales, transposed to (out, in), from its values on the block grid."""
     expanded = np.repeat(np.asarray(ts.scale, np.float32), ts.block_size, axis=ts.block_axis)
     codes = np.rint(np.asarray(on_grid, np.float32) / expanded).astype(np.int8)

@@ -208,7 +208,7 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
     graph = plan.graph if plan.graph.program is not None else None
     if graph is None:
         graph = make_plan(model, plan.rules, *example_inputs, variables=variables, target=TARGET).graph
-    fn = _annotate.annotated_function(graph, plan, scales, params, float_ops)
+    fn, blockwise = _annotate.annotated_function(graph, plan, scales, params, float_ops)
     names_in = list(input_names or _input_names(model, len(graph.inputs)))
     names_out = list(output_names or [f"output_{i}" for i in range(len(graph.outputs))])
     try:
@@ -218,7 +218,7 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
     except _convert.ConversionError as error:
         raise _with_module_paths(error, plan) from error
     # int4 weights in blocks: the converter wrote them per channel; their blocks go in here.
-    tflite = _blockwise.write_blockwise(tflite, _blockwise.payloads(plan, scales, params))
+    tflite = _blockwise.write_blockwise(tflite, blockwise)
     # litert-converter 0.5.0 writes an int32 bias for 16x8 convolutions, whose
     # kernels read int64 (outputs off by the whole range, or a depthwise
     # convolution refused at allocation): the bias is rewritten in the file.

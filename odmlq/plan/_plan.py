@@ -313,11 +313,7 @@ def plan_graph(graph: Graph, rules: Sequence[Rule], target: Target | Sequence[Ta
                             "('litert', 'xla', 'both') through odmlq.plan, or pass odmlq.litert.TARGET.")
     op_plans: dict[str, OpPlan] = {}
     matched: set[int] = set()
-    limits = [t.weight_channel_axes for t in targets if t.weight_channel_axes is not None]
-    limit = min(limits) if limits else None
     need_weight = any(t.dynamic_inputs_need_weight for t in targets)
-    block_scale_dtype = next((t.block_scale_dtype for t in targets if t.block_scale_dtype), None)
-    depthwise_float = any(t.dynamic_depthwise_float for t in targets)
     for op in graph.ops:
         index = None
         if op.kind != "scan":
@@ -325,13 +321,7 @@ def plan_graph(graph: Graph, rules: Sequence[Rule], target: Target | Sequence[Ta
         if index is not None:
             matched.add(index)
         rule = rules[index] if index is not None else None
-        weights, constants = _weight_plans(op, rule, index, limit), constant_specs(op, rule)
-        if depthwise_float and rule is not None and rule.act_dynamic and _depthwise(op):
-            weights = tuple(dataclasses.replace(w, spec=None, note=_DEPTHWISE_NOTE) if w.role == "weight"
-                            and w.spec is not None else w for w in weights)
-        if block_scale_dtype is not None:
-            weights = tuple(dataclasses.replace(w, spec=dataclasses.replace(w.spec, scale_dtype=block_scale_dtype))
-                            if w.spec is not None and w.spec.block_size is not None else w for w in weights)
+        weights, constants = _weight_plans(op, rule, index, targets), constant_specs(op, rule)
         quantized_constant = any(w.role == "weight" and w.spec is not None for w in weights) or any(
             c is not None for c in constants)
         op_plans[op.id] = OpPlan(op=op.id, rule=index, weights=weights, constants=constants,
@@ -390,7 +380,12 @@ def _depthwise(op: Op) -> bool:
 
 
 def _weight_plans(op: Op, rule: Rule | None, index: int | None,
-                  channel_axes_limit: int | None = None) -> tuple[WeightPlan, ...]:
+                  targets: Sequence[Target] = ()) -> tuple[WeightPlan, ...]:
+    """Each weight's plan under `rule`, within what every target can store and run."""
+    limits = [t.weight_channel_axes for t in targets if t.weight_channel_axes is not None]
+    channel_axes_limit = min(limits) if limits else None
+    block_scale_dtype = next((t.block_scale_dtype for t in targets if t.block_scale_dtype), None)
+    depthwise_float = any(t.dynamic_depthwise_float for t in targets) and _depthwise(op)
     out = []
     quantized = rule is not None and not rule.skip and rule.weight_qtype is not None
     read_as = constant_operand_spec(op, rule)
@@ -413,6 +408,8 @@ def _weight_plans(op: Op, rule: Rule | None, index: int | None,
         elif rule.act_dynamic and op.kind not in MATMUL_KINDS and op.kind != "gather":
             out.append(WeightPlan(param=operand.param, role=operand.role, spec=None,
                                   note="float: dynamic-range kernels quantize matmul, conv and embedding weights only"))
+        elif rule.act_dynamic and depthwise_float and operand.role == "weight":
+            out.append(WeightPlan(param=operand.param, role=operand.role, spec=None, note=_DEPTHWISE_NOTE))
         elif read_as is not None and read_as.qtype != rule.weight_qtype:
             # An integer elementwise kernel reads every operand in its own
             # qtype (an int16 MUL of an int8 weight does not convert).
@@ -421,8 +418,10 @@ def _weight_plans(op: Op, rule: Rule | None, index: int | None,
                 note=f"read as {read_as.describe()} where the op reads it, like a constant operand: an "
                      "elementwise integer kernel reads every operand in its activation qtype"))
         else:
-            out.append(WeightPlan(param=operand.param, role=operand.role,
-                                  spec=weight_spec(op, operand, rule, index, channel_axes_limit)))
+            spec = weight_spec(op, operand, rule, index, channel_axes_limit)
+            if spec.block_size is not None and block_scale_dtype is not None:
+                spec = dataclasses.replace(spec, scale_dtype=block_scale_dtype)
+            out.append(WeightPlan(param=operand.param, role=operand.role, spec=spec))
     kernel = next((o.param for o in op.weights if o.role == "weight"), None)
     for operand in op.folds:
         out.append(WeightPlan(param=operand.param, role="fold", spec=None,
