@@ -64,14 +64,12 @@ def main(rounds: int = 7) -> None:
     peer = bytes(qt.quantize().quantized_model)
     files = {"float": float_export.tflite, "odmlq dynamic": ours.tflite, "litert_quantizer dynamic_wi8_afp32": peer}
     # Timed on the first sentence (64 tokens, as every sentence is padded to).
-    runners = {}
-    for name, tflite in files.items():
-        runners[name] = embeddings(tflite, ids, mask)
+    outputs = {name: embeddings(tflite, ids, mask) for name, tflite in files.items()}
     ms = odmlq.litert.interleaved_latency(list(files.values()), [ids[:1], mask[:1]], rounds=rounds)
     print("| file | bytes | XNNPACK partitions | cosine mean | cosine min | ms / sentence | vs float |")
     print("|---|---|---|---|---|---|---|")
     for (name, tflite), t in zip(files.items(), ms):
-        e = runners[name]
+        e = outputs[name]
         cosine = np.sum(e * reference, 1) / (np.linalg.norm(e, axis=1) * np.linalg.norm(reference, axis=1))
         partitions = odmlq.litert.delegation(tflite, odmlq.litert.inspect(tflite)).partitions
         print(f"| {name} | {len(tflite):,} | {partitions} | {cosine.mean():.4f} | {cosine.min():.4f} | {t:.2f} | "
