@@ -134,12 +134,14 @@ def fold_params(graph, params: Any, kernels=None) -> Any:
 
 def operand_values(graph, params: Any, op_ids: set[str]) -> dict[str, list]:
     """The operands the ops read (weights and their derived values) in one
-    float run on zeros: what is read from parameters depends on them only."""
+    float run on zeros: what is read from parameters depends on them only.
+    Traced params (a training step) give traced values, from which the
+    compiler keeps only what the params feed."""
     found: dict[str, list] = {}
 
     def on_op(op_id, compute, *operands):
         if op_id in op_ids:
-            found[op_id] = [np.asarray(x) for x in operands]
+            found[op_id] = [x if isinstance(x, jax.core.Tracer) else np.asarray(x) for x in operands]
         return compute(*operands)
 
     inputs = [np.zeros(graph.edges[e].shape, graph.edges[e].dtype) for e in graph.inputs]

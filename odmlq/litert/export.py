@@ -15,7 +15,7 @@ import numpy as np
 
 from odmlq.calibration import calibrate, calibrated_edges, needs_calibration
 from odmlq.files import atomic_output, check_output_path
-from odmlq.graph import check_finite_params, is_keras, keras_input_names, params_for
+from odmlq.graph import GraphCache, check_finite_params, is_keras, keras_input_names, params_for
 from odmlq.calibration import Calibration
 from odmlq.errors import CalibrationError, OdmlqError, PlanError
 from odmlq.litert import _annotate, _blockwise, _convert, _repair
@@ -205,7 +205,8 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
         calibration = calibrate(model, plan, batches[:-1] if len(batches) >= 2 else batches,
                                 variables=variables, progress=progress)
     scales = compute_scales(plan, calibration, params)
-    graph = plan.graph if plan.graph.program is not None else None
+    # A plan traced for other input shapes (another batch size) is traced again for these.
+    graph = GraphCache(model, plan, variables).graph_for(example_inputs) if plan.graph.program is not None else None
     if graph is None:
         graph = make_plan(model, plan.rules, *example_inputs, variables=variables, target=TARGET).graph
     fn, blockwise = _annotate.annotated_function(graph, plan, scales, params, float_ops)

@@ -258,3 +258,13 @@ def test_float_ops_warning_groups_them_by_module():
     assert len(gelu_ops) > 10
     mul = sum(o.name == "MUL" for o in gelu_ops)
     assert f"MUL x{mul}" in message and message.count("(module ") <= 4, message
+
+
+def test_a_plan_traced_at_another_batch_size_exports(small_cnn, digits):
+    # The plan's graph has batch 32 (its reshape too); the file has batch 1.
+    model, variables = small_cnn
+    rules = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
+    plan = odmlq.plan(model, rules, digits.x_calibration[:32], variables=variables)
+    result = odmlq.export_tflite(model, plan, batches(digits.x_calibration, 32), variables=variables,
+                                 progress=False)
+    assert result.batch_size == 1 and result.verification.output_max_lsb <= 1.0

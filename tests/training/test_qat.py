@@ -1,0 +1,171 @@
+"""Quantization-aware training: the same numbers as simulate, gradients that
+pass the rounding, tracked ranges, and an export that matches the trained model."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import odmlq
+from odmlq.scales import TensorScale
+from odmlq.training._straight import straight, traced_weight_scale
+from tests._runs import litert_rows
+
+
+class CNN(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = nn.Conv(8, (3, 3), name="conv1")(x)
+        x = nn.relu(nn.BatchNorm(use_running_average=True, name="bn1")(x))
+        x = nn.avg_pool(x, (2, 2), strides=(2, 2))
+        x = nn.relu(nn.Conv(8, (3, 3), feature_group_count=8, name="depthwise")(x))
+        x = x.reshape((x.shape[0], -1))
+        return nn.Dense(4, name="head")(x)
+
+
+def _setup(seed=0):
+    model = CNN()
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(96, 8, 8, 1)).astype(np.float32)
+    variables = model.init(jax.random.key(seed), x[:1])
+    # A BatchNorm with statistics of its own, so the fold is not the identity.
+    stats = variables["batch_stats"]["bn1"]
+    variables = {**variables, "batch_stats": {"bn1": {
+        "mean": jnp.asarray(rng.normal(size=stats["mean"].shape), jnp.float32) * 0.1,
+        "var": jnp.asarray(rng.uniform(0.5, 2.0, size=stats["var"].shape), jnp.float32)}}}
+    return model, variables, x
+
+
+def _batches(x, size=16):
+    return [x[i:i + size] for i in range(0, len(x), size)]
+
+
+RULES = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
+
+
+def _trained(q, variables, x, steps=20, lr=1e-2):
+    """Adam steps fitting one batch to a random target: params and stats both move."""
+    target = np.random.default_rng(1).normal(size=(len(x), 4)).astype(np.float32)
+    params, rest = variables["params"], {k: v for k, v in variables.items() if k != "params"}
+    opt = optax.adam(lr)
+    state = opt.init(params)
+
+    @jax.jit
+    def step(params, state, stats, xb, yb):
+        def loss(p):
+            out, new = q.apply({"params": p, **rest}, stats, xb, update_stats=True)
+            return jnp.mean((out - yb) ** 2), new
+        (value, stats), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, stats, value
+
+    stats, losses = q.stats, []
+    for i in range(steps):
+        rows = slice(0, 32)
+        params, state, stats, value = step(params, state, stats, x[rows], target[rows])
+        losses.append(float(value))
+    return {"params": params, **rest}, stats, losses
+
+
+def test_step_zero_is_ptq_to_nearest_exactly():
+    model, variables, x = _setup()
+    q = odmlq.qat(model, RULES, _batches(x[:64]), variables=variables, progress=False)
+    nearest = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8", weight_algorithm=odmlq.Nearest())]
+    plan = odmlq.plan(model, nearest, x[:1], variables=variables)
+    calibration = odmlq.calibrate(model, plan, _batches(x[:64]), variables=variables, progress=False)
+    ptq = odmlq.simulate(model, plan, calibration, x[64:], variables=variables)
+    # The same integers: BatchNorm folded, ranges and weight scales as PTQ's (0 LSB).
+    np.testing.assert_array_equal(np.asarray(q.apply(variables, q.stats, x[64:])), np.asarray(ptq))
+
+
+def test_traced_weight_scales_equal_compute_scales():
+    w = np.random.default_rng(0).normal(size=(256, 12)).astype(np.float32)
+    w[3, 5] = 40.0  # an outlier channel
+    for rule in (odmlq.Rule(".*", weight_qtype="int8"),
+                 odmlq.Rule(".*", weight_qtype="int8", weight_granularity=odmlq.PerTensor()),
+                 odmlq.Rule(".*", weight_qtype="int4", weight_granularity=odmlq.PerBlock(64)),
+                 odmlq.Rule(".*", weight_qtype="int8", weight_calibration=odmlq.AbsMax(clip_ratio=0.5))):
+        model = nn.Dense(12)
+        variables = {"params": {"kernel": jnp.asarray(w), "bias": jnp.zeros(12)}}
+        plan = odmlq.plan(model, [dataclass_nearest(rule)], np.ones((1, 256), np.float32), variables=variables)
+        host = odmlq.compute_scales(plan, None, variables).weights["kernel"]
+        spec = plan.weight_specs()["kernel"]
+        traced = jax.jit(lambda v: traced_weight_scale(v, spec, host).scale)(w)
+        np.testing.assert_array_equal(np.asarray(traced), host.scale)
+
+
+def dataclass_nearest(rule):
+    import dataclasses
+
+    return dataclasses.replace(rule, weight_algorithm=odmlq.Nearest())
+
+
+def test_gradient_passes_inside_the_grid_and_stops_outside():
+    ts = TensorScale(qtype="int8", scale=np.array([[0.1]], np.float32), zero_point=np.array([[-28]], np.int32))
+    x = jnp.array([[-20.0, -1.03, 0.0, 0.26, 15.0, 50.0]])
+    value = straight(x, ts)
+    np.testing.assert_array_equal(np.asarray(value), np.asarray(ts.fake_quant(x)))
+    grad = jax.grad(lambda v: jnp.sum(straight(v, ts) * jnp.arange(1.0, 7.0)))(x)
+    # The grid spans [(-128 + 28) * 0.1, (127 + 28) * 0.1] = [-10, 15.5].
+    np.testing.assert_array_equal(np.asarray(grad), [[0.0, 2.0, 3.0, 4.0, 5.0, 0.0]])
+
+
+def test_stats_move_by_the_momentum():
+    model, variables, x = _setup()
+    q = odmlq.qat(model, RULES, _batches(x[:64]), variables=variables, momentum=0.75, progress=False)
+    batch = x[64:80]
+    _, new = jax.jit(lambda p, s, b: q.apply(p, s, b, update_stats=True))(variables, q.stats, batch)
+    # The model's input is tracked as it arrives: its range is the batch's own.
+    old = q.stats["input_0"]
+    np.testing.assert_allclose(np.asarray(new["input_0"]["max"]),
+                               0.75 * np.asarray(old["max"]) + 0.25 * batch.max(), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(new["input_0"]["min"]),
+                               0.75 * np.asarray(old["min"]) + 0.25 * batch.min(), rtol=1e-6)
+    assert set(new) == set(q.stats)
+    # Without update_stats the forward pass is the same and returns no stats.
+    np.testing.assert_array_equal(np.asarray(q.apply(variables, q.stats, batch)),
+                                  np.asarray(q.apply(variables, new, batch, update_stats=True)[0] * 0
+                                             + q.apply(variables, q.stats, batch)))
+
+
+def test_training_lowers_the_loss_and_exports_what_it_trained():
+    model, variables, x = _setup()
+    q = odmlq.qat(model, RULES, _batches(x[:64]), variables=variables, progress=False)
+    trained, stats, losses = _trained(q, variables, x)
+    assert losses[-1] < 0.7 * losses[0], losses
+    assert float(np.max(np.abs(np.asarray(stats["head/dot_general"]["max"])
+                                - np.asarray(q.stats["head/dot_general"]["max"])))) > 0
+    exported = q.export_tflite(trained, stats, rep_dataset=_batches(x[64:]), progress=False)
+    # The export's scales are the trained model's: simulate with them is apply, exactly.
+    held_out = x[80:]
+    reference = np.asarray(q.apply(trained, stats, held_out))
+    np.testing.assert_array_equal(
+        np.asarray(odmlq.simulate(model, q.plan, exported.scales, held_out, variables=trained)), reference)
+    # Verified op by op on export (1 LSB); the outputs, 1 LSB of the output scale.
+    lsb = float(np.max(exported.scales.edges["head/dot_general"].scale))
+    assert np.max(np.abs(litert_rows(exported.tflite, held_out) - reference)) <= lsb * 1.001
+
+
+def test_ptq_of_the_trained_model_matches_apply():
+    model, variables, x = _setup()
+    q = odmlq.qat(model, RULES, _batches(x[:64]), variables=variables, progress=False)
+    trained, stats, _ = _trained(q, variables, x, steps=4)
+    quantized = q.ptq(trained, stats, example_inputs=(x[:1],))
+    reference = np.asarray(q.apply(trained, stats, x[80:]))
+    lsb = float(np.max(q.scales(trained, stats).edges["head/dot_general"].scale))
+    assert np.max(np.abs(np.asarray(quantized(x[80:])) - reference)) <= lsb * 1.001
+
+
+def test_rules_qat_cannot_train_with_are_refused():
+    model, variables, x = _setup()
+    with pytest.raises(odmlq.RuleError, match="trains them instead"):
+        odmlq.qat(model, [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8", weight_algorithm=odmlq.GPTQ())],
+                  _batches(x[:32]), variables=variables, progress=False)
+    with pytest.raises(odmlq.RuleError, match="absolute maximum"):
+        odmlq.qat(model, [odmlq.Rule(".*", weight_qtype="int8", weight_calibration=odmlq.MSE(),
+                                     weight_granularity=odmlq.PerTensor())],
+                  _batches(x[:32]), variables=variables, progress=False)
+    with pytest.raises(odmlq.PlanError, match="at least one batch"):
+        odmlq.qat(model, RULES, [], variables=variables)
