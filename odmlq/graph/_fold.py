@@ -18,7 +18,7 @@ integer kernels and LiteRT's CONV_2D compute it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -28,7 +28,7 @@ import numpy as np
 from odmlq.graph._params import flat_params, replace_params
 
 __all__ = ["affine_of", "fold_params", "folded_bias", "folded_operands", "folded_ops", "operand_values",
-           "shift_output"]
+           "shift_output", "unfold_params"]
 
 
 def folded_ops(graph) -> list:
@@ -114,22 +114,51 @@ def fold_params(graph, params: Any, kernels=None) -> Any:
     in). With `kernels` (parameter paths), only the ops whose kernel is one
     of them: a BatchNorm is folded where its op's kernel is quantized, and
     computed as traced elsewhere. A graph without folds gets `params` back."""
+    factors = _fold_factors(graph, params, kernels)
+    if not factors:
+        return params
+    values = {p: jnp.asarray(v) for p, v in flat_params(params).items()}
+    return replace_params(params, {p: (values[p] * _along(s, axis, values[p].ndim)).astype(values[p].dtype)
+                                   for p, (s, axis) in factors.items()})
+
+
+def unfold_params(graph, params: Any, folded: Mapping[str, Any]) -> Any:
+    """`params` with each weight in `folded` (parameter path -> its values as
+    `fold_params` gives them) set so that folding gives those values back:
+    a folded kernel divided by its epilogue's ``s``, any other as it is."""
+    factors = _fold_factors(graph, params, set(folded))
+    values = flat_params(params)
+    new = {}
+    for p, v in folded.items():
+        v, dtype = jnp.asarray(v), jnp.asarray(values[p]).dtype
+        if p in factors:
+            s, axis = factors[p]
+            v = v / _along(s, axis, v.ndim)
+        new[p] = v.astype(dtype)
+    return replace_params(params, new)
+
+
+def _along(s: jax.Array, axis: int, ndim: int) -> jax.Array:
+    shape = [1] * ndim
+    shape[axis] = -1
+    return jnp.asarray(s).reshape(shape)
+
+
+def _fold_factors(graph, params: Any, kernels) -> dict[str, tuple[jax.Array, int]]:
+    """Kernel parameter path -> (the ``s`` folding multiplies it by, the
+    kernel's output channel axis)."""
     ops = [op for op in folded_ops(graph)
            if kernels is None or op.operands[_kernel_operand(op)].param in kernels]
     if not ops:
-        return params
+        return {}
     operands = operand_values(graph, params, {op.id for op in ops})
-    values = flat_params(params)
-    new = {}
+    out = {}
     for op in ops:
         kernel = op.operands[_kernel_operand(op)]
         s, _ = affine_of(op, operands[op.id])
         (axis,) = kernel.channel_axes
-        w = jnp.asarray(values[kernel.param])
-        shape = [1] * w.ndim
-        shape[axis] = -1
-        new[kernel.param] = (w * s.reshape(shape)).astype(w.dtype)
-    return replace_params(params, new)
+        out[kernel.param] = (s, axis)
+    return out
 
 
 def operand_values(graph, params: Any, op_ids: set[str]) -> dict[str, list]:

@@ -8,7 +8,9 @@ clipped), so it trains in the user's own loop (optax, `jax.jit`):
 
 - each weight's scale is its absolute maximum at this step (per channel or
   block, as its rule says), and it is rounded to nearest: training moves the
-  weights, so no calibration-time algorithm (`odmlq.GPTQ`) rounds them;
+  weights. Training starts from the weights as the rules' algorithm rounded
+  them (`QAT.params`: GPTQ's, by default, where calibration reaches a
+  weight; its bias correction is not carried over);
 - each statically quantized edge takes its scale from `stats`, its range
   tracked while training: ``apply(..., update_stats=True)`` also returns the
   stats moved toward this batch's minima and maxima (an exponential moving
@@ -26,7 +28,7 @@ The edges' scales come from the stats through `odmlq.compute_scales` itself
 Example:
   >>> q = odmlq.qat(model, [odmlq.Rule('.*', weight_qtype='int4', act_qtype='int8')],
   ...               calibration_batches, variables=variables)
-  >>> params, stats = variables, q.stats
+  >>> params, stats = q.params, q.stats
   >>> def loss(params, stats, x, y):
   ...     logits, stats = q.apply(params, stats, x, update_stats=True)
   ...     return cross_entropy(logits, y), stats
@@ -48,7 +50,7 @@ from odmlq.algorithms import Nearest
 from odmlq.calibration import AbsMax, Calibration, FixedRange, MovingAverageMinMax, Statistics, calibrate
 from odmlq.calibration._reuse import calibrated_edges
 from odmlq.errors import PlanError, RuleError
-from odmlq.graph import GraphCache, flat_params, fold_params, params_for, replace_params
+from odmlq.graph import GraphCache, flat_params, fold_params, params_for, params_tree, replace_params, unfold_params
 from odmlq.hooks import PlanHooks
 from odmlq.rules import Rule
 from odmlq.scales import Scales, TensorScale, compute_scales
@@ -67,17 +69,18 @@ def qat(model: Any, rules: Sequence[Rule], rep_dataset: Iterable | Callable[[], 
 
     Args:
       model: a Linen module (pass `variables`) or an NNX module.
-      rules: the rules, as for `ptq` and `export_tflite`. A weight rule's
-        algorithm must be unset or ``Nearest()``; its calibration ``AbsMax``.
+      rules: the rules, as for `ptq` and `export_tflite`. Their weight
+        algorithm rounds the weights training starts from; a weight's
+        calibration must be ``AbsMax`` (its scale follows the weight).
       rep_dataset: batches whose ranges start the stats (calibrated with the
-        rules' methods, as for PTQ).
+        rules' methods, as for PTQ), and the data the weight algorithm reads.
       example_inputs: inputs fixing the traced shapes (default: the first row of the first batch).
       momentum: weight of the running ranges at each ``update_stats`` step.
       target: the targets to plan for ('both', 'litert' or 'xla'; see `odmlq.plan`).
       progress: a bar while calibrating (default: when stderr is a terminal).
 
     Raises:
-      RuleError: a rule asks for a weight algorithm or calibration QAT cannot train with.
+      RuleError: a weight calibration QAT cannot follow (not ``AbsMax``).
       PlanError: the plan quantizes values derived from parameters where an op
         reads them as constants (names the ops).
     """
@@ -91,8 +94,7 @@ def qat(model: Any, rules: Sequence[Rule], rep_dataset: Iterable | Callable[[], 
     if example_inputs is None:
         first = batches[0]
         example_inputs = tuple(np.asarray(x)[:1] for x in (first if isinstance(first, (tuple, list)) else (first,)))
-    start = make_plan(model, [_rounded_to_nearest(r) for r in rules], *example_inputs, variables=variables,
-                      target=target)
+    start = make_plan(model, rules, *example_inputs, variables=variables, target=target)
     trained = make_plan(model, [_tracked(_rounded_to_nearest(r), momentum) for r in rules], *example_inputs,
                         variables=variables, target=target)
     for param, spec in trained.weight_specs().items():
@@ -108,21 +110,20 @@ def qat(model: Any, rules: Sequence[Rule], rep_dataset: Iterable | Callable[[], 
             f"as constants ({', '.join(derived[:5])}); keep these modules in float with a skip rule "
             "(Rule(path, skip=True)).")
     calibration = calibrate(model, start, batches, variables=variables, progress=progress)
+    params = params_tree(params_for(model, variables, "odmlq.qat"))
+    rounded = compute_scales(start, calibration, params).weight_values
+    if rounded:  # training starts from the weights the rules' algorithm rounded
+        params = unfold_params(start.graph, params, rounded)
     stats = {}
     for edge_id, spec in calibrated_edges(trained).items():
         lo, hi = calibration.range(edge_id, spec.qtype, symmetric=spec.symmetric)
         stats[edge_id] = {"min": jnp.asarray(lo, jnp.float32), "max": jnp.asarray(hi, jnp.float32)}
-    return QAT(model, trained, stats, variables=variables)
+    return QAT(model, trained, stats, params)
 
 
 def _rounded_to_nearest(rule: Rule) -> Rule:
     if rule.skip or rule.weight_qtype is None:
         return rule
-    if rule.weight_algorithm is not None and not isinstance(rule.weight_algorithm, Nearest):
-        raise RuleError(
-            f"Rule {rule.module_path!r}: weight_algorithm={rule.weight_algorithm!r} rounds the weights once, "
-            "against calibration data; quantization-aware training trains them instead and rounds them to "
-            "nearest at every step. Leave weight_algorithm unset (or odmlq.Nearest()).")
     return dataclasses.replace(rule, weight_algorithm=Nearest())
 
 
@@ -140,17 +141,20 @@ class QAT:
         (static edges calibrated by ``MovingAverageMinMax``: the tracked stats).
       stats: the stats training starts from: edge id -> ``{'min', 'max'}``
         (arrays of the edge's kept axes), the calibrated ranges.
+      params: the params training starts from: the model's (Linen variables,
+        an NNX module's state), with each weight the rules' algorithm
+        rounds set to its rounded values.
       momentum: the running ranges' momentum.
     """
 
-    def __init__(self, model: Any, plan, stats: dict, *, variables: Any = None):
-        self.model, self.plan, self.stats = model, plan, stats
+    def __init__(self, model: Any, plan, stats: dict, params: Any):
+        self.model, self.plan, self.stats, self.params = model, plan, stats, params
         self.momentum = next((s.calibration.momentum for s in calibrated_edges(plan).values()
                               if isinstance(s.calibration, MovingAverageMinMax)), 0.9)
-        self._graphs = GraphCache(model, plan, variables)
+        self._graphs = GraphCache(model, plan, None if _is_nnx(model) else params)
         self._specs = plan.weight_specs()
         self._axes = {e: s.scale_axes for e, s in calibrated_edges(plan).items()}
-        self._template = compute_scales(plan, self.calibration(stats), params_for(model, variables, "odmlq.qat"))
+        self._template = compute_scales(plan, self.calibration(stats), params)
         self._host = _HostScales(plan, self._template, self)
 
     def calibration(self, stats: dict) -> Calibration:
@@ -234,6 +238,12 @@ class QAT:
 
         return export_tflite(self.model, self.plan, rep_dataset, path, variables=params,
                              calibration=self.calibration(stats), **kwargs)
+
+
+def _is_nnx(model: Any) -> bool:
+    from flax import nnx
+
+    return isinstance(model, nnx.Module)
 
 
 class _Tracking(PlanHooks):

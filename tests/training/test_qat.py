@@ -45,10 +45,10 @@ def _batches(x, size=16):
 RULES = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
 
 
-def _trained(q, variables, x, steps=20, lr=1e-2):
+def _trained(q, x, steps=20, lr=1e-2):
     """Adam steps fitting one batch to a random target: params and stats both move."""
     target = np.random.default_rng(1).normal(size=(len(x), 4)).astype(np.float32)
-    params, rest = variables["params"], {k: v for k, v in variables.items() if k != "params"}
+    params, rest = q.params["params"], {k: v for k, v in q.params.items() if k != "params"}
     opt = optax.adam(lr)
     state = opt.init(params)
 
@@ -69,15 +69,34 @@ def _trained(q, variables, x, steps=20, lr=1e-2):
     return {"params": params, **rest}, stats, losses
 
 
-def test_step_zero_is_ptq_to_nearest_exactly():
+def test_step_zero_is_ptq_exactly():
     model, variables, x = _setup()
-    q = odmlq.qat(model, RULES, _batches(x[:64]), variables=variables, progress=False)
     nearest = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8", weight_algorithm=odmlq.Nearest())]
+    q = odmlq.qat(model, nearest, _batches(x[:64]), variables=variables, progress=False)
     plan = odmlq.plan(model, nearest, x[:1], variables=variables)
     calibration = odmlq.calibrate(model, plan, _batches(x[:64]), variables=variables, progress=False)
     ptq = odmlq.simulate(model, plan, calibration, x[64:], variables=variables)
     # The same integers: BatchNorm folded, ranges and weight scales as PTQ's (0 LSB).
-    np.testing.assert_array_equal(np.asarray(q.apply(variables, q.stats, x[64:])), np.asarray(ptq))
+    np.testing.assert_array_equal(np.asarray(q.apply(q.params, q.stats, x[64:])), np.asarray(ptq))
+
+
+def test_training_starts_from_the_rules_rounded_weights():
+    model, variables, x = _setup()
+    q = odmlq.qat(model, RULES, _batches(x[:64]), variables=variables, progress=False)
+    plan = odmlq.plan(model, RULES, x[:1], variables=variables)
+    calibration = odmlq.calibrate(model, plan, _batches(x[:64]), variables=variables, progress=False)
+    gptq = odmlq.compute_scales(plan, calibration, variables)
+    assert set(gptq.weight_values) == {"conv1/kernel", "depthwise/kernel", "head/kernel"}
+    folded = odmlq.graph.flat_params(odmlq.graph.fold_params(q.plan.graph, q.params))
+    for param, rounded in gptq.weight_values.items():
+        # conv1's BatchNorm is folded back out of the start and in again: float32 rounding only.
+        np.testing.assert_allclose(np.asarray(folded[param]), rounded, rtol=1e-6, atol=1e-7)
+        scale = gptq.weights[param].scale
+        assert np.max(np.abs(np.round(rounded / scale) * scale - rounded)) <= 1e-6 * np.max(np.abs(rounded))
+    # Its first step computes GPTQ's model (a channel whose largest weight GPTQ
+    # rounded down gets a finer grid, here none).
+    ptq = np.asarray(odmlq.simulate(model, plan, gptq, x[64:], variables=variables))
+    np.testing.assert_allclose(np.asarray(q.apply(q.params, q.stats, x[64:])), ptq, rtol=0, atol=1e-5)
 
 
 def test_traced_weight_scales_equal_compute_scales():
@@ -133,7 +152,7 @@ def test_stats_move_by_the_momentum():
 def test_training_lowers_the_loss_and_exports_what_it_trained():
     model, variables, x = _setup()
     q = odmlq.qat(model, RULES, _batches(x[:64]), variables=variables, progress=False)
-    trained, stats, losses = _trained(q, variables, x)
+    trained, stats, losses = _trained(q, x)
     assert losses[-1] < 0.7 * losses[0], losses
     assert float(np.max(np.abs(np.asarray(stats["head/dot_general"]["max"])
                                 - np.asarray(q.stats["head/dot_general"]["max"])))) > 0
@@ -151,7 +170,7 @@ def test_training_lowers_the_loss_and_exports_what_it_trained():
 def test_ptq_of_the_trained_model_matches_apply():
     model, variables, x = _setup()
     q = odmlq.qat(model, RULES, _batches(x[:64]), variables=variables, progress=False)
-    trained, stats, _ = _trained(q, variables, x, steps=4)
+    trained, stats, _ = _trained(q, x, steps=4)
     quantized = q.ptq(trained, stats, example_inputs=(x[:1],))
     reference = np.asarray(q.apply(trained, stats, x[80:]))
     lsb = float(np.max(q.scales(trained, stats).edges["head/dot_general"].scale))
@@ -160,9 +179,6 @@ def test_ptq_of_the_trained_model_matches_apply():
 
 def test_rules_qat_cannot_train_with_are_refused():
     model, variables, x = _setup()
-    with pytest.raises(odmlq.RuleError, match="trains them instead"):
-        odmlq.qat(model, [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8", weight_algorithm=odmlq.GPTQ())],
-                  _batches(x[:32]), variables=variables, progress=False)
     with pytest.raises(odmlq.RuleError, match="absolute maximum"):
         odmlq.qat(model, [odmlq.Rule(".*", weight_qtype="int8", weight_calibration=odmlq.MSE(),
                                      weight_granularity=odmlq.PerTensor())],
