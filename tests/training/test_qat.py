@@ -46,27 +46,25 @@ RULES = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
 
 
 def _trained(q, x, steps=20, lr=1e-2):
-    """Adam steps fitting one batch to a random target: params and stats both move."""
+    """Adam steps fitting one batch to a random target, the ranges held at `q.stats`."""
     target = np.random.default_rng(1).normal(size=(len(x), 4)).astype(np.float32)
     params, rest = q.params["params"], {k: v for k, v in q.params.items() if k != "params"}
     opt = optax.adam(lr)
     state = opt.init(params)
 
     @jax.jit
-    def step(params, state, stats, xb, yb):
+    def step(params, state, xb, yb):
         def loss(p):
-            out, new = q.apply({"params": p, **rest}, stats, xb, update_stats=True)
-            return jnp.mean((out - yb) ** 2), new
-        (value, stats), grads = jax.value_and_grad(loss, has_aux=True)(params)
+            return jnp.mean((q.apply({"params": p, **rest}, q.stats, xb) - yb) ** 2)
+        value, grads = jax.value_and_grad(loss)(params)
         updates, state = opt.update(grads, state, params)
-        return optax.apply_updates(params, updates), state, stats, value
+        return optax.apply_updates(params, updates), state, value
 
-    stats, losses = q.stats, []
-    for i in range(steps):
-        rows = slice(0, 32)
-        params, state, stats, value = step(params, state, stats, x[rows], target[rows])
+    losses = []
+    for _ in range(steps):
+        params, state, value = step(params, state, x[:32], target[:32])
         losses.append(float(value))
-    return {"params": params, **rest}, stats, losses
+    return {"params": params, **rest}, losses
 
 
 def test_step_zero_is_ptq_exactly():
@@ -131,31 +129,28 @@ def test_gradient_passes_inside_the_grid_and_stops_outside():
     np.testing.assert_array_equal(np.asarray(grad), [[0.0, 2.0, 3.0, 4.0, 5.0, 0.0]])
 
 
-def test_stats_move_by_the_momentum():
+def test_stats_are_read_on_the_host_and_calibrated_afresh_on_request():
     model, variables, x = _setup()
-    q = odmlq.qat(model, RULES, _batches(x[:64]), variables=variables, momentum=0.75, progress=False)
-    batch = x[64:80]
-    _, new = jax.jit(lambda p, s, b: q.apply(p, s, b, update_stats=True))(variables, q.stats, batch)
-    # The model's input is tracked as it arrives: its range is the batch's own.
-    old = q.stats["input_0"]
-    np.testing.assert_allclose(np.asarray(new["input_0"]["max"]),
-                               0.75 * np.asarray(old["max"]) + 0.25 * batch.max(), rtol=1e-6)
-    np.testing.assert_allclose(np.asarray(new["input_0"]["min"]),
-                               0.75 * np.asarray(old["min"]) + 0.25 * batch.min(), rtol=1e-6)
-    assert set(new) == set(q.stats)
-    # Without update_stats the forward pass is the same and returns no stats.
-    np.testing.assert_array_equal(np.asarray(q.apply(variables, q.stats, batch)),
-                                  np.asarray(q.apply(variables, new, batch, update_stats=True)[0] * 0
-                                             + q.apply(variables, q.stats, batch)))
+    q = odmlq.qat(model, RULES, _batches(x[:64]), variables=variables, progress=False)
+    with pytest.raises(odmlq.PlanError, match="close over them"):
+        jax.jit(lambda p, s, b: q.apply(p, s, b))(q.params, q.stats, x[:4])
+    trained, _ = _trained(q, x)
+    fresh = q.calibrate(trained, _batches(x[:64]), progress=False)
+    assert set(fresh) == set(q.stats)
+    # The trained weights move the activations: the head's range is calibrated anew.
+    assert float(fresh["head/dot_general"]["max"]) != float(q.stats["head/dot_general"]["max"])
+    plan = odmlq.plan(model, RULES, x[:1], variables=trained)
+    calibration = odmlq.calibrate(model, plan, _batches(x[:64]), variables=trained, progress=False)
+    lo, hi = calibration.range("head/dot_general", "int8", symmetric=False)
+    assert float(fresh["head/dot_general"]["min"]) == float(lo) and float(fresh["head/dot_general"]["max"]) == float(hi)
 
 
 def test_training_lowers_the_loss_and_exports_what_it_trained():
     model, variables, x = _setup()
     q = odmlq.qat(model, RULES, _batches(x[:64]), variables=variables, progress=False)
-    trained, stats, losses = _trained(q, x)
+    trained, losses = _trained(q, x)
     assert losses[-1] < 0.7 * losses[0], losses
-    assert float(np.max(np.abs(np.asarray(stats["head/dot_general"]["max"])
-                                - np.asarray(q.stats["head/dot_general"]["max"])))) > 0
+    stats = q.stats
     exported = q.export_tflite(trained, stats, rep_dataset=_batches(x[64:]), progress=False)
     # The export's scales are the trained model's: simulate with them is apply, exactly.
     held_out = x[80:]
@@ -170,7 +165,8 @@ def test_training_lowers_the_loss_and_exports_what_it_trained():
 def test_ptq_of_the_trained_model_matches_apply():
     model, variables, x = _setup()
     q = odmlq.qat(model, RULES, _batches(x[:64]), variables=variables, progress=False)
-    trained, stats, _ = _trained(q, x, steps=4)
+    trained, _ = _trained(q, x, steps=4)
+    stats = q.stats
     quantized = q.ptq(trained, stats, example_inputs=(x[:1],))
     reference = np.asarray(q.apply(trained, stats, x[80:]))
     lsb = float(np.max(q.scales(trained, stats).edges["head/dot_general"].scale))
@@ -185,3 +181,25 @@ def test_rules_qat_cannot_train_with_are_refused():
                   _batches(x[:32]), variables=variables, progress=False)
     with pytest.raises(odmlq.PlanError, match="at least one batch"):
         odmlq.qat(model, RULES, [], variables=variables)
+
+
+def test_nnx_modules_train_as_state_and_export():
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.conv = nnx.Conv(1, 4, (3, 3), rngs=rngs)
+            self.head = nnx.Linear(4 * 8 * 8, 3, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(nnx.relu(self.conv(x)).reshape((x.shape[0], -1)))
+
+    model, x = Net(nnx.Rngs(0)), np.random.default_rng(0).normal(size=(48, 8, 8, 1)).astype(np.float32)
+    q = odmlq.qat(model, RULES, _batches(x[:32]), progress=False)
+    assert isinstance(q.params, nnx.State)
+    grads = jax.grad(lambda p: jnp.sum(q.apply(p, q.stats, x[:8]) ** 2))(q.params)
+    assert float(jnp.linalg.norm(odmlq.graph.flat_params(grads)["head/kernel"])) > 0
+    exported = q.export_tflite(q.params, q.stats, rep_dataset=_batches(x[32:]), progress=False)
+    lsb = float(np.max(exported.scales.edges[q.plan.graph.outputs[0]].scale))
+    assert np.max(np.abs(litert_rows(exported.tflite, x[32:]) - np.asarray(q.apply(q.params, q.stats, x[32:])))) \
+        <= lsb * 1.001
