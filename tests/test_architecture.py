@@ -70,6 +70,8 @@ def _layer(module: str) -> str:
         return "face"
     if module == "odmlq.report" or module.startswith("odmlq.report."):
         return "report"
+    if module == "odmlq.training" or module.startswith("odmlq.training."):
+        return "training"
     for backend in BACKENDS:
         if module == backend or module.startswith(backend + "."):
             return backend.split(".")[1]
@@ -106,8 +108,10 @@ def _violations() -> list[str]:
                 found.append(f"{where}: {layer} never imports {to}")
             elif layer in ("xla", "litert") and to in ("report", "face"):
                 found.append(f"{where}: a backend never imports the {to}")
-            elif layer == "report" and to == "face":
-                found.append(f"{where}: the report never imports the face")
+            elif layer in ("report", "training") and to == "face":
+                found.append(f"{where}: the {layer} never imports the face")
+            elif {layer, to} == {"report", "training"}:
+                found.append(f"{where}: the report and training never import each other")
             if layer != "face" and not _same_package(name, target) and _is_private(target):
                 found.append(f"{where}: a private module of another "
                              + ("layer" if to != layer else "package (import its public names)"))

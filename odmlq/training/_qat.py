@@ -11,7 +11,7 @@ clipped), so it trains in the user's own loop (optax, `jax.jit`):
   `compute_scales` does), and it is rounded to nearest: training moves the
   weights. Training starts from the weights as the rules' algorithm rounded
   them (`QAT.params`: GPTQ's, by default, where calibration reaches a
-  weight; its bias correction is not carried over);
+  weight), its bias correction added to the offset a folded BatchNorm adds;
 - each statically quantized edge takes its scale from `stats`, its range:
   at the start the calibrated ranges of `rep_dataset` (the rules' methods,
   as PTQ calibrates), so step 0 is the PTQ model. They stay fixed while the
@@ -46,6 +46,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -54,18 +55,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from odmlq.algorithms import Nearest
-from odmlq.calibration import AbsMax, Calibration, FixedRange, MinMax, Statistics, calibrate, channel_key
-from odmlq.calibration._reuse import calibrated_edges
+from odmlq import litert, xla
+from odmlq.calibration import (AbsMax, Calibration, FixedRange, MinMax, Statistics, calibrate, calibrated_edges,
+                               channel_key)
 from odmlq.errors import PlanError, RuleError
 from odmlq.graph import (GraphCache, flat_params, fold_params, folded_bias, operand_values, params_for, params_tree,
                          replace_params, split_nnx, unfold_params)
 from odmlq.hooks import PlanHooks
 from odmlq.rules import Rule
-from odmlq.scales import BIAS_LIMIT, Scales, compute_scales
-from odmlq.scales._bias import int32_bias_ops
+from odmlq.plan import plan as plan_for_targets
+from odmlq.scales import BIAS_LIMIT, Scales, bias_corrections, compute_scales, int32_bias_ops
 from odmlq.training._straight import Straight, passed, traced_weight_scale
 
 __all__ = ["QAT", "qat"]
+
+# The targets a plan is made for, by name (as `odmlq.plan` names them).
+_TARGETS = {"litert": (litert.TARGET,), "xla": (xla.TARGET,), "both": (xla.TARGET, litert.TARGET)}
 
 
 def qat(model: Any, rules: Sequence[Rule], rep_dataset: Iterable | Callable[[], Iterable], *,
@@ -89,8 +94,8 @@ def qat(model: Any, rules: Sequence[Rule], rep_dataset: Iterable | Callable[[], 
       PlanError: no batches; the plan quantizes values derived from
         parameters where an op reads them as constants (names the ops).
     """
-    from odmlq.targets import plan as make_plan
-
+    if target not in _TARGETS:
+        raise PlanError(f"target={target!r} is not a target; choose one of {sorted(_TARGETS)}.")
     rules = list(rules)
     batches = list(rep_dataset() if callable(rep_dataset) else rep_dataset)
     if not batches:
@@ -98,8 +103,9 @@ def qat(model: Any, rules: Sequence[Rule], rep_dataset: Iterable | Callable[[], 
     if example_inputs is None:
         first = batches[0]
         example_inputs = tuple(np.asarray(x)[:1] for x in (first if isinstance(first, (tuple, list)) else (first,)))
-    start = make_plan(model, rules, *example_inputs, variables=variables, target=target)
-    trained = make_plan(model, [_held(r) for r in rules], *example_inputs, variables=variables, target=target)
+    start = plan_for_targets(model, rules, *example_inputs, variables=variables, target=_TARGETS[target])
+    trained = plan_for_targets(model, [_held(r) for r in rules], *example_inputs, variables=variables,
+                               target=_TARGETS[target])
     for param, spec in trained.weight_specs().items():
         if not isinstance(spec.calibration, AbsMax):
             raise RuleError(
@@ -116,8 +122,31 @@ def qat(model: Any, rules: Sequence[Rule], rep_dataset: Iterable | Callable[[], 
     params = params_tree(params_for(model, variables, "odmlq.qat"))
     rounded = compute_scales(start, calibration, params).weight_values
     if rounded:  # training starts from the weights the rules' algorithm rounded
-        params = unfold_params(start.graph, params, rounded)
+        float_kernels = flat_params(fold_params(start.graph, params, start.weight_specs()))
+        corrections = bias_corrections(start, float_kernels, rounded, calibration)
+        params = _shifted(start.graph, unfold_params(start.graph, params, rounded), corrections)
     return QAT(model, trained, _stats_of(trained, calibration), params, start=start)
+
+
+def _shifted(graph, params: Any, shifts: dict) -> Any:
+    """`params` with each op's per-channel output shift (a bias correction)
+    added to the parameter its folded epilogue adds last (a BatchNorm's
+    offset), which adds it to the folded bias unchanged."""
+    values, new, unplaced = flat_params(params), {}, []
+    for op_id, shift in shifts.items():
+        op = graph.op(op_id)
+        kind, index, _ = op.attributes["fold"]["steps"][-1]
+        param = op.operands[index].param
+        value = None if param is None else np.asarray(values[param])
+        if kind not in ("add", "sub") or value is None or value.size != np.size(shift):
+            unplaced.append(op.module_path)
+            continue
+        sign = 1.0 if kind == "add" else -1.0
+        new[param] = (value + sign * np.asarray(shift).reshape(value.shape)).astype(value.dtype)
+    if unplaced:
+        warnings.warn(f"QAT starts without the bias correction of {', '.join(unplaced[:5])}: no parameter "
+                      "adds to their folded bias last.", stacklevel=3)
+    return replace_params(params, new) if new else params
 
 
 def _stats_of(plan, calibration: Calibration) -> dict:
@@ -289,16 +318,12 @@ class QAT:
 
     def ptq(self, params: Any, stats: dict, **kwargs: Any):
         """`odmlq.ptq` of the trained model with the trained ranges."""
-        from odmlq.targets import ptq
-
-        return ptq(self.model, self.plan, params, self.calibration(stats), **kwargs)
+        return xla.ptq(self.model, self.plan, params, self.calibration(stats), **kwargs)
 
     def export_tflite(self, params: Any, stats: dict, path=None, *, rep_dataset=None, **kwargs: Any):
         """`odmlq.export_tflite` of the trained model with the trained ranges
         (`rep_dataset`: batches to verify the file on)."""
-        from odmlq.litert import export_tflite
-
-        return export_tflite(self.model, self.plan, rep_dataset, path, variables=params,
+        return litert.export_tflite(self.model, self.plan, rep_dataset, path, variables=params,
                              calibration=self.calibration(stats), **kwargs)
 
 

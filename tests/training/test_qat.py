@@ -203,3 +203,24 @@ def test_nnx_modules_train_as_state_and_export():
     lsb = float(np.max(exported.scales.edges[q.plan.graph.outputs[0]].scale))
     assert np.max(np.abs(litert_rows(exported.tflite, x[32:]) - np.asarray(q.apply(q.params, q.stats, x[32:])))) \
         <= lsb * 1.001
+
+
+def test_bias_correction_is_carried_into_the_start():
+    model, variables, x = _setup()
+    rules = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8",
+                        weight_algorithm=odmlq.GPTQ(bias_correction=True))]
+    plan = odmlq.plan(model, rules, x[:1], variables=variables)
+    calibration = odmlq.calibrate(model, plan, _batches(x[:64]), variables=variables, progress=False)
+    scales = odmlq.compute_scales(plan, calibration, variables)
+    assert "conv1/conv" in scales.shifts  # the BatchNorm'd convolution's correction
+    ptq = np.asarray(odmlq.simulate(model, plan, scales, x[64:], variables=variables))
+    q = odmlq.qat(model, rules, _batches(x[:64]), variables=variables, progress=False)
+    start = np.asarray(q.apply(q.params, q.stats, x[64:]))
+    without = odmlq.qat(model, [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")], _batches(x[:64]),
+                        variables=variables, progress=False)
+    # The correction sits in bn1's offset: the start computes PTQ's model (float32 rounding
+    # of the folded bias may move an edge by 1 LSB), not the uncorrected one.
+    lsb = float(np.max(q.scales(q.params, q.stats).edges["head/dot_general"].scale))
+    assert np.max(np.abs(start - ptq)) <= 2 * lsb
+    assert not np.allclose(np.asarray(q.params["params"]["bn1"]["bias"]),
+                           np.asarray(without.params["params"]["bn1"]["bias"]))
