@@ -45,7 +45,7 @@ from odmlq.targets import plan, ptq
 from odmlq.keras_quantized import keras_quantized
 from odmlq.report import Report, compare
 from odmlq.report.tune import Candidate, TuneResult, TuneTarget, autotune
-from odmlq.training import QAT, qat
+from odmlq.training import QAT, LoRA, lora, qat
 
 __version__ = "0.1.0"
 
@@ -59,5 +59,5 @@ __all__ = [
     "calibrate", "Scales", "TensorScale", "compute_scales", "Simulator", "simulate",
     "export_tflite", "VerificationError", "Report", "compare",
     "ptq", "QuantizedModel", "quantize_params", "save_params", "load_params",
-    "autotune", "Candidate", "TuneResult", "TuneTarget", "keras_quantized", "QAT", "qat",
+    "autotune", "Candidate", "TuneResult", "TuneTarget", "keras_quantized", "QAT", "qat", "LoRA", "lora",
 ]

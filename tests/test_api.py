@@ -11,7 +11,7 @@ EXPECTED = [
     "calibrate", "Scales", "TensorScale", "compute_scales", "Simulator", "simulate",
     "export_tflite", "VerificationError", "Report", "compare",
     "ptq", "QuantizedModel", "quantize_params", "save_params", "load_params",
-    "autotune", "Candidate", "TuneResult", "TuneTarget", "keras_quantized", "QAT", "qat",
+    "autotune", "Candidate", "TuneResult", "TuneTarget", "keras_quantized", "QAT", "qat", "LoRA", "lora",
 ]
 
 
