@@ -283,7 +283,7 @@ def test_demo_refuses_a_nonpositive_budget(capsys):
 
 
 @pytest.mark.parametrize("script", ["samples/dump_tensors.py", "samples/minilm_tflite.py", "samples/digits.py",
-                                    "samples/digits_cnn.py"])
+                                    "samples/digits_cnn.py", "samples/qat_digits.py", "samples/qlora_minilm.py"])
 def test_every_sample_script_prints_its_usage(script):
     import pathlib
 

@@ -71,6 +71,18 @@ def _accuracy(logits, y) -> float:
     return float(np.mean(np.argmax(np.asarray(logits), -1) == y))
 
 
+def _learned(adapted, x, y) -> tuple[dict, np.ndarray]:
+    """Trains the adapters on 256 rows; asserts that the loss falls and that the held-out
+    rows, where the random model is near chance (0.25), are learned. Returns the trained
+    adapters and the held-out logits."""
+    frozen_accuracy = _accuracy(adapted.apply(adapted.adapters, x[256:]), y[256:])
+    adapters, losses = _train(adapted, x, y)
+    assert np.mean(losses[-10:]) < 0.5 * np.mean(losses[:10])
+    trained = np.asarray(adapted.apply(adapters, x[256:]))
+    assert _accuracy(trained, y[256:]) >= frozen_accuracy + 0.3
+    return adapters, trained
+
+
 def test_adapt_chooses_the_adapted_matmuls_over_a_base_the_rules_quantize():
     model, variables, x, _ = _linen()
     adapted = odmlq.lora(model, NF4, (x[:1],), variables=variables, adapt="heads|mix")
@@ -126,12 +138,7 @@ def test_the_delta_is_laid_out_in_the_weights_own_axes():
 def test_adapters_train_and_the_merged_model_exports_what_they_learned(tmp_path):
     model, variables, x, y = _linen()
     adapted = odmlq.lora(model, NF4, (x[:1],), variables=variables, rank=8, alpha=16)
-    frozen_accuracy = _accuracy(adapted.apply(adapted.adapters, x[256:]), y[256:])
-    adapters, losses = _train(adapted, x, y)
-    assert np.mean(losses[-10:]) < 0.5 * np.mean(losses[:10])
-    trained = np.asarray(adapted.apply(adapters, x[256:]))
-    # Held-out rows: the random model is near chance (0.25); adapters learn the task.
-    assert _accuracy(trained, y[256:]) >= frozen_accuracy + 0.3
+    adapters, trained = _learned(adapted, x, y)
     merged = adapted.merge(adapters)
     # Merged float weights compute what the adapters did (float32 sums in another order).
     np.testing.assert_allclose(np.asarray(model.apply(merged, x[256:])), trained, rtol=1e-4, atol=1e-4)
@@ -152,11 +159,7 @@ def test_nnx_modules_train_adapters_over_their_state():
                          (x[:1],), rank=4, alpha=8)
     assert isinstance(adapted.frozen, nnx.State)
     assert adapted.base_bytes <= 0.3 * adapted.float_bytes
-    frozen_accuracy = _accuracy(adapted.apply(adapted.adapters, x[256:]), y[256:])
-    adapters, losses = _train(adapted, x, y)
-    assert np.mean(losses[-10:]) < 0.5 * np.mean(losses[:10])
-    trained = np.asarray(adapted.apply(adapters, x[256:]))
-    assert _accuracy(trained, y[256:]) >= frozen_accuracy + 0.3
+    adapters, trained = _learned(adapted, x, y)
     merged = adapted.merge(adapters)
     assert isinstance(merged, nnx.State)
     nnx.update(model, merged)
