@@ -1,0 +1,186 @@
+"""A small Gemma/Llama-style decoder in Flax Linen, with a KV cache: prefill and one-token decode.
+
+The blocks are those of today's small on-device language models: RMSNorm
+before attention and before the MLP, rotary position embeddings (the
+rotate-half form), grouped-query attention (`kv_heads` key/value heads
+shared by `heads // kv_heads` query heads each), a gated MLP
+(``down(silu(gate(x)) * up(x))``), no biases, and an output projection tied
+to the token embedding (``logits = h @ embedding.T``).
+
+The KV cache is the model's state, passed in and returned (a pure function,
+so one traced program serves JAX, XLA serving and the LiteRT export, whose
+signatures take the cache as tensors): per layer one key and one value
+array of ``(batch, cache_length, kv_heads, head_dim)``, stacked as
+``(layers, batch, cache_length, kv_heads, head_dim)``
+(`Decoder.empty_cache`). Three methods of the one module read the same
+weights:
+
+- ``__call__(tokens)``: logits of every position of ``(batch, length)``
+  tokens (causal; training and perplexity; no cache);
+- ``prefill(tokens, keys, values)``: the same logits for a prompt at
+  positions ``0 .. length-1``, writing its keys and values into the cache;
+- ``decode(token, position, keys, values)``: the logits of one token
+  ``(batch, 1)`` at ``position`` (an int32 scalar), attending to the cache up
+  to and including it, and the cache with its key and value written there.
+
+Masked attention scores get `DecoderConfig.mask_bias` added (-30, as
+MiniLM's does: a quantized score edge that had to hold -1e9 would keep no
+resolution for the real scores; a masked key's weight is e**-30 of a real
+one's, below float32's resolution of a probability near 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["DecoderConfig", "Decoder", "rotary"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    """The decoder's sizes (defaults: the ~3.2M-parameter byte-level model of `samples.decoder_lm`)."""
+
+    vocab_size: int = 256
+    hidden: int = 256
+    layers: int = 4
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 64
+    mlp_hidden: int = 768
+    cache_length: int = 256
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-6
+    mask_bias: float = -30.0
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden", "layers", "heads", "kv_heads", "head_dim", "mlp_hidden",
+                     "cache_length"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"DecoderConfig.{name}={value!r}; give a positive integer.")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"DecoderConfig: heads={self.heads} is not a multiple of kv_heads={self.kv_heads}; "
+                             "each key/value head serves the same number of query heads.")
+        if self.head_dim % 2:
+            raise ValueError(f"DecoderConfig.head_dim={self.head_dim}: rotary embeddings rotate pairs of "
+                             "features; give an even head_dim.")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def rotary(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
+    """Rotary position embedding of ``x`` ``(batch, length, heads, head_dim)`` at
+    ``positions`` ``(batch, length)``: feature ``i`` and ``i + head_dim/2`` turn
+    by ``position * base**(-2i/head_dim)``."""
+    half = x.shape[-1] // 2
+    frequencies = base ** (-np.arange(half, dtype=np.float32) / half)
+    angles = positions.astype(jnp.float32)[..., None, None] * frequencies  # (batch, length, 1, half)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    first, second = x[..., :half], x[..., half:]
+    return jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+
+
+class RMSNorm(nn.Module):
+    eps: float = 1e-6
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
+        return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps) * scale
+
+
+class Attention(nn.Module):
+    config: DecoderConfig
+
+    @nn.compact
+    def __call__(self, x, positions, keys, values, start):
+        c = self.config
+        dense = lambda features, name: nn.DenseGeneral(features, use_bias=False, name=name)  # noqa: E731
+        q = rotary(dense((c.heads, c.head_dim), "query")(x), positions, c.rope_base)
+        k = rotary(dense((c.kv_heads, c.head_dim), "key")(x), positions, c.rope_base)
+        v = dense((c.kv_heads, c.head_dim), "value")(x)
+        if keys is None:  # the whole sequence, no cache
+            keys, values, key_positions = k, v, positions
+        else:
+            keys = jax.lax.dynamic_update_slice(keys, k.astype(keys.dtype), (0, start, 0, 0))
+            values = jax.lax.dynamic_update_slice(values, v.astype(values.dtype), (0, start, 0, 0))
+            key_positions = jnp.arange(keys.shape[1], dtype=jnp.int32)[None]
+        batch, length = x.shape[:2]
+        groups = c.heads // c.kv_heads
+        q = q.reshape(batch, length, c.kv_heads, groups, c.head_dim)
+        scores = jnp.einsum("btkgd,bskd->bkgts", q, keys) / np.float32(np.sqrt(c.head_dim))
+        visible = key_positions[:, None, :] <= positions[:, :, None]  # (batch, length, keys)
+        scores = scores + jnp.where(visible, 0.0, c.mask_bias)[:, None, None].astype(scores.dtype)
+        weights = jax.nn.softmax(scores, axis=-1)
+        out = jnp.einsum("bkgts,bskd->btkgd", weights, values).reshape(batch, length, c.heads, c.head_dim)
+        out = nn.DenseGeneral(c.hidden, axis=(-2, -1), use_bias=False, name="output")(out)
+        return out, keys, values
+
+
+class Block(nn.Module):
+    config: DecoderConfig
+
+    @nn.compact
+    def __call__(self, x, positions, keys, values, start):
+        c = self.config
+        attended, keys, values = Attention(c, name="attention")(
+            RMSNorm(c.norm_eps, name="attention_norm")(x), positions, keys, values, start)
+        x = x + attended
+        h = RMSNorm(c.norm_eps, name="mlp_norm")(x)
+        gate = nn.Dense(c.mlp_hidden, use_bias=False, name="gate")(h)
+        up = nn.Dense(c.mlp_hidden, use_bias=False, name="up")(h)
+        x = x + nn.Dense(c.hidden, use_bias=False, name="down")(nn.silu(gate) * up)
+        return x, keys, values
+
+
+class Decoder(nn.Module):
+    """See the module doc. ``init`` with ``Decoder(config).init(key, tokens)``."""
+
+    config: DecoderConfig = DecoderConfig()
+
+    def setup(self):
+        c = self.config
+        self.embedding = nn.Embed(c.vocab_size, c.hidden, embedding_init=nn.initializers.normal(1.0),
+                                  name="embedding")
+        self.blocks = [Block(c, name=f"layer_{i}") for i in range(c.layers)]
+        self.final_norm = RMSNorm(c.norm_eps, name="final_norm")
+
+    def _run(self, tokens, positions, keys, values, start):
+        x = self.embedding(tokens) * np.float32(np.sqrt(self.config.hidden))
+        new_keys, new_values = [], []
+        for i, block in enumerate(self.blocks):
+            x, k, v = block(x, positions, None if keys is None else keys[i], None if values is None else values[i],
+                            start)
+            new_keys.append(k)
+            new_values.append(v)
+        logits = self.embedding.attend(self.final_norm(x))
+        if keys is None:
+            return logits
+        return logits, jnp.stack(new_keys), jnp.stack(new_values)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        return self._run(tokens, positions, None, None, None)
+
+    def prefill(self, tokens: jax.Array, keys: jax.Array, values: jax.Array):
+        """``(logits (batch, length, vocab), keys, values)`` for a prompt at positions 0..length-1."""
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        return self._run(tokens, positions, keys, values, 0)
+
+    def decode(self, token: jax.Array, position: jax.Array, keys: jax.Array, values: jax.Array):
+        """``(logits (batch, 1, vocab), keys, values)`` for one token at `position`."""
+        position = jnp.asarray(position, jnp.int32).reshape(())
+        positions = jnp.broadcast_to(position, token.shape)
+        return self._run(token, positions, keys, values, position)
+
+    def empty_cache(self, batch: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """Zero keys and values: ``(layers, batch, cache_length, kv_heads, head_dim)`` float32 each."""
+        c = self.config
+        shape = (c.layers, batch, c.cache_length, c.kv_heads, c.head_dim)
+        return np.zeros(shape, np.float32), np.zeros(shape, np.float32)
