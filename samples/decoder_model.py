@@ -146,7 +146,8 @@ class Decoder(nn.Module):
 
     def setup(self):
         c = self.config
-        self.embedding = nn.Embed(c.vocab_size, c.hidden, embedding_init=nn.initializers.normal(1.0),
+        # Unit-variance inputs after the sqrt(hidden) scale, logits of about unit variance at the start.
+        self.embedding = nn.Embed(c.vocab_size, c.hidden, embedding_init=nn.initializers.normal(c.hidden ** -0.5),
                                   name="embedding")
         self.blocks = [Block(c, name=f"layer_{i}") for i in range(c.layers)]
         self.final_norm = RMSNorm(c.norm_eps, name="final_norm")
