@@ -101,25 +101,28 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x, positions, keys, values, start):
         c = self.config
-        dense = lambda features, name: nn.DenseGeneral(features, use_bias=False, name=name)  # noqa: E731
-        q = rotary(dense((c.heads, c.head_dim), "query")(x), positions, c.rope_base)
-        k = rotary(dense((c.kv_heads, c.head_dim), "key")(x), positions, c.rope_base)
-        v = dense((c.kv_heads, c.head_dim), "value")(x)
+        batch, length = x.shape[:2]
+
+        def projected(heads, name):  # one 2-D kernel, (hidden, heads * head_dim): one scale per output channel
+            return nn.Dense(heads * c.head_dim, use_bias=False, name=name)(x).reshape(batch, length, heads, c.head_dim)
+
+        q = rotary(projected(c.heads, "query"), positions, c.rope_base)
+        k = rotary(projected(c.kv_heads, "key"), positions, c.rope_base)
+        v = projected(c.kv_heads, "value")
         if keys is None:  # the whole sequence, no cache
             keys, values, key_positions = k, v, positions
         else:
             keys = jax.lax.dynamic_update_slice(keys, k.astype(keys.dtype), (0, start, 0, 0))
             values = jax.lax.dynamic_update_slice(values, v.astype(values.dtype), (0, start, 0, 0))
             key_positions = jnp.arange(keys.shape[1], dtype=jnp.int32)[None]
-        batch, length = x.shape[:2]
         groups = c.heads // c.kv_heads
         q = q.reshape(batch, length, c.kv_heads, groups, c.head_dim)
         scores = jnp.einsum("btkgd,bskd->bkgts", q, keys) / np.float32(np.sqrt(c.head_dim))
         visible = key_positions[:, None, :] <= positions[:, :, None]  # (batch, length, keys)
         scores = scores + jnp.where(visible, 0.0, c.mask_bias)[:, None, None].astype(scores.dtype)
         weights = jax.nn.softmax(scores, axis=-1)
-        out = jnp.einsum("bkgts,bskd->btkgd", weights, values).reshape(batch, length, c.heads, c.head_dim)
-        out = nn.DenseGeneral(c.hidden, axis=(-2, -1), use_bias=False, name="output")(out)
+        out = jnp.einsum("bkgts,bskd->btkgd", weights, values).reshape(batch, length, c.heads * c.head_dim)
+        out = nn.Dense(c.hidden, use_bias=False, name="output")(out)
         return out, keys, values
 
 
@@ -152,36 +155,38 @@ class Decoder(nn.Module):
         self.blocks = [Block(c, name=f"layer_{i}") for i in range(c.layers)]
         self.final_norm = RMSNorm(c.norm_eps, name="final_norm")
 
-    def _run(self, tokens, positions, keys, values, start):
-        x = self.embedding(tokens) * np.float32(np.sqrt(self.config.hidden))
-        new_keys, new_values = [], []
-        for i, block in enumerate(self.blocks):
-            x, k, v = block(x, positions, None if keys is None else keys[i], None if values is None else values[i],
-                            start)
-            new_keys.append(k)
-            new_values.append(v)
-        logits = self.embedding.attend(self.final_norm(x))
-        if keys is None:
-            return logits
-        return logits, jnp.stack(new_keys), jnp.stack(new_values)
-
     def __call__(self, tokens: jax.Array) -> jax.Array:
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        return self._run(tokens, positions, None, None, None)
+        return _forward(self, tokens, positions, None, None, None)
 
     def prefill(self, tokens: jax.Array, keys: jax.Array, values: jax.Array):
         """``(logits (batch, length, vocab), keys, values)`` for a prompt at positions 0..length-1."""
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        return self._run(tokens, positions, keys, values, 0)
+        return _forward(self, tokens, positions, keys, values, 0)
 
     def decode(self, token: jax.Array, position: jax.Array, keys: jax.Array, values: jax.Array):
         """``(logits (batch, 1, vocab), keys, values)`` for one token at `position`."""
         position = jnp.asarray(position, jnp.int32).reshape(())
         positions = jnp.broadcast_to(position, token.shape)
-        return self._run(token, positions, keys, values, position)
+        return _forward(self, token, positions, keys, values, position)
 
     def empty_cache(self, batch: int = 1) -> tuple[np.ndarray, np.ndarray]:
         """Zero keys and values: ``(layers, batch, cache_length, kv_heads, head_dim)`` float32 each."""
         c = self.config
         shape = (c.layers, batch, c.cache_length, c.kv_heads, c.head_dim)
         return np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+
+
+def _forward(decoder: Decoder, tokens, positions, keys, values, start):
+    """The blocks, shared by the three methods (a function, not a method: Linen names the
+    modules of a method it wraps after the method, and rules match the plain paths)."""
+    x = decoder.embedding(tokens) * np.float32(np.sqrt(decoder.config.hidden))
+    new_keys, new_values = [], []
+    for i, block in enumerate(decoder.blocks):
+        x, k, v = block(x, positions, None if keys is None else keys[i], None if values is None else values[i], start)
+        new_keys.append(k)
+        new_values.append(v)
+    logits = decoder.embedding.attend(decoder.final_norm(x))
+    if keys is None:
+        return logits
+    return logits, jnp.stack(new_keys), jnp.stack(new_values)

@@ -38,9 +38,9 @@ def _reference(params: dict, config: DecoderConfig, tokens: np.ndarray) -> np.nd
             lp = p[f"layer_{layer}"]
             a = lp["attention"]
             hx = rms(x, lp["attention_norm"]["scale"])
-            q = rope(np.einsum("tc,chd->thd", hx, a["query"]["kernel"]))
-            k = rope(np.einsum("tc,chd->thd", hx, a["key"]["kernel"]))
-            v = np.einsum("tc,chd->thd", hx, a["value"]["kernel"])
+            q = rope((hx @ a["query"]["kernel"]).reshape(length, h, d))
+            k = rope((hx @ a["key"]["kernel"]).reshape(length, kvh, d))
+            v = (hx @ a["value"]["kernel"]).reshape(length, kvh, d)
             heads = np.empty((length, h, d))
             for head in range(h):
                 kv = head // (h // kvh)
@@ -48,7 +48,7 @@ def _reference(params: dict, config: DecoderConfig, tokens: np.ndarray) -> np.nd
                 scores = np.where(np.tril(np.ones((length, length))) > 0, scores, -np.inf)
                 w = np.exp(scores - scores.max(axis=1, keepdims=True))
                 heads[:, head] = (w / w.sum(axis=1, keepdims=True)) @ v[:, kv]
-            x = x + np.einsum("thd,hdc->tc", heads, a["output"]["kernel"])
+            x = x + heads.reshape(length, h * d) @ a["output"]["kernel"]
             m = rms(x, lp["mlp_norm"]["scale"])
             gate, up = m @ lp["gate"]["kernel"], m @ lp["up"]["kernel"]
             x = x + (gate / (1 + np.exp(-gate)) * up) @ lp["down"]["kernel"]
