@@ -9,19 +9,21 @@ to the token embedding (``logits = h @ embedding.T``).
 
 The KV cache is the model's state, passed in and returned (a pure function,
 so one traced program serves JAX, XLA serving and the LiteRT export, whose
-signatures take the cache as tensors): per layer one key and one value
-array of ``(batch, cache_length, kv_heads, head_dim)``, stacked as
-``(layers, batch, cache_length, kv_heads, head_dim)``
-(`Decoder.empty_cache`). Three methods of the one module read the same
-weights:
+signatures take the cache as tensors): keys and values of every layer,
+``(batch, layers, cache_length, kv_heads, head_dim)`` each, batch first as
+every model input is (`Decoder.empty_cache`). Three methods of the one
+module read the same weights:
 
 - ``__call__(tokens)``: logits of every position of ``(batch, length)``
   tokens (causal; training and perplexity; no cache);
 - ``prefill(tokens, keys, values)``: the same logits for a prompt at
-  positions ``0 .. length-1``, writing its keys and values into the cache;
+  positions ``0 .. length-1``, its keys and values written there (the rest
+  of the cache kept);
 - ``decode(token, position, keys, values)``: the logits of one token
-  ``(batch, 1)`` at ``position`` (an int32 scalar), attending to the cache up
-  to and including it, and the cache with its key and value written there.
+  ``(batch, 1)`` at ``position`` ``(batch,)`` int32 (each row its own),
+  attending to the cache up to and including it, and the cache with its key
+  and value written there (a select against the position, elementwise: no
+  dynamic slice for a converter to place).
 
 Masked attention scores get `DecoderConfig.mask_bias` added (-30, as
 MiniLM's does: a quantized score edge that had to hold -1e9 would keep no
@@ -74,16 +76,26 @@ class DecoderConfig:
         return dataclasses.asdict(self)
 
 
-def rotary(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
+def rotary(x: jax.Array, positions: jax.Array, base: float, table_length: int) -> jax.Array:
     """Rotary position embedding of ``x`` ``(batch, length, heads, head_dim)`` at
     ``positions`` ``(batch, length)``: feature ``i`` and ``i + head_dim/2`` turn
-    by ``position * base**(-2i/head_dim)``."""
+    by ``position * base**(-2i/head_dim)``. The cosines and sines are a constant
+    table of `table_length` positions (computed in float64), gathered by
+    position: no integer-to-float cast of the positions in the program."""
     half = x.shape[-1] // 2
-    frequencies = base ** (-np.arange(half, dtype=np.float32) / half)
-    angles = positions.astype(jnp.float32)[..., None, None] * frequencies  # (batch, length, 1, half)
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    angles = np.arange(table_length)[:, None] * base ** (-np.arange(half) / half)
+    cos = jnp.take(jnp.asarray(np.cos(angles), jnp.float32), positions, axis=0, mode="clip")[:, :, None, :]
+    sin = jnp.take(jnp.asarray(np.sin(angles), jnp.float32), positions, axis=0, mode="clip")[:, :, None, :]
     first, second = x[..., :half], x[..., half:]
     return jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+
+
+class ClippedEmbed(nn.Embed):
+    """nn.Embed whose lookup clamps ids into the table: one GATHER in the .tflite
+    (nn.Embed's fill mode adds a bounds check of integer ops around it)."""
+
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding, inputs, axis=0, mode="clip")
 
 
 class RMSNorm(nn.Module):
@@ -99,21 +111,21 @@ class Attention(nn.Module):
     config: DecoderConfig
 
     @nn.compact
-    def __call__(self, x, positions, keys, values, start):
+    def __call__(self, x, positions, keys, values):
         c = self.config
         batch, length = x.shape[:2]
 
         def projected(heads, name):  # one 2-D kernel, (hidden, heads * head_dim): one scale per output channel
             return nn.Dense(heads * c.head_dim, use_bias=False, name=name)(x).reshape(batch, length, heads, c.head_dim)
 
-        q = rotary(projected(c.heads, "query"), positions, c.rope_base)
-        k = rotary(projected(c.kv_heads, "key"), positions, c.rope_base)
+        table = max(c.cache_length, length)
+        q = rotary(projected(c.heads, "query"), positions, c.rope_base, table)
+        k = rotary(projected(c.kv_heads, "key"), positions, c.rope_base, table)
         v = projected(c.kv_heads, "value")
         if keys is None:  # the whole sequence, no cache
             keys, values, key_positions = k, v, positions
         else:
-            keys = jax.lax.dynamic_update_slice(keys, k.astype(keys.dtype), (0, start, 0, 0))
-            values = jax.lax.dynamic_update_slice(values, v.astype(values.dtype), (0, start, 0, 0))
+            keys, values = _written(keys, k, positions), _written(values, v, positions)
             key_positions = jnp.arange(keys.shape[1], dtype=jnp.int32)[None]
         groups = c.heads // c.kv_heads
         q = q.reshape(batch, length, c.kv_heads, groups, c.head_dim)
@@ -130,10 +142,10 @@ class Block(nn.Module):
     config: DecoderConfig
 
     @nn.compact
-    def __call__(self, x, positions, keys, values, start):
+    def __call__(self, x, positions, keys, values):
         c = self.config
         attended, keys, values = Attention(c, name="attention")(
-            RMSNorm(c.norm_eps, name="attention_norm")(x), positions, keys, values, start)
+            RMSNorm(c.norm_eps, name="attention_norm")(x), positions, keys, values)
         x = x + attended
         h = RMSNorm(c.norm_eps, name="mlp_norm")(x)
         gate = nn.Dense(c.mlp_hidden, use_bias=False, name="gate")(h)
@@ -150,43 +162,51 @@ class Decoder(nn.Module):
     def setup(self):
         c = self.config
         # Unit-variance inputs after the sqrt(hidden) scale, logits of about unit variance at the start.
-        self.embedding = nn.Embed(c.vocab_size, c.hidden, embedding_init=nn.initializers.normal(c.hidden ** -0.5),
+        self.embedding = ClippedEmbed(c.vocab_size, c.hidden, embedding_init=nn.initializers.normal(c.hidden ** -0.5),
                                   name="embedding")
         self.blocks = [Block(c, name=f"layer_{i}") for i in range(c.layers)]
         self.final_norm = RMSNorm(c.norm_eps, name="final_norm")
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        return _forward(self, tokens, positions, None, None, None)
+        return _forward(self, tokens, positions, None, None)
 
     def prefill(self, tokens: jax.Array, keys: jax.Array, values: jax.Array):
         """``(logits (batch, length, vocab), keys, values)`` for a prompt at positions 0..length-1."""
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        return _forward(self, tokens, positions, keys, values, 0)
+        return _forward(self, tokens, positions, keys, values)
 
     def decode(self, token: jax.Array, position: jax.Array, keys: jax.Array, values: jax.Array):
-        """``(logits (batch, 1, vocab), keys, values)`` for one token at `position`."""
-        position = jnp.asarray(position, jnp.int32).reshape(())
-        positions = jnp.broadcast_to(position, token.shape)
-        return _forward(self, token, positions, keys, values, position)
+        """``(logits (batch, 1, vocab), keys, values)`` for one token per row at `position` ``(batch,)``."""
+        return _forward(self, token, jnp.asarray(position, jnp.int32).reshape(token.shape), keys, values)
 
     def empty_cache(self, batch: int = 1) -> tuple[np.ndarray, np.ndarray]:
-        """Zero keys and values: ``(layers, batch, cache_length, kv_heads, head_dim)`` float32 each."""
+        """Zero keys and values: ``(batch, layers, cache_length, kv_heads, head_dim)`` float32 each."""
         c = self.config
-        shape = (c.layers, batch, c.cache_length, c.kv_heads, c.head_dim)
+        shape = (batch, c.layers, c.cache_length, c.kv_heads, c.head_dim)
         return np.zeros(shape, np.float32), np.zeros(shape, np.float32)
 
 
-def _forward(decoder: Decoder, tokens, positions, keys, values, start):
+def _written(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
+    """`cache` ``(batch, cache_length, heads, head_dim)`` with `new` ``(batch, length, ...)``
+    written at `positions`: one token, at its row's position (a select); a prompt, at
+    positions ``0 .. length-1`` (a concatenation)."""
+    if new.shape[1] == 1:
+        here = jnp.arange(cache.shape[1], dtype=jnp.int32)[None, :] == positions[:, :1]  # (batch, cache_length)
+        return jnp.where(here[:, :, None, None], new.astype(cache.dtype), cache)
+    return jnp.concatenate([new.astype(cache.dtype), cache[:, new.shape[1]:]], axis=1)
+
+
+def _forward(decoder: Decoder, tokens, positions, keys, values):
     """The blocks, shared by the three methods (a function, not a method: Linen names the
     modules of a method it wraps after the method, and rules match the plain paths)."""
     x = decoder.embedding(tokens) * np.float32(np.sqrt(decoder.config.hidden))
     new_keys, new_values = [], []
     for i, block in enumerate(decoder.blocks):
-        x, k, v = block(x, positions, None if keys is None else keys[i], None if values is None else values[i], start)
+        x, k, v = block(x, positions, None if keys is None else keys[:, i], None if values is None else values[:, i])
         new_keys.append(k)
         new_values.append(v)
     logits = decoder.embedding.attend(decoder.final_norm(x))
     if keys is None:
         return logits
-    return logits, jnp.stack(new_keys), jnp.stack(new_values)
+    return logits, jnp.stack(new_keys, axis=1), jnp.stack(new_values, axis=1)

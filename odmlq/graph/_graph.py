@@ -201,6 +201,9 @@ class Graph:
     framework: str
     model_name: str
     program: Any = dataclasses.field(default=None, compare=False, repr=False)
+    # The Linen / NNX method traced (None: the model's call); a traced graph of
+    # other input shapes traces it again.
+    method: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def resolve(self, edge_id: str) -> str:
         """The edge an alias edge stands for (itself if not an alias)."""
@@ -258,6 +261,8 @@ class Graph:
             "params": {k: [list(s), d] for k, (s, d) in self.params.items()},
             "ops": [o.to_dict() for o in self.ops],
             "edges": [e.to_dict() for e in self.edges.values()],
+            # A method given as a function is not written: such a graph describes the model only.
+            "method": self.method if isinstance(self.method, str) else None,
         }
 
     @classmethod
@@ -267,7 +272,7 @@ class Graph:
             edges={e["id"]: Edge.from_dict(e) for e in d["edges"]},
             inputs=tuple(d["inputs"]), outputs=tuple(d["outputs"]),
             params={k: (tuple(s), dt) for k, (s, dt) in d["params"].items()},
-            framework=d["framework"], model_name=d["model_name"],
+            framework=d["framework"], model_name=d["model_name"], method=d.get("method"),
         )
 
 

@@ -68,7 +68,7 @@ class GraphCache:
         key = tuple((tuple(np.shape(x)), str(x.dtype)) for x in jax.tree_util.tree_leaves(inputs))
         if key not in self._graphs:
             shapes = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in inputs]
-            graph = trace(self.model, *shapes, variables=self.variables)
+            graph = trace(self.model, *shapes, variables=self.variables, method=self.plan.graph.method)
             if [o.id for o in graph.ops] != [o.id for o in self.plan.graph.ops]:
                 raise PlanError(
                     f"Tracing {graph.model_name} for input shapes {[s.shape for s in shapes]} gives "

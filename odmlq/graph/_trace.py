@@ -84,7 +84,7 @@ def _trace(model: Any, example_inputs: tuple, *, variables: Any = None, method: 
     return Graph(
         ops=graph_parts.ops, edges=graph_parts.edges, inputs=graph_parts.inputs,
         outputs=graph_parts.outputs, params=param_info, framework=framework,
-        model_name=model_name, program=_TopProgram(body, in_tree, out_tree, num_params),
+        model_name=model_name, program=_TopProgram(body, in_tree, out_tree, num_params), method=method,
     )
 
 

@@ -103,6 +103,7 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
                   batch_size: int = 1,
                   require_delegate: bool = False,
                   benchmark: bool = False,
+                  method: str | Callable | None = None,
                   progress: bool | None = None) -> Export:
     """Exports `model` as a LiteRT flatbuffer quantized by `rules`, and checks it.
 
@@ -137,6 +138,8 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
         rounds (`Export.latency`); warn when the export is slower.
       progress: bars on stderr while calibrating, converting and verifying
         (default: when stderr is a terminal; False: never).
+      method: the Linen or NNX method to export (default: the model's call),
+        as `odmlq.plan` takes it; a Plan given as `rules` carries its own.
       io_dtype: 'float' (the model quantizes its inputs and dequantizes its
         outputs) or 'int8' / 'int16' (the caller passes quantized tensors; the
         input and output scales are in the signature's tensors). Full-integer
@@ -188,8 +191,11 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
                             f"{int(np.shape(first[0])[0])} rows, or example_inputs= of the shape to export.")
         example_inputs = tuple(np.asarray(x)[:batch_size] for x in first)
     example_inputs = tuple(example_inputs)
+    if isinstance(rules, Plan) and method is not None and method != rules.graph.method:
+        raise PlanError(f"method={method!r}, but the plan given traced {rules.graph.method or '__call__'!r}; "
+                        "leave method out (the plan carries it) or plan that method.")
     plan = (rules if isinstance(rules, Plan)
-            else make_plan(model, rules, *example_inputs, variables=variables, target=TARGET))
+            else make_plan(model, rules, *example_inputs, variables=variables, method=method, target=TARGET))
     float_ops = check_plan(plan, allow_float_ops=allow_float_ops)
     schema = schema_of(plan)
     if io_dtype not in ("float", "int8", "int16"):
@@ -208,9 +214,10 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
     # A plan traced for other input shapes (another batch size) is traced again for these.
     graph = GraphCache(model, plan, variables).graph_for(example_inputs) if plan.graph.program is not None else None
     if graph is None:
-        graph = make_plan(model, plan.rules, *example_inputs, variables=variables, target=TARGET).graph
+        graph = make_plan(model, plan.rules, *example_inputs, variables=variables, method=plan.graph.method,
+                          target=TARGET).graph
     fn, blockwise = _annotate.annotated_function(graph, plan, scales, params, float_ops)
-    names_in = list(input_names or _input_names(model, len(graph.inputs)))
+    names_in = list(input_names or _input_names(model, len(graph.inputs), plan.graph.method))
     names_out = list(output_names or [f"output_{i}" for i in range(len(graph.outputs))])
     try:
         with Stage("converting", progress=progress):
@@ -353,12 +360,14 @@ def _float_op_listing(ops, limit: int = 12) -> str:
     return "; ".join(items[:limit]) + (f"; and {more} more modules ({len(ops)} ops in all)" if more > 0 else "")
 
 
-def _input_names(model: Any, n: int) -> list[str]:
+def _input_names(model: Any, n: int, method: str | Callable | None = None) -> list[str]:
     if is_keras(model):
         names = keras_input_names(model) or []
         return names if len(names) == n else [f"input_{i}" for i in range(n)]
     try:
-        fn = model.__call__
+        if method is not None and not isinstance(method, str):  # a function taking the module first
+            raise TypeError("a method given as a function")
+        fn = model.__call__ if method is None else getattr(model, method)
         names = [p.name for p in pyinspect.signature(fn).parameters.values()
                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     except (TypeError, ValueError):

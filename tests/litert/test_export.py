@@ -268,3 +268,35 @@ def test_a_plan_traced_at_another_batch_size_exports(small_cnn, digits):
     result = odmlq.export_tflite(model, plan, batches(digits.x_calibration, 32), variables=variables,
                                  progress=False)
     assert result.batch_size == 1 and result.verification.output_max_lsb <= 1.0
+
+
+class _TwoMethods(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4, name="dense")(x)
+
+    def scaled(self, x, factor):
+        return self(x) * factor
+
+
+def test_a_method_exports_at_another_batch_size_with_its_own_input_names():
+    model, rng = _TwoMethods(), np.random.default_rng(0)
+    x = rng.normal(size=(8, 6)).astype(np.float32)
+    factor = np.full((8, 1), 3.0, np.float32)
+    variables = model.init(jax.random.key(0), x[:1])
+    rules = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
+    # Calibrated at batch 4, exported at batch 1: the method is traced again for it.
+    result = odmlq.export_tflite(model, rules, [(x[:4], factor[:4]), (x[4:], factor[4:])], variables=variables,
+                                 method="scaled", progress=False)
+    assert result.batch_size == 1 and result.plan.graph.method == "scaled"
+    runner = odmlq.litert.interpreter(result.tflite)
+    assert [d["name"] for d in runner.get_input_details()] == ["serving_default_x", "serving_default_factor"]
+    out = runner.get_signature_runner()(x=x[:1], factor=factor[:1])["output_0"]
+    expected = np.asarray(model.apply(variables, x[:1], factor[:1], method="scaled"))
+    np.testing.assert_allclose(out, expected, atol=4 * float(np.max(result.scales.edges[
+        result.plan.graph.outputs[0]].scale)))  # int8 weights and edges: a few output LSBs from float
+    # The plan remembers the method through JSON; another method for it is refused.
+    assert odmlq.Plan.from_json(result.plan.to_json()).graph.method == "scaled"
+    with pytest.raises(odmlq.PlanError, match="method='__call__', but the plan given traced 'scaled'"):
+        odmlq.export_tflite(model, result.plan, [(x, factor)], variables=variables, method="__call__",
+                            progress=False)
