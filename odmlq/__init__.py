@@ -39,7 +39,7 @@ from odmlq.rules import Rule, UnmatchedRuleWarning, load_rules
 from odmlq.calibration import calibrate
 from odmlq.scales import Scales, TensorScale, compute_scales
 from odmlq.simulate import Simulator, simulate
-from odmlq.litert import VerificationError, export_tflite
+from odmlq.litert import Signature, SignatureExport, VerificationError, export_signatures, export_tflite
 from odmlq.xla import QuantizedModel, load_params, quantize_params, save_params
 from odmlq.targets import plan, ptq
 from odmlq.keras_quantized import keras_quantized
@@ -60,4 +60,5 @@ __all__ = [
     "export_tflite", "VerificationError", "Report", "compare",
     "ptq", "QuantizedModel", "quantize_params", "save_params", "load_params",
     "autotune", "Candidate", "TuneResult", "TuneTarget", "keras_quantized", "QAT", "qat", "LoRA", "lora",
+    "Signature", "SignatureExport", "export_signatures",
 ]

@@ -3,6 +3,7 @@
 from odmlq.litert._convert import ConversionError
 from odmlq.litert.export import Export, FloatOpsError, check_plan, export_tflite
 from odmlq.litert._runtime import VERBOSE_ENVIRONMENT, interpreter
+from odmlq.litert.signatures import Signature, SignatureExport, export_signatures
 from odmlq.litert.spec import TARGET
 from odmlq.litert.speed import DelegateError, Delegation, Latency, delegation, interleaved_latency
 from odmlq.litert.inspect import ModelFileError, ModelSummary, OpInfo, TensorInfo, format_summary, inspect
@@ -10,6 +11,6 @@ from odmlq.litert.verify import EdgeCheck, LiteRTCrashError, VerificationError, 
 
 __all__ = [
     "ConversionError", "DelegateError", "Delegation", "EdgeCheck", "Latency", "VERBOSE_ENVIRONMENT", "LiteRTCrashError", "Export", "FloatOpsError", "ModelFileError", "ModelSummary",
-    "OpInfo", "TARGET", "TensorInfo", "VerificationError", "VerificationReport", "check_plan",
-    "delegation", "export_tflite", "format_summary", "inspect", "interleaved_latency", "interpreter", "verify",
+    "OpInfo", "Signature", "SignatureExport", "TARGET", "TensorInfo", "VerificationError", "VerificationReport", "check_plan",
+    "delegation", "export_signatures", "export_tflite", "format_summary", "inspect", "interleaved_latency", "interpreter", "verify",
 ]

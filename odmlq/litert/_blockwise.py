@@ -65,9 +65,9 @@ def _packed(codes: np.ndarray) -> np.ndarray:
     return ((flat[0::2] & 0xF) | ((flat[1::2] & 0xF) << 4)).astype(np.uint8)
 
 
-def write_blockwise(tflite: bytes, weights: list[Blockwise]) -> bytes:
-    """The model with each weight's int4 tensor given its block integers and
-    a float16 scales tensor (`BlockwiseQuantization`).
+def write_blockwise(tflite: bytes, weights: list[Blockwise], subgraph: int = 0) -> bytes:
+    """The model with each weight's int4 tensor in `subgraph` (a signature's) given
+    its block integers and a float16 scales tensor (`BlockwiseQuantization`).
 
     Raises:
       ConversionError: a weight's int4 tensor is not in the file once (named
@@ -76,7 +76,7 @@ def write_blockwise(tflite: bytes, weights: list[Blockwise]) -> bytes:
     if not weights:
         return tflite
     model = schema.ModelT.InitFromPackedBuf(bytearray(tflite), 0)
-    graph = model.subgraphs[0]
+    graph = model.subgraphs[subgraph]
     for w in weights:
         found = [i for i, t in enumerate(graph.tensors)
                  if t.type == schema.TensorType.INT4 and w.param in (t.name or b"").decode()

@@ -44,23 +44,40 @@ def convert(fn: Callable, example_inputs: Sequence[Any], *, input_names: Sequenc
     Raises:
       ConversionError: with the converter's diagnostics and the op ids named in them.
     """
+    return convert_stablehlo(lowered(fn, example_inputs), input_names=input_names, output_names=output_names,
+                             dynamic_range=dynamic_range)
+
+
+def lowered(fn: Callable, example_inputs: Sequence[Any]) -> str:
+    """`fn` lowered on `example_inputs` to StableHLO text."""
     import jax
 
     # debug_info keeps named-scope locations: tensor names then carry op ids.
-    text = jax.jit(fn).lower(*example_inputs).as_text(debug_info=True)
-    return convert_stablehlo(text, input_names=input_names, output_names=output_names,
-                             dynamic_range=dynamic_range)
+    return jax.jit(fn).lower(*example_inputs).as_text(debug_info=True)
 
 
 def convert_stablehlo(text: str, *, input_names: Sequence[str], output_names: Sequence[str],
                       dynamic_range: bool = False) -> bytes:
-    """Converts StableHLO text in a child process."""
+    """Converts StableHLO text in a child process (one ``serving_default`` signature)."""
+    return convert_signatures([("serving_default", text, input_names, output_names)], dynamic_range=dynamic_range)
+
+
+def convert_signatures(signatures: Sequence[tuple[str, str, Sequence[str], Sequence[str]]], *,
+                       dynamic_range: bool = False) -> bytes:
+    """Converts one StableHLO text per signature ``(name, text, input names, output
+    names)`` into one flatbuffer, one subgraph and signature each, in a child
+    process. Constants equal in several texts (a weight two signatures read)
+    are stored once."""
     with tempfile.TemporaryDirectory(prefix="odmlq-convert-") as tmp:
-        source, target, report = (os.path.join(tmp, n) for n in ("in.mlir", "out.tflite", "report.json"))
-        with open(source, "w", encoding="utf-8") as f:
-            f.write(text)
-        args = {"source": source, "target": target, "report": report, "inputs": list(input_names),
-                "outputs": list(output_names), "dynamic_range": dynamic_range}
+        target, report = (os.path.join(tmp, n) for n in ("out.tflite", "report.json"))
+        sources = []
+        for i, (name, text, input_names, output_names) in enumerate(signatures):
+            source = os.path.join(tmp, f"in{i}.mlir")
+            with open(source, "w", encoding="utf-8") as f:
+                f.write(text)
+            sources.append({"path": source, "name": name, "inputs": list(input_names),
+                            "outputs": list(output_names)})
+        args = {"sources": sources, "target": target, "report": report, "dynamic_range": dynamic_range}
         # Run as a script, not `-m`: importing the odmlq package (jax, flax)
         # would triple the child's start-up.
         # -P: the script's own directory (odmlq/litert, with its inspect.py) must

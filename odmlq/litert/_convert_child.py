@@ -8,6 +8,7 @@ ops it left unconverted; a crash is seen by the parent as a signal.
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 
@@ -28,6 +29,18 @@ def _unlowered(module) -> list[str]:
     return out
 
 
+def _public_function(source: dict, merged: bool) -> str:
+    """The source's text, its entry function and module named after the signature when
+    several are merged (merge_modules refuses two public functions of one name)."""
+    with open(source["path"], encoding="utf-8") as f:
+        text = f.read()
+    name = source["name"]
+    if not merged:
+        return text
+    text = text.replace("func.func public @main(", f"func.func public @{name}(", 1)
+    return re.sub(r"^module @[\w.$-]+", f"module @{name}_module", text, count=1, flags=re.MULTILINE)
+
+
 def _child(args: dict) -> int:
     """The child process: convert, write the flatbuffer or a JSON report."""
     from litert_converter import converter_api_ext as ext
@@ -43,18 +56,25 @@ def _child(args: dict) -> int:
         return True  # handled: not printed to stderr as well
 
     context.attach_diagnostic_handler(keep)
-    with open(args["source"], encoding="utf-8") as f:
-        text = f.read()
+    sources = args["sources"]
     module = None
     try:
         with context:
-            module = ir.Module.parse(text)
+            modules = [ir.Module.parse(_public_function(source, len(sources) > 1)) for source in sources]
+            module = modules[0] if len(modules) == 1 else ext.merge_modules(modules)
             config = ext.ConvertToTFLConfig()
             config.strict_qdq_mode = True
             if args["dynamic_range"]:
                 config.qdq_conversion_mode = "DYNAMIC"
             ext.run_convert_to_tfl_passes(module, PassManager(), config)
-            ext.set_signature(module.operation, "serving_default", args["inputs"], args["outputs"])
+            if len(sources) == 1:
+                ext.set_signature(module.operation, sources[0]["name"], sources[0]["inputs"], sources[0]["outputs"])
+            else:
+                functions = {str(op.attributes["sym_name"]).strip('"'): op for op in module.body.operations
+                             if op.operation.name == "func.func" and "sym_name" in op.attributes}
+                for source in sources:
+                    ext.set_signature(functions[source["name"]].operation, source["name"], source["inputs"],
+                                      source["outputs"])
             data = ext.export_flatbuffer_to_bytes(module.operation)
     except Exception as e:  # the converter raises plain RuntimeErrors / ValueErrors
         if module is not None:

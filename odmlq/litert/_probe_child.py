@@ -1,6 +1,7 @@
 """The interpreter probe's child process (see `_probe`): loads a .tflite,
 allocates its tensors (exit 3 when LiteRT refuses) and invokes it once on
-zeros (an exception there is no finding: zeros are no real input).
+zeros (an exception there is no finding: zeros are no real input), and every
+other signature's entry point the same way.
 
 Run as a script with the model's path; it imports only ai_edge_litert and
 numpy. LiteRT aborts the process on some models (a tensor whose scale
@@ -32,6 +33,13 @@ def main(path: str) -> None:
         interpreter.invoke()
     except Exception:  # noqa: BLE001 - zeros are no real input (a DIV by a zero mask sum)
         pass
+    signatures = interpreter.get_signature_list()
+    for name in signatures if len(signatures) > 1 else ():  # every entry point of a multi-signature file
+        runner = interpreter.get_signature_runner(name)
+        try:
+            runner(**{key: np.zeros(d["shape"], d["dtype"]) for key, d in runner.get_input_details().items()})
+        except Exception:  # noqa: BLE001 - as above
+            pass
 
 
 if __name__ == "__main__":

@@ -169,27 +169,46 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
     """
     if path is not None:
         check_output_path(path)  # before any work
+    prepared = prepare(model, rules, rep_dataset, variables=variables, example_inputs=example_inputs,
+                       calibration=calibration, allow_float_ops=allow_float_ops, input_names=input_names,
+                       output_names=output_names, io_dtype=io_dtype, batch_size=batch_size, method=method,
+                       progress=progress)
+    return build(model, prepared, path, variables=variables, verify=verify, verify_samples=verify_samples,
+                 allow_float_ops=allow_float_ops, require_delegate=require_delegate, benchmark=benchmark,
+                 progress=progress)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Prepared:
+    """An export planned, calibrated and scaled, before conversion (internal;
+    `export_tflite` and `export_signatures`)."""
+
+    plan: Plan
+    calibration: Calibration | None
+    scales: Scales
+    graph: Any
+    example_inputs: tuple
+    held_back: list
+    float_ops: Any
+    schema: str
+    io_dtype: str
+    input_names: list[str]
+    output_names: list[str]
+
+
+def prepare(model: Any, rules: Sequence | Plan, rep_dataset, *, variables: Any = None,
+            example_inputs: Sequence[Any] | None = None, calibration: Calibration | None = None,
+            allow_float_ops: bool = False, input_names: Sequence[str] | None = None,
+            output_names: Sequence[str] | None = None, io_dtype: str = "float", batch_size: int = 1,
+            method: Any = None, progress: bool | None = None, weights: Scales | None = None) -> Prepared:
+    """Everything of `export_tflite` before conversion (see its arguments).
+    `weights`: the weights' scales and rounded values to use instead of
+    computing them (another signature's, so that one file shares them)."""
     params = params_for(model, variables, "export_tflite")
     check_finite_params(params)
     batches = list(rep_dataset() if callable(rep_dataset) else rep_dataset or [])
     if example_inputs is None:
-        if not batches:
-            raise PlanError("export_tflite needs example_inputs= or a non-empty rep_dataset.")
-        first = batches[0] if isinstance(batches[0], (tuple, list)) else (batches[0],)
-        for i, x in enumerate(first):
-            kind = np.asarray(x).dtype.kind
-            if kind in "biuf" and np.ndim(x) and np.shape(x)[0] == 0:
-                raise CalibrationError(f"rep_dataset batch 0, input {i} is empty (shape {np.shape(x)}); "
-                                       "give batches with at least one row.")
-            if kind not in "biuf" or np.ndim(x) == 0:
-                raise CalibrationError(
-                    f"rep_dataset batch 0, input {i}: {type(x).__name__} of dtype {np.asarray(x).dtype} and "
-                    f"shape {np.shape(x)}; each batch is an array (or a tuple of arrays, one per model "
-                    "input) of numbers with the batch dimension first.")
-        if not isinstance(batch_size, int) or batch_size < 1 or batch_size > int(np.shape(first[0])[0]):
-            raise PlanError(f"batch_size={batch_size!r}: give an integer from 1 to the first batch's "
-                            f"{int(np.shape(first[0])[0])} rows, or example_inputs= of the shape to export.")
-        example_inputs = tuple(np.asarray(x)[:batch_size] for x in first)
+        example_inputs = _example_inputs(batches, batch_size)
     example_inputs = tuple(example_inputs)
     if isinstance(rules, Plan) and method is not None and method != rules.graph.method:
         raise PlanError(f"method={method!r}, but the plan given traced {rules.graph.method or '__call__'!r}; "
@@ -207,34 +226,81 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
     held_back = batches[-1:] if len(batches) >= 2 else batches
     # Static edges need statistics (an empty rep_dataset is an error there);
     # weights rounded against their inputs (GPTQ, the default) use them where there is data.
-    if calibration is None and (calibrated_edges(plan) or (batches and needs_calibration(plan))):
+    if calibration is None and (calibrated_edges(plan) or (batches and weights is None and needs_calibration(plan))):
         calibration = calibrate(model, plan, batches[:-1] if len(batches) >= 2 else batches,
                                 variables=variables, progress=progress)
-    scales = compute_scales(plan, calibration, params)
+    if weights is None:
+        scales = compute_scales(plan, calibration, params)
+    else:
+        scales = dataclasses.replace(compute_scales(plan, calibration, params, weight_scales=weights.weights),
+                                     weight_values=weights.weight_values)
     # A plan traced for other input shapes (another batch size) is traced again for these.
     graph = GraphCache(model, plan, variables).graph_for(example_inputs) if plan.graph.program is not None else None
     if graph is None:
         graph = make_plan(model, plan.rules, *example_inputs, variables=variables, method=plan.graph.method,
                           target=TARGET).graph
-    fn, blockwise = _annotate.annotated_function(graph, plan, scales, params, float_ops)
-    names_in = list(input_names or _input_names(model, len(graph.inputs), plan.graph.method))
-    names_out = list(output_names or [f"output_{i}" for i in range(len(graph.outputs))])
-    try:
-        with Stage("converting", progress=progress):
-            tflite = _convert.convert(fn, example_inputs, input_names=names_in, output_names=names_out,
-                                      dynamic_range=schema == "dynamic")
-    except _convert.ConversionError as error:
-        raise _with_module_paths(error, plan) from error
-    # int4 weights in blocks: the converter wrote them per channel; their blocks go in here.
-    tflite = _blockwise.write_blockwise(tflite, blockwise)
+    return Prepared(plan=plan, calibration=calibration, scales=scales, graph=graph, example_inputs=example_inputs,
+                    held_back=held_back, float_ops=float_ops, schema=schema, io_dtype=io_dtype,
+                    input_names=list(input_names or _input_names(model, len(graph.inputs), plan.graph.method)),
+                    output_names=list(output_names or [f"output_{i}" for i in range(len(graph.outputs))]))
+
+
+def _example_inputs(batches: list, batch_size: int) -> tuple:
+    """The first `batch_size` rows of the first batch, after checking it."""
+    if not batches:
+        raise PlanError("export_tflite needs example_inputs= or a non-empty rep_dataset.")
+    first = batches[0] if isinstance(batches[0], (tuple, list)) else (batches[0],)
+    for i, x in enumerate(first):
+        kind = np.asarray(x).dtype.kind
+        if kind in "biuf" and np.ndim(x) and np.shape(x)[0] == 0:
+            raise CalibrationError(f"rep_dataset batch 0, input {i} is empty (shape {np.shape(x)}); "
+                                   "give batches with at least one row.")
+        if kind not in "biuf" or np.ndim(x) == 0:
+            raise CalibrationError(
+                f"rep_dataset batch 0, input {i}: {type(x).__name__} of dtype {np.asarray(x).dtype} and "
+                f"shape {np.shape(x)}; each batch is an array (or a tuple of arrays, one per model "
+                "input) of numbers with the batch dimension first.")
+    if not isinstance(batch_size, int) or batch_size < 1 or batch_size > int(np.shape(first[0])[0]):
+        raise PlanError(f"batch_size={batch_size!r}: give an integer from 1 to the first batch's "
+                        f"{int(np.shape(first[0])[0])} rows, or example_inputs= of the shape to export.")
+    return tuple(np.asarray(x)[:batch_size] for x in first)
+
+
+def annotated(model: Any, prepared: Prepared, *, variables: Any = None):
+    """``(fn, blockwise payloads)``: the prepared model as the function litert-converter converts."""
+    params = params_for(model, variables, "export_tflite")
+    return _annotate.annotated_function(prepared.graph, prepared.plan, prepared.scales, params, prepared.float_ops)
+
+
+def finished(tflite: bytes, prepared: Prepared, blockwise, subgraph: int = 0) -> bytes:
+    """The converter's flatbuffer with what it cannot write put in: int4 block
+    payloads (into `subgraph`, the prepared signature's), int64 biases of 16x8
+    convolutions, an integer interface."""
+    tflite = _blockwise.write_blockwise(tflite, blockwise, subgraph)
     # litert-converter 0.5.0 writes an int32 bias for 16x8 convolutions, whose
     # kernels read int64 (outputs off by the whole range, or a depthwise
     # convolution refused at allocation): the bias is rewritten in the file.
     tflite = _repair.repair_int16_conv_bias(tflite, int32_bias_when_exact=True)
-    if io_dtype != "float":
-        tflite = _integer_interface(tflite, io_dtype)
+    if prepared.io_dtype != "float":
+        tflite = _integer_interface(tflite, prepared.io_dtype)
+    return tflite
+
+
+def build(model: Any, prepared: Prepared, path: str | os.PathLike | None = None, *, variables: Any = None,
+          verify: bool = True, verify_samples: int = 32, allow_float_ops: bool = False,
+          require_delegate: bool = False, benchmark: bool = False, progress: bool | None = None) -> Export:
+    """Converts, checks, verifies and writes a prepared export (see `export_tflite`)."""
+    plan, schema = prepared.plan, prepared.schema
+    fn, blockwise = annotated(model, prepared, variables=variables)
+    try:
+        with Stage("converting", progress=progress):
+            tflite = _convert.convert(fn, prepared.example_inputs, input_names=prepared.input_names,
+                                      output_names=prepared.output_names, dynamic_range=schema == "dynamic")
+    except _convert.ConversionError as error:
+        raise with_module_paths(error, plan) from error
+    tflite = finished(tflite, prepared, blockwise)
     summary = inspect(tflite)
-    _check_summary(schema, summary, allow_float_ops, float_ops)
+    _check_summary(schema, summary, allow_float_ops, prepared.float_ops)
     # Never write (or load here) a file that crashes LiteRT: a child process tries it first.
     try:
         probe(tflite, f"the model exported for {os.fspath(path)!r}" if path is not None else "the exported model")
@@ -244,17 +310,17 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
     check_delegation(delegation, schema, require_delegate)
     latency = None
     if benchmark:
-        latency = _benchmark(model, tflite, example_inputs, variables=variables, progress=progress,
-                             names=(names_in, names_out), io_dtype=io_dtype)
+        latency = _benchmark(model, tflite, prepared.example_inputs, variables=variables, progress=progress,
+                             names=(prepared.input_names, prepared.output_names), io_dtype=prepared.io_dtype)
     report = None
     if verify:
-        samples = verification_samples(held_back, verify_samples)
-        report = verify_model(tflite, model, plan, scales, samples, variables=variables,
+        samples = verification_samples(prepared.held_back, verify_samples)
+        report = verify_model(tflite, model, plan, prepared.scales, samples, variables=variables,
                               min_output_sqnr_db=_MIN_SQNR_DB.get(schema), progress=progress)
-    written = _write_atomically(path, tflite) if path is not None else None
-    return Export(tflite=tflite, path=written, plan=plan, calibration=calibration, scales=scales,
+    written = write_atomically(path, tflite) if path is not None else None
+    return Export(tflite=tflite, path=written, plan=plan, calibration=prepared.calibration, scales=prepared.scales,
                   summary=summary, verification=report, delegation=delegation, latency=latency,
-                  batch_size=int(np.shape(jax.tree_util.tree_leaves(example_inputs)[0])[0]))
+                  batch_size=int(np.shape(jax.tree_util.tree_leaves(prepared.example_inputs)[0])[0]))
 
 
 def _benchmark(model, tflite: bytes, example_inputs, *, variables, progress, names, io_dtype: str) -> Latency:
@@ -285,7 +351,7 @@ def _benchmark(model, tflite: bytes, example_inputs, *, variables, progress, nam
 _MIN_SQNR_DB = {"weight_only": 60.0, "float": 60.0, "dynamic": 30.0, "static": 30.0}
 
 
-def _with_module_paths(error, plan: Plan):
+def with_module_paths(error, plan: Plan):
     """The converter's error, with the plan ops (and module paths) it names."""
     ops = []
     for location in error.locations:
@@ -375,7 +441,7 @@ def _input_names(model: Any, n: int, method: str | Callable | None = None) -> li
     return names[:n] if len(names) >= n else [f"input_{i}" for i in range(n)]
 
 
-def _write_atomically(path: str | os.PathLike, data: bytes) -> str:
+def write_atomically(path: str | os.PathLike, data: bytes) -> str:
     with atomic_output(path) as temporary:
         with open(temporary, "wb") as f:
             f.write(data)
