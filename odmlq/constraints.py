@@ -150,6 +150,11 @@ class Target:
     # How the target stores a weight's block scales ('float16': LiteRT's
     # blockwise tensors); None: as computed (float32).
     block_scale_dtype: str | None = None
+    # Whether a dynamic-range matmul quantizes its input per row, every axis
+    # but the contracted ones with its own range (LiteRT's hybrid
+    # FULLY_CONNECTED and XNNPACK's qd8 kernels), where a rule asks for one
+    # range per tensor.
+    dynamic_inputs_per_row: bool = False
 
     def constraints_of(self, kind: str) -> OpConstraints | None:
         return self.ops.get(kind)

@@ -58,7 +58,7 @@ def plan(model: Any, rules, *example_inputs: Any, variables: Any = None, method:
 
 def ptq(model: Any, rules, params: Any = None, calibration=None, *,
         example_inputs: Sequence[Any] | None = None,
-        target: str | Target | Sequence[Target] = "both") -> xla.QuantizedModel:
+        target: str | Target | Sequence[Target] = "both", method: Any = None) -> xla.QuantizedModel:
     """`odmlq.xla.ptq`, planning for `target` ('both' by default) when given rules.
 
     With the default, the quantized model computes what the LiteRT export of
@@ -70,4 +70,4 @@ def ptq(model: Any, rules, params: Any = None, calibration=None, *,
       >>> y = qmodel(x)
     """
     return xla.ptq(model, rules, params, calibration, example_inputs=example_inputs,
-                   target=targets_of(target))
+                   target=targets_of(target), method=method)

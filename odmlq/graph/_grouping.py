@@ -358,7 +358,10 @@ class _Builder:
             w = self.w.weights.get(r)
             if w is None:
                 edge = program.edge_of.get(r)
-                operands.append(Operand(role="input", edge=edge, shape=shape, dtype=dtype))
+                # A matmul's activation: the axes it contracts (None: not traced through its layout).
+                contraction = axes[r][1] if r in axes else ()
+                operands.append(Operand(role="input", edge=edge, shape=shape, dtype=dtype,
+                                        contraction_axes=contraction))
             elif not w.params:
                 if rec.kind != "scan":
                     self.register_constant(rec, program, r, len([o for o in operands if o.role == "constant"]))
@@ -442,14 +445,19 @@ class _Builder:
                     program.constant_of[(id(step), pos)] = (rec.id, index)
 
     def weight_axes(self, rec: _OpRec) -> dict[int, tuple]:
-        """Output-channel and contraction axes of each weight, in its parameter's layout."""
+        """Output-channel and contraction axes of each weight, in its parameter's
+        layout, and of each activation input (free and contracted axes), in its own."""
         local = {}
         for r in self.external_ins(rec):
+            if isinstance(r, _Lit):
+                continue
             w = self.w.weights.get(r)
             if w is not None:
                 # A constant (no parameter behind it) is laid out as it is read.
                 local[r] = (w.axis_map if w.axis_map is not None or w.params
                             else tuple(range(len(self.w.avals[r].shape))))
+            else:
+                local[r] = tuple(range(len(self.w.avals[r].shape)))
         origin = {r: r for r in local}
         found: dict[int, tuple] = {}
         for step in rec.steps:

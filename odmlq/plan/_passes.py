@@ -160,3 +160,30 @@ def dynamic_kernel_inputs(plan) -> dict[str, list]:
             if spec is not None and spec.dynamic:
                 out.setdefault(op.id, []).append((index, spec))
     return out
+
+
+def dynamic_per_row(graph: Graph, by_edge: dict) -> None:
+    """A dynamic edge that only matmuls quantize (``dot_general``: LiteRT's
+    hybrid FULLY_CONNECTED, which quantizes each row of its input with the
+    row's own range) gets one range per row, every axis but the contracted
+    ones, where its rule asks for one per tensor: every backend then computes
+    what the kernel computes. An edge a convolution also reads keeps its spec."""
+    for edge in graph.edges.values():
+        plan = by_edge.get(edge.id)
+        if plan is None or plan.spec is None or not plan.spec.dynamic or plan.spec.scale_axes:
+            continue
+        rows = set()
+        for consumer in edge.consumers:
+            op = graph.op(consumer)
+            if op.kind not in MATMUL_KINDS:
+                continue  # read in float
+            for operand in op.operands:
+                if operand.role != "input" or operand.edge is None or graph.resolve(operand.edge) != edge.id:
+                    continue
+                contracted = operand.contraction_axes
+                rows.add(None if op.kind != "dot_general" or not contracted else
+                         tuple(a for a in range(len(operand.shape)) if a not in contracted))
+        if len(rows) == 1 and None not in rows:
+            by_edge[edge.id] = dataclasses.replace(
+                plan, spec=dataclasses.replace(plan.spec, scale_axes=rows.pop()),
+                reason=plan.reason + "; per row, as the hybrid matmul kernel quantizes it")

@@ -28,6 +28,7 @@ from odmlq.plan._passes import (
     calibrate_masks,
     calibrate_norms,
     dynamic_only_into_kernels,
+    dynamic_per_row,
     fuse_activations,
     resolve_output_constraints,
     share_scale_of_activations_beside_others,
@@ -314,6 +315,7 @@ def plan_graph(graph: Graph, rules: Sequence[Rule], target: Target | Sequence[Ta
     op_plans: dict[str, OpPlan] = {}
     matched: set[int] = set()
     need_weight = any(t.dynamic_inputs_need_weight for t in targets)
+    rows = any(t.dynamic_inputs_per_row for t in targets)
     for op in graph.ops:
         index = None
         if op.kind != "scan":
@@ -325,11 +327,12 @@ def plan_graph(graph: Graph, rules: Sequence[Rule], target: Target | Sequence[Ta
         quantized_constant = any(w.role == "weight" and w.spec is not None for w in weights) or any(
             c is not None for c in constants)
         op_plans[op.id] = OpPlan(op=op.id, rule=index, weights=weights, constants=constants,
-                                 skip=rule is not None and rule.skip, dynamic_input=dynamic_input_spec(op, rule),
+                                 skip=rule is not None and rule.skip,
+                                 dynamic_input=dynamic_input_spec(op, rule, rows),
                                  dynamic_inputs_float=need_weight and op.kind in MATMUL_KINDS
                                  and not quantized_constant)
     _share_weight_specs(op_plans)
-    edge_plans = _edge_plans(graph, rules, op_plans, combine_targets(targets))
+    edge_plans = _edge_plans(graph, rules, op_plans, combine_targets(targets), rows=rows)
     unmatched = warn_unmatched(rules, matched)
     return Plan(graph=graph, rules=rules, ops=op_plans, edges=edge_plans,
                 unmatched_rules=tuple(unmatched), targets=tuple(t.name for t in targets),
@@ -429,7 +432,7 @@ def _weight_plans(op: Op, rule: Rule | None, index: int | None,
     return tuple(out)
 
 
-def _edge_plans(graph: Graph, rules, op_plans, constraints) -> dict[str, EdgePlan]:
+def _edge_plans(graph: Graph, rules, op_plans, constraints, *, rows: bool = False) -> dict[str, EdgePlan]:
     by_edge: dict[str, EdgePlan] = {}
     for edge in graph.edges.values():
         if edge.alias is not None:
@@ -459,6 +462,8 @@ def _edge_plans(graph: Graph, rules, op_plans, constraints) -> dict[str, EdgePla
     calibrate_norms(graph, by_edge)
     fuse_activations(graph, by_edge, constraints)
     dynamic_only_into_kernels(graph, by_edge)
+    if rows:
+        dynamic_per_row(graph, by_edge)
     resolve_output_constraints(graph, by_edge, constraints)
     share_scale_of_activations_beside_others(graph, by_edge, constraints)
     for edge in graph.edges.values():

@@ -47,13 +47,19 @@ def constant_specs(op: Op, rule: Rule | None) -> tuple[QuantSpec | None, ...]:
                  else None for c in op.constants)
 
 
-def dynamic_input_spec(op: Op, rule: Rule | None) -> QuantSpec | None:
-    """What a dynamic-range matmul/conv kernel quantizes its float inputs to."""
+def dynamic_input_spec(op: Op, rule: Rule | None, rows: bool = False) -> QuantSpec | None:
+    """What a dynamic-range matmul/conv kernel quantizes its float inputs to
+    (`rows`: a ``dot_general`` with one activation input quantizes it per
+    row, as `odmlq.plan._passes.dynamic_per_row` says)."""
     if (op.kind not in MATMUL_KINDS or rule is None or rule.skip or not rule.act_dynamic
             or rule.act_qtype is None):
         return None
+    inputs = [o for o in op.operands if o.role == "input"]
+    axes = ()
+    if rows and op.kind == "dot_general" and len(inputs) == 1 and inputs[0].contraction_axes:
+        axes = tuple(a for a in range(len(inputs[0].shape)) if a not in inputs[0].contraction_axes)
     return QuantSpec(qtype=lookup_qtype(rule.act_qtype).name, symmetric=rule.resolved("act_symmetric"),
-                     dynamic=True)
+                     scale_axes=axes, dynamic=True)
 
 
 def weight_spec(op: Op, operand: Operand, rule: Rule, index: int,

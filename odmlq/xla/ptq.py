@@ -144,7 +144,7 @@ class _Kernels(FakeQuant):
 
 def ptq(model: Any, rules: Sequence | Plan, params: Any = None, calibration: Calibration | None = None, *,
         example_inputs: Sequence[Any] | None = None,
-        target: Target | Sequence[Target] = TARGET) -> QuantizedModel:
+        target: Target | Sequence[Target] = TARGET, method: Any = None) -> QuantizedModel:
     """Quantizes `model` for XLA: QArray weights, integer (or fp8) matmuls.
 
     The schema follows from the rules, as for the LiteRT export: weights alone
@@ -165,6 +165,10 @@ def ptq(model: Any, rules: Sequence | Plan, params: Any = None, calibration: Cal
       target: the targets to plan for when given rules (a Plan carries its
         own): XLA alone by default, whose kernels constrain no scale;
         ``odmlq.ptq`` plans for XLA and LiteRT, so that both compute the same.
+      method: the Linen or NNX method to quantize (default: the model's
+        call), as `odmlq.plan` takes it; a Plan carries its own. Two methods
+        (a decoder's prefill and decode) share quantized params: pass one
+        model's `params` to the other's `ptq`.
 
     Returns:
       A `QuantizedModel`; `print` it to see the kernel of every quantized op.
@@ -188,13 +192,16 @@ def ptq(model: Any, rules: Sequence | Plan, params: Any = None, calibration: Cal
         else:
             raise PlanError(f"ptq needs the params of {type(model).__name__}: pass them as params=...")
     if isinstance(rules, Plan):
+        if method is not None and method != rules.graph.method:
+            raise PlanError(f"method={method!r}, but the plan given traced {rules.graph.method or '__call__'!r}; "
+                            "leave method out (the plan carries it) or plan that method.")
         plan = rules
     else:
         if example_inputs is None:
             raise PlanError("ptq with rules needs example_inputs=(x, ...) to trace the model "
                             "(or pass a Plan made with odmlq.plan).")
         traced, variables = _for_tracing(model, params)
-        plan = make_plan(traced, rules, *example_inputs, variables=variables, target=target)
+        plan = make_plan(traced, rules, *example_inputs, variables=variables, method=method, target=target)
     leaves, _ = _params.flat_leaves(params)
     _params.check_paths(dict(leaves), plan, partial=False)
     qparams = _params.quantize_params(params, plan, calibration=calibration)

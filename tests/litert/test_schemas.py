@@ -1,5 +1,7 @@
 """Every LiteRT schema through the real converter and interpreter, on trained digits models."""
 
+import flax.linen as nn
+import jax
 import numpy as np
 import pytest
 
@@ -170,3 +172,33 @@ def test_the_export_takes_a_batch_size_and_says_which(models, digits):
     assert _export(models, digits, "mlp", SCHEMAS["int8"][0]).batch_size == 1
     with pytest.raises(PlanError, match=r"batch_size=0: give an integer from 1 to the first batch's 32 rows"):
         _export(models, digits, "mlp", SCHEMAS["int8"][0], batch_size=0)
+
+
+class _Tokens(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(8, name="out")(nn.gelu(nn.Dense(16, name="up")(x)))
+
+
+def test_dynamic_matmul_inputs_are_quantized_per_row_as_the_hybrid_kernel_does():
+    # (batch, tokens, features): LiteRT's hybrid FULLY_CONNECTED quantizes each token's row
+    # with its own range, so the plan does too where LiteRT is a target, and every
+    # backend computes it; XLA alone keeps the rule's one range per tensor.
+    model = _Tokens()
+    x = np.random.default_rng(0).normal(size=(4, 6, 12)).astype(np.float32)
+    x[:, 0] *= 20  # one token's range far wider than the others'
+    variables = model.init(jax.random.key(0), x[:1])
+    rules = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8", act_dynamic=True)]
+    litert_plan = odmlq.plan(model, rules, x[:1], variables=variables, target="litert")
+    xla_plan = odmlq.plan(model, rules, x[:1], variables=variables, target="xla")
+    assert litert_plan.ops["up/dot_general"].dynamic_input.scale_axes == (0, 1)
+    assert litert_plan.edges["up/gelu"].spec.scale_axes == (0, 1)
+    assert xla_plan.edges["up/gelu"].spec.scale_axes == ()
+    result = odmlq.export_tflite(model, rules, [x[:2], x[2:]], variables=variables, progress=False)
+    # Per tensor, the wide token's range costs the others most of their resolution and
+    # LiteRT agreed with simulate at ~35 dB; per row they agree to float32 rounding.
+    assert result.verification.output_sqnr_db >= 60.0, result.verification
+    # XLA computes the same per-row ranges (the export's weights: its calibration rounds them).
+    xla = odmlq.ptq(model, result.plan, variables, result.calibration)
+    simulated = odmlq.simulate(model, result.plan, result.scales, x, variables=variables)
+    np.testing.assert_allclose(np.asarray(xla(x)), np.asarray(simulated), rtol=1e-5, atol=1e-5)
