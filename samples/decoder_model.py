@@ -25,10 +25,12 @@ module read the same weights:
   and value written there (a select against the position, elementwise: no
   dynamic slice for a converter to place).
 
-Masked attention scores get `DecoderConfig.mask_bias` added (-30, as
-MiniLM's does: a quantized score edge that had to hold -1e9 would keep no
-resolution for the real scores; a masked key's weight is e**-30 of a real
-one's, below float32's resolution of a probability near 1).
+A masked attention score is replaced by float32's lowest value
+(``where(visible, scores, finfo.min)``), as Flax and transformers mask: a
+masked key's weight is exactly zero whatever the scores. (An additive bias
+such as -30 is not a mask while training: the model learns scores above 30
+and reads the bytes it is asked to predict. A quantized score edge
+calibrates around the sentinel: `odmlq.Masked`.)
 """
 
 from __future__ import annotations
@@ -57,7 +59,6 @@ class DecoderConfig:
     cache_length: int = 256
     rope_base: float = 10000.0
     norm_eps: float = 1e-6
-    mask_bias: float = -30.0
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden", "layers", "heads", "kv_heads", "head_dim", "mlp_hidden",
@@ -131,7 +132,7 @@ class Attention(nn.Module):
         q = q.reshape(batch, length, c.kv_heads, groups, c.head_dim)
         scores = jnp.einsum("btkgd,bskd->bkgts", q, keys) / np.float32(np.sqrt(c.head_dim))
         visible = key_positions[:, None, :] <= positions[:, :, None]  # (batch, length, keys)
-        scores = scores + jnp.where(visible, 0.0, c.mask_bias)[:, None, None].astype(scores.dtype)
+        scores = jnp.where(visible[:, None, None], scores, jnp.finfo(scores.dtype).min)
         weights = jax.nn.softmax(scores, axis=-1)
         out = jnp.einsum("bkgts,bskd->btkgd", weights, values).reshape(batch, length, c.heads * c.head_dim)
         out = nn.Dense(c.hidden, use_bias=False, name="output")(out)

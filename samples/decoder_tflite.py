@@ -1,0 +1,270 @@
+"""The trained decoder to LiteRT with a KV cache (prefill and decode signatures) and to XLA, verified.
+
+Reads the checkpoint `samples.decoder_lm` writes (``python -m samples.decoder_lm``),
+and for each schema (`SCHEMAS`):
+
+- exports one .tflite with a ``prefill`` signature (a `PROMPT`-byte prompt,
+  the cache in and out) and a ``decode`` signature (one byte at a position,
+  the cache in and out), the weights stored once and every op verified
+  against `odmlq.simulate` (`odmlq.export_signatures`);
+- greedy-decodes `GENERATED` bytes after each of `PROMPTS` prompts (cut
+  from the held-out topics) three ways: the .tflite in LiteRT's
+  interpreter, `simulate` of the same plans and scales, and `odmlq.ptq` on
+  XLA (the same rules and calibration), and counts where they differ;
+- measures perplexity per byte on the held-out topics (windows of
+  `PROMPT` bytes, the prefill signature's logits) for the float model,
+  simulate, XLA and the .tflite;
+- times one decode step on LiteRT (1 thread, XNNPACK, interleaved with the
+  float file) and, jitted, on XLA.
+
+Calibration: prompts cut from the training topics (prefill), and the
+decode steps that follow them in the float model (the cache as the float
+model fills it). The first signature's data rounds the weights (GPTQ, the
+default where data reaches a weight), so prefill and decode share them.
+
+Run it: ``python -m samples.decoder_tflite [--checkpoint PATH] [--out DIR]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+
+import jax
+import numpy as np
+
+import odmlq
+from samples.decoder_lm import corpus
+
+PROMPT, GENERATED, PROMPTS = 64, 64, 10
+CALIBRATION_PROMPTS, DECODE_STEPS = 16, 4
+R = odmlq.Rule
+SCHEMAS: dict[str, list] = {
+    # Hybrid kernels: int8 weights, each matmul's input quantized per row at run time.
+    "int8 dynamic": [R(".*", weight_qtype="int8", act_qtype="int8", act_dynamic=True)],
+    # int4 in blocks of 32 on XNNPACK's blockwise kernel; the tied embedding (also the
+    # table every token is looked up in) stays int8 per channel.
+    "int4 blockwise dynamic": [
+        R("embedding.*", weight_qtype="int8", act_qtype="int8", act_dynamic=True),
+        R(".*", weight_qtype="int4", weight_granularity=odmlq.PerBlock(32), act_qtype="int8", act_dynamic=True)],
+}
+# XLA serving: weights alone quantized (a decode step is memory-bound: int8 weights move a
+# quarter of float's bytes), the activations float.
+XLA_WEIGHT_ONLY: dict[str, list] = {
+    "XLA int8 weight-only": [R(".*", op="dot_general", weight_qtype="int8"), R("embedding", weight_qtype="int8")],
+    "XLA int4 blockwise weight-only": [
+        R("embedding.*", weight_qtype="int8"),
+        R(".*", op="dot_general", weight_qtype="int4", weight_granularity=odmlq.PerBlock(32))],
+}
+NAMES = {"prefill": (["tokens", "keys", "values"], ["logits", "keys", "values"]),
+         "decode": (["token", "position", "keys", "values"], ["logits", "keys", "values"])}
+
+
+def prompts(text: np.ndarray, count: int, length: int = PROMPT, seed: int = 0) -> np.ndarray:
+    """`count` windows of `length` bytes at random places of `text`, ``(count, length)`` int32."""
+    starts = np.random.default_rng(seed).integers(0, len(text) - length, count)
+    return np.stack([text[s:s + length] for s in starts]).astype(np.int32)
+
+
+def calibration(model, variables, training: np.ndarray):
+    """``(prefill batches, decode batches)``: prompts from the training text, and the
+    decode steps after them with the cache the float model fills."""
+    batch = prompts(training, CALIBRATION_PROMPTS, seed=1)
+    prefill, decode = [], []
+    for rows in np.split(batch, 4):
+        keys, values = model.empty_cache(len(rows))
+        prefill.append((rows, keys, values))
+        logits, keys, values = model.apply(variables, rows, keys, values, method="prefill")
+        token = np.argmax(np.asarray(logits)[:, -1:], axis=-1).astype(np.int32)
+        for step in range(DECODE_STEPS):
+            position = np.full((len(rows),), PROMPT + step, np.int32)
+            decode.append((token, position, np.asarray(keys), np.asarray(values)))
+            logits, keys, values = model.apply(variables, token, position, keys, values, method="decode")
+            token = np.argmax(np.asarray(logits), axis=-1).astype(np.int32)
+    return prefill, decode
+
+
+def greedy(prefill, decode, prompt: np.ndarray, empty_cache, steps: int = GENERATED) -> np.ndarray:
+    """`steps` greedy bytes after `prompt` ``(1, PROMPT)``: ``prefill(tokens, keys, values)``
+    and ``decode(token, position, keys, values)`` return ``(logits, keys, values)``."""
+    keys, values = empty_cache(1)
+    logits, keys, values = prefill(prompt, keys, values)
+    token = np.argmax(np.asarray(logits)[:, -1:], axis=-1).astype(np.int32)
+    out = []
+    for step in range(steps):
+        out.append(int(token[0, 0]))
+        logits, keys, values = decode(token, np.array([prompt.shape[1] + step], np.int32), keys, values)
+        token = np.argmax(np.asarray(logits), axis=-1).astype(np.int32)
+    return np.asarray(out, np.int32)
+
+
+def perplexity(prefill, empty_cache, text: np.ndarray, length: int = PROMPT) -> float:
+    """Per-byte perplexity from the prefill logits of consecutive windows (one at a time)."""
+    total, count = 0.0, 0
+    for start in range(0, len(text) - length - 1, length):
+        window = text[start:start + length + 1].astype(np.int32)
+        logits = np.asarray(prefill(window[None, :-1], *empty_cache(1))[0], np.float64)[0]
+        logits -= logits.max(axis=-1, keepdims=True)
+        log_probs = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
+        total -= float(np.sum(log_probs[np.arange(length), window[1:]]))
+        count += length
+    return math.exp(total / count)
+
+
+def _litert(tflite: bytes):
+    runner = odmlq.litert.interpreter(tflite, num_threads=1)
+    prefill, decode = runner.get_signature_runner("prefill"), runner.get_signature_runner("decode")
+
+    def run_prefill(tokens, keys, values):
+        out = prefill(tokens=tokens, keys=np.asarray(keys), values=np.asarray(values))
+        return out["logits"], out["keys"], out["values"]
+
+    def run_decode(token, position, keys, values):
+        out = decode(token=token, position=position, keys=np.asarray(keys), values=np.asarray(values))
+        return out["logits"], out["keys"], out["values"]
+
+    return run_prefill, run_decode
+
+
+def decode_inputs(model, position: int = PROMPT) -> tuple:
+    """One decode step's inputs: a byte at `position` of an empty cache."""
+    return (np.array([[65]], np.int32), np.array([position], np.int32), *model.empty_cache(1))
+
+
+def xla_decode_ms(steps: list, inputs: tuple, rounds: int = 15, calls: int = 20) -> list[float]:
+    """Median ms per call of each jitted decode step, timed in the same interleaved rounds."""
+    for step in steps:
+        jax.block_until_ready(step(*inputs))  # compiled
+    spent: list[list[float]] = [[] for _ in steps]
+    for _ in range(rounds):
+        for step, times in zip(steps, spent):
+            start = time.perf_counter()
+            for _ in range(calls):
+                jax.block_until_ready(step(*inputs))
+            times.append(1e3 * (time.perf_counter() - start) / calls)
+    return [float(np.median(t)) for t in spent]
+
+
+def main(checkpoint: str = "out/decoder.safetensors", out_dir: str = "out", schemas=tuple(SCHEMAS),
+         held_out_bytes: int | None = 8192) -> dict:
+    from converters.decoder import load_decoder
+
+    os.makedirs(out_dir, exist_ok=True)
+    model, variables, config = load_decoder(checkpoint)
+    training, held_out = corpus()
+    held_out = held_out[:held_out_bytes]
+    prefill_data, decode_data = calibration(model, variables, training)
+    tests = prompts(held_out, PROMPTS, seed=2)
+
+    def float_prefill(t, k, v):
+        return model.apply(variables, t, k, v, method="prefill")
+
+    def float_decode(t, p, k, v):
+        return model.apply(variables, t, p, k, v, method="decode")
+
+    jit_prefill, jit_decode = jax.jit(float_prefill), jax.jit(float_decode)
+    results = {"float": {"perplexity": perplexity(jit_prefill, model.empty_cache, held_out),
+                         "tokens": [greedy(jit_prefill, jit_decode, p[None], model.empty_cache) for p in tests]}}
+    float_export = odmlq.export_signatures(model, [], _signatures(prefill_data, decode_data), variables=variables,
+                                           verify=False, progress=False)
+    results["float"]["bytes"] = len(float_export.tflite)
+    float_decode_file = float_export.signatures["decode"].tflite
+    for schema in schemas:
+        results[schema] = _schema(schema, model, variables, prefill_data, decode_data, tests, held_out, out_dir,
+                                  float_decode_file, jit_decode)
+    for name, rules in XLA_WEIGHT_ONLY.items():
+        results[name] = _weight_only(rules, model, variables, prefill_data, held_out, jit_decode)
+    _print(results, config)
+    return results
+
+
+def _signatures(prefill_data, decode_data) -> dict:
+    return {name: odmlq.Signature(method=name, rep_dataset=data, input_names=NAMES[name][0],
+                                  output_names=NAMES[name][1])
+            for name, data in (("prefill", prefill_data), ("decode", decode_data))}
+
+
+def _schema(schema, model, variables, prefill_data, decode_data, tests, held_out, out_dir, float_decode_file,
+            float_xla_decode) -> dict:
+    rules = SCHEMAS[schema]
+    path = os.path.join(out_dir, f"decoder_{schema.replace(' ', '_')}.tflite")
+    exported = odmlq.export_signatures(model, rules, _signatures(prefill_data, decode_data), path,
+                                       variables=variables, progress=False)
+    single = exported.signatures
+    simulated = {name: odmlq.Simulator(model, single[name].plan, single[name].scales, variables=variables)
+                 for name in single}
+    litert_prefill, litert_decode = _litert(exported.tflite)
+    # XLA: the same plans and calibration; decode reads the params prefill quantized.
+    xla_prefill = odmlq.ptq(model, single["prefill"].plan, variables, single["prefill"].calibration)
+    xla_decode = odmlq.ptq(model, single["decode"].plan, xla_prefill.params, single["decode"].calibration)
+    runs = {"litert": (litert_prefill, litert_decode),
+            "simulate": (simulated["prefill"], simulated["decode"]),
+            "xla": (xla_prefill, xla_decode)}
+    row = {"bytes": len(exported.tflite), "path": path,
+           "partitions": {name: single[name].delegation.partitions for name in single}}
+    for run, (prefill, decode) in runs.items():
+        row[run] = {"tokens": [greedy(prefill, decode, p[None], model.empty_cache) for p in tests],
+                    "perplexity": perplexity(prefill, model.empty_cache, held_out)}
+    for run in ("simulate", "xla"):
+        row[f"litert_vs_{run}"] = sum(int(np.sum(a != b)) for a, b in zip(row["litert"]["tokens"],
+                                                                          row[run]["tokens"]))
+    # Each decode signature alone (the same ops as in the combined file), float and quantized
+    # in the same interleaved rounds, one thread.
+    inputs = decode_inputs(model)
+    row["litert_ms"], row["float_litert_ms"] = odmlq.litert.interleaved_latency(
+        [single["decode"].tflite, float_decode_file], inputs, rounds=15, invokes=50)
+    xla_step = jax.jit(xla_decode.apply)
+    row["xla_ms"], row["float_xla_ms"] = xla_decode_ms(
+        [lambda *x: xla_step(xla_decode.params, *x), float_xla_decode], inputs)
+    return row
+
+
+def _weight_only(rules, model, variables, prefill_data, held_out, float_xla_decode) -> dict:
+    """XLA serving with weights alone quantized (GPTQ against the prefill data): perplexity
+    and the decode step against float's, in the same interleaved rounds."""
+    prompt = prefill_data[0]
+    plan = odmlq.plan(model, rules, *prompt, variables=variables, method="prefill", target="xla")
+    calibration = odmlq.calibrate(model, plan, prefill_data, variables=variables, progress=False)
+    prefill = odmlq.ptq(model, plan, variables, calibration)
+    decode = odmlq.ptq(model, rules, prefill.params, example_inputs=decode_inputs(model), method="decode",
+                       target="xla")
+    step = jax.jit(decode.apply)
+    ms, float_ms = xla_decode_ms([lambda *x: step(decode.params, *x), float_xla_decode], decode_inputs(model))
+    return {"perplexity": perplexity(prefill, model.empty_cache, held_out), "xla_ms": ms, "float_xla_ms": float_ms,
+            "bytes": sum(getattr(q, "nbytes", np.size(q) * 4) for q in jax.tree.leaves(
+                prefill.params, is_leaf=lambda q: isinstance(q, odmlq.QArray)))}
+
+
+def _print(results: dict, config) -> None:
+    flt = results["float"]
+    total = GENERATED * PROMPTS
+    print(f"decoder: {config.layers} layers, hidden {config.hidden}, {config.heads} heads / {config.kv_heads} KV "
+          f"heads, cache {config.cache_length}; {PROMPTS} prompts of {PROMPT} bytes, {GENERATED} generated each")
+    print(f"float: held-out perplexity {flt['perplexity']:.4f} per byte; .tflite {flt['bytes']:,} bytes")
+    for schema, row in results.items():
+        if schema == "float":
+            continue
+        change = 100 * (row.get("litert", row)["perplexity"] / flt["perplexity"] - 1)
+        if "litert" not in row:  # XLA weight-only
+            print(f"{schema}: perplexity {row['perplexity']:.4f} ({change:+.2f}%), weights {row['bytes']:,} bytes; "
+                  f"decode step {row['xla_ms']:.3f} ms vs float {row['float_xla_ms']:.3f} ms "
+                  f"({row['float_xla_ms'] / row['xla_ms']:.2f}x float's tokens/s)")
+            continue
+        print(f"{schema}: {row['bytes']:,} bytes, XNNPACK partitions {row['partitions']}; greedy bytes that differ "
+              f"from LiteRT's: simulate {row['litert_vs_simulate']} / {total}, XLA {row['litert_vs_xla']} / {total}")
+        print("  perplexity: " + ", ".join(
+            f"{run} {row[run]['perplexity']:.4f} ({100 * (row[run]['perplexity'] / flt['perplexity'] - 1):+.2f}%)"
+            for run in ("simulate", "xla", "litert")))
+        print(f"  decode step, LiteRT 1 thread: {row['litert_ms']:.3f} ms vs float {row['float_litert_ms']:.3f} ms "
+              f"({row['float_litert_ms'] / row['litert_ms']:.2f}x float's tokens/s); XLA (same rules) "
+              f"{row['xla_ms']:.3f} ms vs {row['float_xla_ms']:.3f} ms")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", default="out/decoder.safetensors")
+    parser.add_argument("--out", default="out")
+    args = parser.parse_args()
+    main(args.checkpoint, args.out)
