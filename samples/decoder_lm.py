@@ -24,7 +24,6 @@ import os
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 

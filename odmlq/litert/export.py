@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect as pyinspect
 import os
 import tempfile
 import warnings
@@ -13,21 +12,20 @@ from typing import Any
 import jax
 import numpy as np
 
-from odmlq.calibration import calibrate, calibrated_edges, needs_calibration
-from odmlq.files import atomic_output, check_output_path
-from odmlq.graph import GraphCache, check_finite_params, is_keras, keras_input_names, params_for
 from odmlq.calibration import Calibration
-from odmlq.errors import CalibrationError, OdmlqError, PlanError
+from odmlq.errors import OdmlqError
+from odmlq.files import atomic_output, check_output_path
+from odmlq.graph import params_for
 from odmlq.litert import _annotate, _blockwise, _convert, _repair
-from odmlq.litert._check import FloatOpsError, check_io_dtype, check_plan
+from odmlq.litert._check import FloatOpsError, check_plan
+from odmlq.litert._prepare import Prepared, prepare
 from odmlq.litert._probe import LiteRTCrashError, probe
 from odmlq.litert.inspect import ModelSummary, inspect
 from odmlq.litert.speed import Delegation, Latency, check_delegation, delegation as delegation_of, interleaved_latency
-from odmlq.litert.spec import TARGET
 from odmlq.progress import Stage
 from odmlq.litert.verify import VerificationReport, verification_samples, verify as verify_model
-from odmlq.plan import Plan, plan as make_plan
-from odmlq.scales import Scales, compute_scales
+from odmlq.plan import Plan
+from odmlq.scales import Scales
 
 __all__ = ["export_tflite", "Export", "FloatOpsError", "check_plan"]
 
@@ -58,38 +56,6 @@ class Export:
         if self.verification is not None:
             lines.append(str(self.verification))
         return "\n".join(lines)
-
-
-SCHEMAS = ("static", "dynamic", "weight_only", "float")
-
-
-def schema_of(plan: Plan) -> str:
-    """Which LiteRT schema a plan asks for.
-
-    - ``static``: activations quantized with calibrated ranges (full integer,
-      int8 or int16x8);
-    - ``dynamic``: int8 weights, activations quantized at run time by the
-      kernels (dynamic-range);
-    - ``weight_only``: quantized weights, float activations;
-    - ``float``: nothing quantized.
-
-    Raises:
-      PlanError: static and dynamic activations mixed in one model.
-    """
-    specs = [p.spec for p in plan.edges.values() if p.spec is not None]
-    static = [s for s in specs if not s.dynamic]
-    dynamic = [s for s in specs if s.dynamic]
-    if static and dynamic:
-        raise PlanError(
-            "The plan mixes static and dynamic activation quantization; a LiteRT model is "
-            "either full integer or dynamic-range. Make every act rule static or every one dynamic."
-        )
-    if static:
-        return "static"
-    if dynamic:
-        return "dynamic"
-    weights = any(w.spec is not None for p in plan.ops.values() for w in p.weights)
-    return "weight_only" if weights else "float"
 
 
 def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Callable | None,
@@ -145,7 +111,7 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
         input and output scales are in the signature's tensors). Full-integer
         schemas only.
 
-    The schema follows from the rules (see `schema_of`): calibrated int8 or
+    The schema follows from the rules (see `_prepare.schema_of`): calibrated int8 or
     int16 activations give a full-integer model; `act_dynamic=True` a
     dynamic-range one (int8 weights, activations quantized by the kernels at
     run time); weights alone a weight-only one (int8 or packed int4 weights
@@ -176,94 +142,6 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
     return build(model, prepared, path, variables=variables, verify=verify, verify_samples=verify_samples,
                  allow_float_ops=allow_float_ops, require_delegate=require_delegate, benchmark=benchmark,
                  progress=progress)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Prepared:
-    """An export planned, calibrated and scaled, before conversion (internal;
-    `export_tflite` and `export_signatures`)."""
-
-    plan: Plan
-    calibration: Calibration | None
-    scales: Scales
-    graph: Any
-    example_inputs: tuple
-    held_back: list
-    float_ops: Any
-    schema: str
-    io_dtype: str
-    input_names: list[str]
-    output_names: list[str]
-
-
-def prepare(model: Any, rules: Sequence | Plan, rep_dataset, *, variables: Any = None,
-            example_inputs: Sequence[Any] | None = None, calibration: Calibration | None = None,
-            allow_float_ops: bool = False, input_names: Sequence[str] | None = None,
-            output_names: Sequence[str] | None = None, io_dtype: str = "float", batch_size: int = 1,
-            method: Any = None, progress: bool | None = None, weights: Scales | None = None) -> Prepared:
-    """Everything of `export_tflite` before conversion (see its arguments).
-    `weights`: the weights' scales and rounded values to use instead of
-    computing them (another signature's, so that one file shares them)."""
-    params = params_for(model, variables, "export_tflite")
-    check_finite_params(params)
-    batches = list(rep_dataset() if callable(rep_dataset) else rep_dataset or [])
-    if example_inputs is None:
-        example_inputs = _example_inputs(batches, batch_size)
-    example_inputs = tuple(example_inputs)
-    if isinstance(rules, Plan) and method is not None and method != rules.graph.method:
-        raise PlanError(f"method={method!r}, but the plan given traced {rules.graph.method or '__call__'!r}; "
-                        "leave method out (the plan carries it) or plan that method.")
-    plan = (rules if isinstance(rules, Plan)
-            else make_plan(model, rules, *example_inputs, variables=variables, method=method, target=TARGET))
-    float_ops = check_plan(plan, allow_float_ops=allow_float_ops)
-    schema = schema_of(plan)
-    if io_dtype not in ("float", "int8", "int16"):
-        raise PlanError(f"io_dtype={io_dtype!r}; choose 'float', 'int8' or 'int16'.")
-    if io_dtype != "float" and schema != "static":
-        raise PlanError(f"io_dtype={io_dtype!r} needs a full-integer model; this plan is {schema}.")
-    if io_dtype != "float":
-        check_io_dtype(plan, io_dtype)
-    held_back = batches[-1:] if len(batches) >= 2 else batches
-    # Static edges need statistics (an empty rep_dataset is an error there);
-    # weights rounded against their inputs (GPTQ, the default) use them where there is data.
-    if calibration is None and (calibrated_edges(plan) or (batches and weights is None and needs_calibration(plan))):
-        calibration = calibrate(model, plan, batches[:-1] if len(batches) >= 2 else batches,
-                                variables=variables, progress=progress)
-    if weights is None:
-        scales = compute_scales(plan, calibration, params)
-    else:
-        scales = dataclasses.replace(compute_scales(plan, calibration, params, weight_scales=weights.weights),
-                                     weight_values=weights.weight_values)
-    # A plan traced for other input shapes (another batch size) is traced again for these.
-    graph = GraphCache(model, plan, variables).graph_for(example_inputs) if plan.graph.program is not None else None
-    if graph is None:
-        graph = make_plan(model, plan.rules, *example_inputs, variables=variables, method=plan.graph.method,
-                          target=TARGET).graph
-    return Prepared(plan=plan, calibration=calibration, scales=scales, graph=graph, example_inputs=example_inputs,
-                    held_back=held_back, float_ops=float_ops, schema=schema, io_dtype=io_dtype,
-                    input_names=list(input_names or _input_names(model, len(graph.inputs), plan.graph.method)),
-                    output_names=list(output_names or [f"output_{i}" for i in range(len(graph.outputs))]))
-
-
-def _example_inputs(batches: list, batch_size: int) -> tuple:
-    """The first `batch_size` rows of the first batch, after checking it."""
-    if not batches:
-        raise PlanError("export_tflite needs example_inputs= or a non-empty rep_dataset.")
-    first = batches[0] if isinstance(batches[0], (tuple, list)) else (batches[0],)
-    for i, x in enumerate(first):
-        kind = np.asarray(x).dtype.kind
-        if kind in "biuf" and np.ndim(x) and np.shape(x)[0] == 0:
-            raise CalibrationError(f"rep_dataset batch 0, input {i} is empty (shape {np.shape(x)}); "
-                                   "give batches with at least one row.")
-        if kind not in "biuf" or np.ndim(x) == 0:
-            raise CalibrationError(
-                f"rep_dataset batch 0, input {i}: {type(x).__name__} of dtype {np.asarray(x).dtype} and "
-                f"shape {np.shape(x)}; each batch is an array (or a tuple of arrays, one per model "
-                "input) of numbers with the batch dimension first.")
-    if not isinstance(batch_size, int) or batch_size < 1 or batch_size > int(np.shape(first[0])[0]):
-        raise PlanError(f"batch_size={batch_size!r}: give an integer from 1 to the first batch's "
-                        f"{int(np.shape(first[0])[0])} rows, or example_inputs= of the shape to export.")
-    return tuple(np.asarray(x)[:batch_size] for x in first)
 
 
 def annotated(model: Any, prepared: Prepared, *, variables: Any = None):
@@ -424,21 +302,6 @@ def _float_op_listing(ops, limit: int = 12) -> str:
              for path, kinds in groups.items()]
     more = len(items) - limit
     return "; ".join(items[:limit]) + (f"; and {more} more modules ({len(ops)} ops in all)" if more > 0 else "")
-
-
-def _input_names(model: Any, n: int, method: str | Callable | None = None) -> list[str]:
-    if is_keras(model):
-        names = keras_input_names(model) or []
-        return names if len(names) == n else [f"input_{i}" for i in range(n)]
-    try:
-        if method is not None and not isinstance(method, str):  # a function taking the module first
-            raise TypeError("a method given as a function")
-        fn = model.__call__ if method is None else getattr(model, method)
-        names = [p.name for p in pyinspect.signature(fn).parameters.values()
-                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    except (TypeError, ValueError):
-        names = []
-    return names[:n] if len(names) >= n else [f"input_{i}" for i in range(n)]
 
 
 def write_atomically(path: str | os.PathLike, data: bytes) -> str:

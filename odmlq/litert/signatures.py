@@ -38,8 +38,8 @@ from odmlq.files import check_output_path
 from odmlq.litert import _convert
 from odmlq.litert._probe import LiteRTCrashError, probe
 from odmlq.litert._runtime import interpreter
-from odmlq.litert.export import (Export, Prepared, annotated, build, finished, prepare, with_module_paths,
-                                 write_atomically)
+from odmlq.litert._prepare import Prepared, prepare
+from odmlq.litert.export import Export, annotated, build, finished, with_module_paths, write_atomically
 from odmlq.litert.verify import verification_samples
 from odmlq.progress import Stage
 
