@@ -25,9 +25,9 @@ module read the same weights:
   and value written there (a select against the position, elementwise: no
   dynamic slice for a converter to place).
 
-A masked attention score is replaced by float32's lowest value
-(``where(visible, scores, finfo.min)``), as Flax and transformers mask: a
-masked key's weight is exactly zero whatever the scores. (An additive bias
+A masked attention score gets float32's lowest value added (``scores +
+where(visible, 0, finfo.min)``), as transformers masks: a masked key's weight
+is exactly zero whatever the scores. (An additive bias
 such as -30 is not a mask while training: the model learns scores above 30
 and reads the bytes it is asked to predict. A quantized score edge
 calibrates around the sentinel: `odmlq.Masked`.)
@@ -132,7 +132,9 @@ class Attention(nn.Module):
         q = q.reshape(batch, length, c.kv_heads, groups, c.head_dim)
         scores = jnp.einsum("btkgd,bskd->bkgts", q, keys) / np.float32(np.sqrt(c.head_dim))
         visible = key_positions[:, None, :] <= positions[:, :, None]  # (batch, length, keys)
-        scores = jnp.where(visible[:, None, None], scores, jnp.finfo(scores.dtype).min)
+        # Added, not selected: one ADD the delegate runs (a SELECT of the scores it does not), and
+        # as exact: a score plus float32's lowest value is that value, whose softmax weight is 0.
+        scores = scores + jnp.where(visible, 0.0, jnp.finfo(scores.dtype).min)[:, None, None].astype(scores.dtype)
         weights = jax.nn.softmax(scores, axis=-1)
         out = jnp.einsum("bkgts,bskd->btkgd", weights, values).reshape(batch, length, c.heads * c.head_dim)
         out = nn.Dense(c.hidden, use_bias=False, name="output")(out)

@@ -49,6 +49,11 @@ SCHEMAS: dict[str, list] = {
     "int4 blockwise dynamic": [
         R("embedding.*", weight_qtype="int8", act_qtype="int8", act_dynamic=True),
         R(".*", weight_qtype="int4", weight_granularity=odmlq.PerBlock(32), act_qtype="int8", act_dynamic=True)],
+    # The same, each block rounded to nearest instead of by GPTQ: what GPTQ buys.
+    "int4 blockwise dynamic, to nearest": [
+        R("embedding.*", weight_qtype="int8", act_qtype="int8", act_dynamic=True, weight_algorithm=odmlq.Nearest()),
+        R(".*", weight_qtype="int4", weight_granularity=odmlq.PerBlock(32), act_qtype="int8", act_dynamic=True,
+          weight_algorithm=odmlq.Nearest())],
 }
 # XLA serving: weights alone quantized (a decode step is memory-bound: int8 weights move a
 # quarter of float's bytes), the activations float.
@@ -57,6 +62,10 @@ XLA_WEIGHT_ONLY: dict[str, list] = {
     "XLA int4 blockwise weight-only": [
         R("embedding.*", weight_qtype="int8"),
         R(".*", op="dot_general", weight_qtype="int4", weight_granularity=odmlq.PerBlock(32))],
+    "XLA int4 blockwise weight-only, to nearest": [
+        R("embedding.*", weight_qtype="int8", weight_algorithm=odmlq.Nearest()),
+        R(".*", op="dot_general", weight_qtype="int4", weight_granularity=odmlq.PerBlock(32),
+          weight_algorithm=odmlq.Nearest())],
 }
 NAMES = {"prefill": (["tokens", "keys", "values"], ["logits", "keys", "values"]),
          "decode": (["token", "position", "keys", "values"], ["logits", "keys", "values"])}
@@ -176,6 +185,11 @@ def main(checkpoint: str = "out/decoder.safetensors", out_dir: str = "out", sche
                                   float_decode_file, jit_decode)
     for name, rules in XLA_WEIGHT_ONLY.items():
         results[name] = _weight_only(rules, model, variables, prefill_data, held_out, jit_decode)
+    results["text"] = {"prompt": bytes(tests[0].astype(np.uint8)).decode("utf-8", "replace"),
+                       "float": bytes(results["float"]["tokens"][0].astype(np.uint8)).decode("utf-8", "replace")}
+    for schema in schemas:
+        results["text"][schema] = bytes(results[schema]["litert"]["tokens"][0].astype(np.uint8)).decode(
+            "utf-8", "replace")
     _print(results, config)
     return results
 
@@ -244,7 +258,7 @@ def _print(results: dict, config) -> None:
           f"heads, cache {config.cache_length}; {PROMPTS} prompts of {PROMPT} bytes, {GENERATED} generated each")
     print(f"float: held-out perplexity {flt['perplexity']:.4f} per byte; .tflite {flt['bytes']:,} bytes")
     for schema, row in results.items():
-        if schema == "float":
+        if schema in ("float", "text"):
             continue
         change = 100 * (row.get("litert", row)["perplexity"] / flt["perplexity"] - 1)
         if "litert" not in row:  # XLA weight-only
@@ -260,6 +274,11 @@ def _print(results: dict, config) -> None:
         print(f"  decode step, LiteRT 1 thread: {row['litert_ms']:.3f} ms vs float {row['float_litert_ms']:.3f} ms "
               f"({row['float_litert_ms'] / row['litert_ms']:.2f}x float's tokens/s); XLA (same rules) "
               f"{row['xla_ms']:.3f} ms vs {row['float_xla_ms']:.3f} ms")
+    text = results["text"]
+    print(f"\nprompt: {text['prompt']!r}")
+    for name, generated in text.items():
+        if name != "prompt":
+            print(f"  {name + ':':<40} {generated!r}")
 
 
 if __name__ == "__main__":
