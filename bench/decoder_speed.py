@@ -1,0 +1,109 @@
+"""Decode tokens per second of the decoder (`samples.decoder_model`): LiteRT and XLA, quantized against float.
+
+One decode step (one byte at position 64 of a 256-position cache, batch 1)
+at two sizes: the sample's trained decoder (3.2M parameters: its weights
+stay in this CPU's cache) and a serving-size one (about 90M parameters,
+random weights: a step reads every weight from memory). For each:
+
+- LiteRT, 1 thread, XNNPACK: the ``decode`` method exported alone (the same
+  ops as the decode signature of `samples.decoder_tflite`'s files) as float,
+  int8 dynamic-range and int4 blockwise dynamic-range (blocks of 32; the tied
+  embedding int8), all timed in the same interleaved rounds
+  (`odmlq.litert.interleaved_latency`);
+- XLA CPU, jitted: float against int8 and int4 blockwise weight-only `ptq`,
+  in interleaved rounds.
+
+Speed does not depend on the weights' values: the weights are rounded to
+nearest (no calibration data) and the files are not verified here (the
+sample verifies the same schemas op by op).
+
+Run: ``python bench/decoder_speed.py [--sizes sample,serving] [--checkpoint out/decoder.safetensors]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import odmlq  # noqa: E402
+from samples.decoder_model import Decoder, DecoderConfig  # noqa: E402
+from samples.decoder_tflite import decode_inputs, xla_decode_ms  # noqa: E402
+
+R = odmlq.Rule
+SIZES = {
+    "sample": DecoderConfig(),
+    "serving": DecoderConfig(hidden=1024, layers=8, heads=16, kv_heads=4, head_dim=64, mlp_hidden=2816),
+}
+NEAREST = odmlq.Nearest()
+LITERT = {
+    "float": [],
+    "int8 dynamic": [R(".*", weight_qtype="int8", act_qtype="int8", act_dynamic=True, weight_algorithm=NEAREST)],
+    "int4 blockwise dynamic": [
+        R("embedding.*", weight_qtype="int8", act_qtype="int8", act_dynamic=True, weight_algorithm=NEAREST),
+        R(".*", weight_qtype="int4", weight_granularity=odmlq.PerBlock(32), act_qtype="int8", act_dynamic=True,
+          weight_algorithm=NEAREST)],
+}
+XLA = {
+    "int8 weight-only": [R(".*", op="dot_general", weight_qtype="int8", weight_algorithm=NEAREST),
+                         R("embedding", weight_qtype="int8", weight_algorithm=NEAREST)],
+    "int4 blockwise weight-only": [
+        R("embedding.*", weight_qtype="int8", weight_algorithm=NEAREST),
+        R(".*", op="dot_general", weight_qtype="int4", weight_granularity=odmlq.PerBlock(32),
+          weight_algorithm=NEAREST)],
+}
+
+
+def measure(name: str, model, variables) -> list[dict]:
+    inputs = decode_inputs(model)
+    files = {schema: odmlq.export_tflite(model, rules, [inputs], variables=variables, method="decode",
+                                         verify=False, progress=False).tflite for schema, rules in LITERT.items()}
+    litert_ms = dict(zip(files, odmlq.litert.interleaved_latency(list(files.values()), inputs, rounds=15,
+                                                                 invokes=20)))
+    float_step = jax.jit(lambda *x: model.apply(variables, *x, method="decode"))
+    steps = {"float": float_step}
+    for schema, rules in XLA.items():
+        qmodel = odmlq.ptq(model, rules, variables, example_inputs=inputs, method="decode", target="xla")
+        jitted = jax.jit(qmodel.apply)
+        steps[schema] = (lambda f, p: (lambda *x: f(p, *x)))(jitted, qmodel.params)
+    xla_ms = dict(zip(steps, xla_decode_ms(list(steps.values()), inputs)))
+    parameters = sum(np.size(x) for x in jax.tree.leaves(variables))
+    rows = [{"size": f"{name} ({parameters / 1e6:.1f}M)", "backend": "LiteRT 1 thread", "schema": schema,
+             "bytes": len(files[schema]), "ms": ms, "speedup": litert_ms["float"] / ms}
+            for schema, ms in litert_ms.items()]
+    rows += [{"size": f"{name} ({parameters / 1e6:.1f}M)", "backend": "XLA CPU", "schema": schema, "bytes": None,
+              "ms": ms, "speedup": xla_ms["float"] / ms} for schema, ms in xla_ms.items()]
+    return rows
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="sample,serving")
+    parser.add_argument("--checkpoint", help="the sample's trained decoder (default: random weights)")
+    args = parser.parse_args(argv)
+    rows = []
+    for name in args.sizes.split(","):
+        if name == "sample" and args.checkpoint:
+            from converters.decoder import load_decoder
+
+            model, variables, _ = load_decoder(args.checkpoint)
+        else:
+            model = Decoder(SIZES[name])
+            variables = model.init(jax.random.key(0), np.zeros((1, 4), np.int32))
+        rows += measure(name, model, variables)
+        print(f"# {name} measured", file=sys.stderr, flush=True)
+    print("| model | backend | schema | file bytes | ms per decode step | tokens/s vs float |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        size = "" if r["bytes"] is None else f"{r['bytes']:,}"
+        print(f"| {r['size']} | {r['backend']} | {r['schema']} | {size} | {r['ms']:.3f} | {r['speedup']:.2f}x |")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
