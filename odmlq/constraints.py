@@ -147,8 +147,8 @@ class Target:
     # LiteRT's hybrid depthwise kernel runs outside XNNPACK, slower than the
     # float one XNNPACK runs (and the weight is a small share of a model's).
     dynamic_depthwise_float: bool = False
-    # How the target stores a weight's block scales ('float16': LiteRT's
-    # blockwise tensors); None: as computed (float32).
+    # How the target stores a weight's block scales ('float16', 'bfloat16':
+    # see `QuantSpec.scale_dtype`); None: as computed (float32).
     block_scale_dtype: str | None = None
     # Whether a dynamic-range matmul quantizes its input per row, every axis
     # but the contracted ones with its own range (LiteRT's hybrid

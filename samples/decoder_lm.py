@@ -12,7 +12,7 @@ to `LEARNING_RATE` and decayed to a tenth on a cosine, batches of
 is written with `converters.decoder.save_decoder` (safetensors).
 
 Run it: ``python -m samples.decoder_lm [--steps N] [--out DIR]`` (the
-default model, 3.2M parameters, trains in about 10 minutes on 2 CPU cores).
+default model, 3.2M parameters, trains in about 15 minutes on 2 CPU cores).
 """
 
 from __future__ import annotations

@@ -98,12 +98,12 @@ def test_options_that_cannot_be_honoured_are_refused_before_work(mlp, tmp_path, 
 
 def test_an_output_that_cannot_be_written_is_refused_before_any_work(mlp, tmp_path, monkeypatch):
     model, variables, batches = mlp
-    import odmlq.litert.export as export
+    import odmlq.litert._prepare as prepare
 
     def no_calibration(*args, **kwargs):  # the check comes first: nothing is calibrated or converted
         raise AssertionError("calibration ran before the output path was checked")
 
-    monkeypatch.setattr(export, "calibrate", no_calibration)
+    monkeypatch.setattr(prepare, "calibrate", no_calibration)
     with pytest.raises(OdmlqError, match=r"it is a directory; give a file path, e.g. .*model.tflite"):
         odmlq.export_tflite(model, INT8, batches, tmp_path, variables=variables)
     with pytest.raises(OdmlqError, match=r"directory .*missing' does not exist"):

@@ -14,7 +14,8 @@ per output channel (`placeholder`: the largest block scale of each channel),
 which the converter turns into the same hybrid FULLY_CONNECTED with an int4
 per-channel weight, and `write_blockwise` then puts the plan's block integers
 and scales into that tensor. Simulate and XLA compute with the same block
-scales (rounded up to float16 by the plan: `QuantSpec.scale_dtype`).
+scales, rounded up by the plan to values float16 and bfloat16 both hold
+(`QuantSpec.scale_dtype`): the file stores float16, and XNNPACK reads bfloat16.
 """
 
 from __future__ import annotations

@@ -30,8 +30,10 @@ class QuantSpec:
       dynamic: the range is taken from the tensor itself at run time.
       algorithm: how a weight's values are rounded to the grid (`odmlq.GPTQ`);
         None: to nearest.
-      scale_dtype: how the scales are stored: 'float32', or 'float16' (each
-        scale rounded up to a float16, as LiteRT stores block scales).
+      scale_dtype: how the scales are stored: 'float32', 'float16' (each
+        scale rounded up to a float16), or 'bfloat16' (rounded up to a value
+        bfloat16 and float16 both hold: LiteRT stores block scales as float16
+        and XNNPACK's blockwise kernels read them as bfloat16).
     """
 
     qtype: QType

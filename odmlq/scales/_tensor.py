@@ -8,6 +8,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from odmlq.errors import PlanError
@@ -58,13 +59,39 @@ def tensor_scale(spec, lo, hi, shape) -> TensorScale:
     lo, hi = np.reshape(lo, shape), np.reshape(hi, shape)
     scale, zero_point = compute_scale(lo, hi, spec.qtype, symmetric=spec.symmetric,
                                       narrow_range=spec.narrow_range)
-    if getattr(spec, "scale_dtype", "float32") == "float16":
-        scale = float16_up(scale)
+    scale = stored_scale(scale, getattr(spec, "scale_dtype", "float32"))
     return TensorScale(
         qtype=spec.qtype, scale=np.asarray(scale, np.float32),
         zero_point=None if zero_point is None else np.asarray(zero_point, np.int32),
         scale_axes=spec.scale_axes, block_axis=spec.block_axis, block_size=spec.block_size,
         narrow_range=spec.narrow_range)
+
+
+def stored_scale(scale, dtype: str) -> np.ndarray:
+    """`scale` as stored in `dtype` ('float32': unchanged; see `float16_up`, `bfloat16_up`)."""
+    if dtype == "float16":
+        return float16_up(scale)
+    if dtype == "bfloat16":
+        return bfloat16_up(scale)
+    return scale
+
+
+def bfloat16_up(scale) -> np.ndarray:
+    """Each scale as the nearest value not below it that bfloat16 and float16
+    both hold (float32 values): LiteRT stores block scales as float16, and
+    XNNPACK's blockwise kernels read them as bfloat16 (measured: a float16
+    scale that bfloat16 does not hold put LiteRT's outputs 55 dB from the
+    plan's, one both hold 130 dB). Inside float16's range every such value is
+    a float16: a bfloat16 has 8 significant bits, and a float16 subnormal
+    rounded up to 8 significant bits stays a multiple of its step."""
+    half = float16_up(scale)
+    brain = half.astype(ml_dtypes.bfloat16)
+    low = brain.astype(np.float32) < half
+    brain = np.where(low, np.nextafter(brain, ml_dtypes.bfloat16(np.inf)), brain).astype(np.float32)
+    if not np.all(np.isfinite(brain.astype(np.float16))):
+        raise PlanError(f"A weight scale of {float(np.max(scale)):.3g} is past float16's range (65504), in "
+                        "which LiteRT stores block scales; rescale the weight or use per-channel scales.")
+    return brain
 
 
 def float16_up(scale) -> np.ndarray:

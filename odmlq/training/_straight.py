@@ -88,11 +88,21 @@ def traced_weight_scale(w: jax.Array, spec, template: TensorScale) -> TensorScal
     bound = (bound * jnp.float32(method.clip_ratio)).reshape(shape)
     scale, zero_point = compute_scale(-bound, bound, spec.qtype, symmetric=spec.symmetric,
                                       narrow_range=spec.narrow_range)
-    if getattr(spec, "scale_dtype", "float32") == "float16":
+    dtype = getattr(spec, "scale_dtype", "float32")
+    if dtype in ("float16", "bfloat16"):
         scale = _float16_up(scale)
+    if dtype == "bfloat16":
+        scale = _bfloat16_up(scale)
     return TensorScale(qtype=template.qtype, scale=scale, zero_point=zero_point, scale_axes=template.scale_axes,
                        block_axis=template.block_axis, block_size=template.block_size,
                        narrow_range=template.narrow_range)
+
+
+def _bfloat16_up(scale: jax.Array) -> jax.Array:
+    """`odmlq.scales.bfloat16_up` (after `_float16_up`) in the traced program."""
+    brain = scale.astype(jnp.bfloat16)
+    brain = jnp.where(brain.astype(jnp.float32) < scale, jnp.nextafter(brain, jnp.bfloat16(jnp.inf)), brain)
+    return brain.astype(jnp.float32)
 
 
 def _float16_up(scale: jax.Array) -> jax.Array:
