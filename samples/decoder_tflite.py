@@ -222,8 +222,9 @@ def _schema(schema, model, variables, prefill_data, decode_data, tests, held_out
         row[run] = {"tokens": [greedy(prefill, decode, p[None], model.empty_cache) for p in tests],
                     "perplexity": perplexity(prefill, model.empty_cache, held_out)}
     for run in ("simulate", "xla"):
-        row[f"litert_vs_{run}"] = sum(int(np.sum(a != b)) for a, b in zip(row["litert"]["tokens"],
-                                                                          row[run]["tokens"]))
+        # Per prompt: how many bytes agree before the first that differs (GENERATED: all of them).
+        row[f"litert_vs_{run}"] = [int(np.argmax(a != b)) if np.any(a != b) else GENERATED
+                                   for a, b in zip(row["litert"]["tokens"], row[run]["tokens"])]
     # Each decode signature alone (the same ops as in the combined file), float and quantized
     # in the same interleaved rounds, one thread.
     inputs = decode_inputs(model)
@@ -253,7 +254,6 @@ def _weight_only(rules, model, variables, prefill_data, held_out, float_xla_deco
 
 def _print(results: dict, config) -> None:
     flt = results["float"]
-    total = GENERATED * PROMPTS
     print(f"decoder: {config.layers} layers, hidden {config.hidden}, {config.heads} heads / {config.kv_heads} KV "
           f"heads, cache {config.cache_length}; {PROMPTS} prompts of {PROMPT} bytes, {GENERATED} generated each")
     print(f"float: held-out perplexity {flt['perplexity']:.4f} per byte; .tflite {flt['bytes']:,} bytes")
@@ -266,8 +266,11 @@ def _print(results: dict, config) -> None:
                   f"decode step {row['xla_ms']:.3f} ms vs float {row['float_xla_ms']:.3f} ms "
                   f"({row['float_xla_ms'] / row['xla_ms']:.2f}x float's tokens/s)")
             continue
-        print(f"{schema}: {row['bytes']:,} bytes, XNNPACK partitions {row['partitions']}; greedy bytes that differ "
-              f"from LiteRT's: simulate {row['litert_vs_simulate']} / {total}, XLA {row['litert_vs_xla']} / {total}")
+        same = {run: sum(n == GENERATED for n in row[f"litert_vs_{run}"]) for run in ("simulate", "xla")}
+        print(f"{schema}: {row['bytes']:,} bytes, XNNPACK partitions {row['partitions']}; prompts whose {GENERATED} "
+              f"greedy bytes LiteRT generates as: simulate {same['simulate']} / {PROMPTS}, XLA {same['xla']} / "
+              f"{PROMPTS} (bytes before a difference: simulate {row['litert_vs_simulate']}, XLA "
+              f"{row['litert_vs_xla']})")
         print("  perplexity: " + ", ".join(
             f"{run} {row[run]['perplexity']:.4f} ({100 * (row[run]['perplexity'] / flt['perplexity'] - 1):+.2f}%)"
             for run in ("simulate", "xla", "litert")))
