@@ -29,12 +29,13 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 
+from odmlq import _sums
 from odmlq.graph import folded_bias, folded_operands
 from odmlq.plan import QuantSpec, dynamic_kernel_inputs, input_conversion_scales
 from odmlq.qarray import compute_scale, fake_quant
 from odmlq.scales import Scales, TensorScale, fake_quant_bias
 
-__all__ = ["FakeQuant", "Materializer", "PlanHooks", "dynamic_fake_quant"]
+__all__ = ["FakeQuant", "Materializer", "PlanHooks", "dynamic_fake_quant", "dynamic_scale"]
 
 
 class Materializer(Protocol):
@@ -54,7 +55,16 @@ class Materializer(Protocol):
 
 
 class FakeQuant:
-    """The reference semantics: quantize then dequantize, in float."""
+    """The reference semantics: quantize then dequantize, in float; a matmul
+    of two quantized operands sums their integer codes exactly, then scales
+    (`odmlq._sums`: what integer kernels compute)."""
+
+    def integer_sums(self, op) -> bool:
+        """Whether `op`'s matmul of two quantized operands sums their codes
+        (`odmlq._sums`). Materializers whose values are off the grids (blends,
+        masks), that need gradients through the matmul, or that emit their own
+        kernels say False."""
+        return True
 
     def edge(self, edge_id: str, x: jax.Array, ts: TensorScale) -> jax.Array:
         return ts.fake_quant(x)
@@ -96,6 +106,7 @@ class PlanHooks:
         self.converted = input_conversion_scales(plan, scales)
         self.dynamic = dynamic_kernel_inputs(plan)
         self.derived: dict[str, list[int]] = {}
+        self._integer_sums = getattr(self.materializer, "integer_sums", None)
         for op_id, index in scales.derived:
             self.derived.setdefault(op_id, []).append(index)
 
@@ -114,9 +125,15 @@ class PlanHooks:
     def on_op(self, op_id: str, compute: Callable, *operands) -> list:
         op = self.graph.op(op_id)
         operands = list(operands)
+        grids = {} if self._integer_sums and op.kind == "dot_general" and self._integer_sums(op) else None
         for index, ts in self.converted.get(op_id, ()):
             operands[index] = self.materializer.converted_input(op, index, operands[index], ts)
+            if grids is not None:
+                grids[index] = _grid_of(ts, operands[index])
         for index, spec in self.dynamic.get(op_id, ()):
+            if grids is not None:
+                scale, zero_point = dynamic_scale(operands[index], spec)
+                grids[index] = _sums.grid(spec.qtype, scale, zero_point, operands[index].shape)
             operands[index] = self.materializer.dynamic_input(op, index, operands[index], spec)
         for index in self.derived.get(op_id, ()):
             operands[index] = self.materializer.constant(op, index, operands[index],
@@ -128,7 +145,28 @@ class PlanHooks:
                 bias = bias + self.scales.shifts[op_id]
             bias = self.materializer.folded_bias(op, bias, self.scales.op_biases.get(op_id))
             operands = folded_operands(op, operands, bias)
+        if grids is not None:
+            compute = self._exact(op, compute, operands, grids)
         return self.materializer.op(op, compute, operands)
+
+    def _exact(self, op, compute: Callable, operands: list, grids: dict) -> Callable:
+        """`compute` with its matmul of two quantized operands summed on the codes."""
+        weight = None
+        for index, operand in enumerate(op.operands):
+            if index in grids:
+                continue
+            ts = None
+            if operand.role == "weight":
+                ts = self.scales.weights.get(operand.param)
+                weight = index if ts is not None else weight
+            elif operand.role == "input" and operand.edge is not None:
+                ts = self.scales.edges.get(operand.edge)
+            if ts is not None:
+                grids[index] = _grid_of(ts, operands[index])
+        for index in self.derived.get(op.id, ()):
+            grids[index] = _grid_of(self.scales.derived[(op.id, index)], operands[index])
+        grids = {i: g for i, g in grids.items() if g is not None}
+        return _sums.integer_sums(compute, operands, grids, weight)
 
     def _folded(self, op) -> bool:
         """A BatchNorm is folded where its op's kernel is quantized (`fold_params`)."""
@@ -142,9 +180,19 @@ class PlanHooks:
                               on_op=self.on_op)
 
 
-def dynamic_fake_quant(x: jax.Array, spec: QuantSpec) -> jax.Array:
-    """Run-time range: the tensor's own min/max (per tensor or per channel)."""
+def dynamic_scale(x: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array | None]:
+    """Run-time range: the tensor's own min/max (per tensor or per channel),
+    as ``(scale, zero point)`` keepdims-shaped to `x`."""
     axes = tuple(a for a in range(x.ndim) if a not in spec.scale_axes)
     lo, hi = jnp.min(x, axis=axes, keepdims=True), jnp.max(x, axis=axes, keepdims=True)
-    scale, zero_point = compute_scale(lo, hi, spec.qtype, symmetric=spec.symmetric)
+    return compute_scale(lo, hi, spec.qtype, symmetric=spec.symmetric)
+
+
+def dynamic_fake_quant(x: jax.Array, spec: QuantSpec) -> jax.Array:
+    """`x` on the grid of its run-time range (`dynamic_scale`)."""
+    scale, zero_point = dynamic_scale(x, spec)
     return fake_quant(x, spec.qtype, scale=scale, zero_point=zero_point, scale_axes=spec.scale_axes)
+
+
+def _grid_of(ts: TensorScale, x: Any):
+    return _sums.grid(ts.qtype, ts.scale, ts.zero_point, jnp.shape(x), ts.block_axis, ts.block_size)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -252,3 +253,28 @@ def _run_scan(region: _Region, ins: list, hooks: _Hooks) -> list:
     n_ys = len(region.eqn.outvars) - ncarry
     ys = [jnp.stack([step[j] for step in steps]) for j in range(n_ys)] if steps else []
     return [*carry, *ys]
+
+
+def evaluate_replacing(closed, args, replace: Mapping[int, Callable]) -> list:
+    """Evaluates a closed jaxpr (a traced op), with some equations replaced:
+    ``replace[i](eqn, ins)`` -> the outputs of equation `i`."""
+    jaxpr = closed.jaxpr
+    env = {}
+
+    def read(a):
+        return a.val if isinstance(a, jcore.Literal) else env[a]
+
+    for v, c in zip(jaxpr.constvars, closed.consts):
+        env[v] = c
+    for v, a in zip(jaxpr.invars, args):
+        env[v] = a
+    for i, eqn in enumerate(jaxpr.eqns):
+        ins = [read(a) for a in eqn.invars]
+        if i in replace:
+            outs = replace[i](eqn, ins)
+        else:
+            outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+            outs = outs if eqn.primitive.multiple_results else [outs]
+        for v, o in zip(eqn.outvars, outs):
+            env[v] = o
+    return [read(a) for a in jaxpr.outvars]

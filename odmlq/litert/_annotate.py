@@ -232,6 +232,9 @@ class Annotation(FakeQuant):
     def __init__(self, scales: Scales, graph, keep_float=frozenset()):
         self.scales, self.graph, self.keep_float = scales, graph, keep_float
 
+    def integer_sums(self, op) -> bool:
+        return False  # the converter makes the integer kernels
+
     def edge(self, edge_id, x, ts):
         if ts.scale_axes:
             return x

@@ -33,11 +33,11 @@ from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
-from jax.extend import core as jcore
 
 from odmlq.qarray import kernels as qkernels
 from odmlq.errors import PlanError
-from odmlq.graph import MATMUL_KINDS
+from odmlq.graph import MATMUL_KINDS, evaluate_replacing
+from odmlq.plan import dynamic_kernel_inputs
 from odmlq.qarray import QArray, compute_scale
 from odmlq.xla import _conv, _decode, _matmul
 from odmlq.xla._inputs import Input, converted_inputs
@@ -85,6 +85,7 @@ class Lowerer:
         self.ops = {op.id: op for op in graph.ops}
         self.plan, self.scales, self.weights, self.records = plan, scales, weights, records
         self.converted = converted_inputs(plan, scales) if converted is None else converted
+        self.dynamic = dynamic_kernel_inputs(plan)
 
     def on_op(self, op_id: str, compute: Callable, *operands):
         op = self.ops[op_id]
@@ -117,7 +118,7 @@ class Lowerer:
         kernel = self._kernel(op, path, eqn, side, operands[w_index], read)
         if isinstance(kernel, str):
             return self._emulate(op, path, compute, operands, kernel, read)
-        return _evaluate(closed, operands, {anchors[0]: kernel})
+        return evaluate_replacing(closed, operands, {anchors[0]: kernel})
 
     def _input(self, op, index: int, converted: Mapping[int, Input]) -> Input | None:
         """How the op reads operand `index`: through a conversion, at its edge's
@@ -125,6 +126,9 @@ class Lowerer:
         if index in converted:
             return converted[index]
         edge = op.operands[index].edge
+        dynamic = dict(self.dynamic.get(op.id, ()))
+        if index in dynamic:  # a dynamic edge, or a float one its rule has the kernel quantize
+            return Input(edge=edge, spec=dynamic[index], scale=None)
         spec = self.plan.edges[edge].spec
         if spec is None:
             return None
@@ -298,27 +302,3 @@ def dynamic_fake_quant(x, spec):
     qt = spec.qtype
     values = qkernels.dequantize_values(codes, scale, zero_point, qkernels.kernel_for(qt), None, None)
     return values.astype(x.dtype)
-
-
-def _evaluate(closed, args, replace: Mapping[int, Callable]) -> list:
-    """Evaluates a traced op, with some equations replaced: ``replace[i](eqn, ins)``."""
-    jaxpr = closed.jaxpr
-    env = {}
-
-    def read(a):
-        return a.val if isinstance(a, jcore.Literal) else env[a]
-
-    for v, c in zip(jaxpr.constvars, closed.consts):
-        env[v] = c
-    for v, a in zip(jaxpr.invars, args):
-        env[v] = a
-    for i, eqn in enumerate(jaxpr.eqns):
-        ins = [read(a) for a in eqn.invars]
-        if i in replace:
-            outs = replace[i](eqn, ins)
-        else:
-            outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
-            outs = outs if eqn.primitive.multiple_results else [outs]
-        for v, o in zip(eqn.outvars, outs):
-            env[v] = o
-    return [read(a) for a in jaxpr.outvars]

@@ -133,6 +133,11 @@ class _Kernels(FakeQuant):
     def __init__(self, plan, lowerer):
         self.plan, self.lowerer = plan, lowerer
 
+    def integer_sums(self, op) -> bool:
+        # A matmul with a quantized weight gets its kernel from the Lowerer;
+        # one of two activations sums their codes as simulate does.
+        return _lowering.quantized_weight(self.plan, op) is None
+
     def dynamic_input(self, op, index, x, spec):
         if _lowering.quantized_weight(self.plan, op) is not None:
             return x

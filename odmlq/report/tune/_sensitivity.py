@@ -30,6 +30,9 @@ __all__ = ["edge_groups", "energies", "group_noise", "output_errors"]
 class _Blend(FakeQuant):
     """`FakeQuant`, each quantization scaled by its group's mask entry."""
 
+    def integer_sums(self, op) -> bool:
+        return False  # a blend of float and quantized values is on no grid
+
     def __init__(self, mask: jax.Array, edge_group: Mapping[str, int], op_group: Mapping[str, int]):
         self.mask, self.edge_group, self.op_group = mask, edge_group, op_group
 
