@@ -36,8 +36,14 @@ from odmlq.xla import _decode
 
 # Weight elements per block of the row-blocked matmul: 1 MiB of int8 codes
 # (4 MiB once dequantized). Measured in bench/README.md: on a 4096-wide
-# weight, 256-row blocks beat 64 and 1024 at batch 1 and 32.
+# weight, 256-row blocks beat 64 and 1024 at batch 32.
 BLOCK_ELEMENTS = 2**20
+# A matrix-vector product (a decode step: at most this many rows of input)
+# reads each weight once, and its block is best kept in this CPU's L2 cache:
+# 2^16 elements (256 KiB in float32) ran 1.2-1.7x float where 2^20 ran
+# 0.7-1.1x, weight-only and int8 alike (bench/README.md, "decode steps").
+VECTOR_ROWS = 4
+VECTOR_BLOCK_ELEMENTS = 2**16
 _DOT = (((1,), (0,)), ((), ()))
 
 
@@ -64,6 +70,11 @@ class DotLayout:
     @property
     def n(self) -> int:
         return math.prod(self.w_free)
+
+    @property
+    def m(self) -> int:
+        """Rows of the activation matrix."""
+        return math.prod(self.x_free)
 
     @property
     def w_identity(self) -> bool:
@@ -139,7 +150,8 @@ class MatrixWeight:
 
 def matrix_weight(q: QArray, layout: DotLayout, block_elements: int | None = None) -> MatrixWeight | None:
     """`q` as a (K, N) row-blocked matrix; None if its scale varies along
-    several contraction axes (then it is not lowered)."""
+    several contraction axes (then it is not lowered). `block_elements`:
+    weight elements per block (default: by the rows the activation has)."""
     k, n = layout.k, layout.n
     nc = len(layout.w_perm) - len(layout.w_free)
     scale = _matrix_param(q.scale, layout, nc)
@@ -147,7 +159,9 @@ def matrix_weight(q: QArray, layout: DotLayout, block_elements: int | None = Non
         return None
     zero_point = _matrix_param(q.zero_point, layout, nc)
     rows_per_scale = 0 if scale.shape[0] == 1 else k // scale.shape[0]
-    rows = block_rows(k, n, max(rows_per_scale, 1), block_elements or BLOCK_ELEMENTS)
+    if block_elements is None:
+        block_elements = VECTOR_BLOCK_ELEMENTS if layout.m <= VECTOR_ROWS else BLOCK_ELEMENTS
+    rows = block_rows(k, n, max(rows_per_scale, 1), block_elements)
     packed = q.qtype_info.values_per_byte == 2 and layout.w_identity and n % 2 == 0
     if packed:
         codes = q.qvalue.reshape(k // rows, rows, n // 2)
