@@ -221,10 +221,10 @@ def _schema(schema, model, variables, prefill_data, decode_data, tests, held_out
     for run, (prefill, decode) in runs.items():
         row[run] = {"tokens": [greedy(prefill, decode, p[None], model.empty_cache) for p in tests],
                     "perplexity": perplexity(prefill, model.empty_cache, held_out)}
-    for run in ("simulate", "xla"):
+    for first, second in (("litert", "simulate"), ("litert", "xla"), ("simulate", "xla")):
         # Per prompt: how many bytes agree before the first that differs (GENERATED: all of them).
-        row[f"litert_vs_{run}"] = [int(np.argmax(a != b)) if np.any(a != b) else GENERATED
-                                   for a, b in zip(row["litert"]["tokens"], row[run]["tokens"])]
+        row[f"{first}_vs_{second}"] = [int(np.argmax(a != b)) if np.any(a != b) else GENERATED
+                                       for a, b in zip(row[first]["tokens"], row[second]["tokens"])]
     # Each decode signature alone (the same ops as in the combined file), float and quantized
     # in the same interleaved rounds, one thread.
     inputs = decode_inputs(model)
@@ -266,11 +266,13 @@ def _print(results: dict, config) -> None:
                   f"decode step {row['xla_ms']:.3f} ms vs float {row['float_xla_ms']:.3f} ms "
                   f"({row['float_xla_ms'] / row['xla_ms']:.2f}x float's tokens/s)")
             continue
-        same = {run: sum(n == GENERATED for n in row[f"litert_vs_{run}"]) for run in ("simulate", "xla")}
+        pairs = ("litert_vs_simulate", "litert_vs_xla", "simulate_vs_xla")
+        same = {pair: sum(n == GENERATED for n in row[pair]) for pair in pairs}
         print(f"{schema}: {row['bytes']:,} bytes, XNNPACK partitions {row['partitions']}; prompts whose {GENERATED} "
-              f"greedy bytes LiteRT generates as: simulate {same['simulate']} / {PROMPTS}, XLA {same['xla']} / "
-              f"{PROMPTS} (bytes before a difference: simulate {row['litert_vs_simulate']}, XLA "
-              f"{row['litert_vs_xla']})")
+              f"greedy bytes are the same: " + ", ".join(
+                  f"{pair.replace('_vs_', ' = ')} {same[pair]} / {PROMPTS}" for pair in pairs)
+              + " (bytes before a difference: " + ", ".join(
+                  f"{pair.replace('_vs_', ' = ')} {row[pair]}" for pair in pairs if same[pair] < PROMPTS) + ")")
         print("  perplexity: " + ", ".join(
             f"{run} {row[run]['perplexity']:.4f} ({100 * (row[run]['perplexity'] / flt['perplexity'] - 1):+.2f}%)"
             for run in ("simulate", "xla", "litert")))
