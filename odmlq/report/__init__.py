@@ -11,8 +11,8 @@ from odmlq.report._islands import FloatOp
 from odmlq.report._metrics import EdgeMetrics, ErrorHistogram, edge_metrics
 from odmlq.litert.device import NOT_ODMLQ
 from odmlq.report._report import RUNS, EdgeReport, Report, ReportError, compare
-from odmlq.report._weights import OUTLIER_RATIO, WeightRange
+from odmlq.report._weights import COLLAPSED_FRACTION, OUTLIER_RATIO, WeightRange
 
 __all__ = ["Advice", "EdgeMetrics", "EdgeReport", "ErrorHistogram", "FloatOp", "Measured", "NOT_ODMLQ",
-           "OUTLIER_RATIO", "RUNS", "Report", "ReportError", "WeightRange", "compare",
+           "COLLAPSED_FRACTION", "OUTLIER_RATIO", "RUNS", "Report", "ReportError", "WeightRange", "compare",
            "device_report", "edge_metrics"]

@@ -65,6 +65,23 @@ def _contributors(report) -> list[str]:
 
 
 def _weights(weights) -> list[str]:
+    return _outliers(weights) + _collapsed(weights)
+
+
+def _collapsed(weights) -> list[str]:
+    flagged = [w for w in weights if w.collapsed]
+    if not flagged:
+        return []
+    lines = [f"Weights with collapsed blocks or channels (over half of their nonzero weights round to 0; "
+             f"a smaller block, per-channel scales or more bits keep them): {len(flagged)} of {len(weights)}"]
+    for w in flagged:
+        shown = ", ".join(map(str, w.collapsed[:8])) + (", ..." if len(w.collapsed) > 8 else "")
+        lines.append(f"  {w.param} ({w.spec}): {len(w.collapsed)} of {w.cells} scale cells collapsed "
+                     f"(flat index in the scale's shape: {shown})")
+    return lines
+
+
+def _outliers(weights) -> list[str]:
     flagged = [w for w in weights if w.outliers]
     if not flagged:
         return [f"weights: {len(weights)} quantized, no outlier channels (abs max > 4x the median channel's)"

@@ -11,6 +11,12 @@ set by the largest channel, the median channel then uses under a quarter of
 the levels: two bits of an int8 weight lost to one channel. Per-channel
 weights are flagged too (their own scales absorb the outlier, but a
 per-tensor scheme, or an input scale shared with them, would not).
+
+The collapse rule: a scale's cell (a block, a channel, or the whole tensor)
+is collapsed when more than `COLLAPSED_FRACTION` (half) of its nonzero
+weights round to code 0 at that scale: one large weight sets the cell's
+scale and the rest of the cell vanishes (an int4 model that passes a smoke
+test and answers garbage). Rounded to nearest at the weights' `Scales`.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import numpy as np
 from odmlq.scales import flat_params
 
 OUTLIER_RATIO = 4.0
+COLLAPSED_FRACTION = 0.5
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -39,6 +46,10 @@ class WeightRange:
         None for fp8 / nf4).
       median_levels: per-tensor integer weights only: how many of `levels`
         the median channel's abs max reaches under the tensor's one scale.
+      cells: the weight's scale cells (blocks x channels, channels, or 1);
+        0 where it was not checked (no integer scale known).
+      collapsed: flat indices (in the scale's shape, row-major) of the cells
+        where over half of the nonzero weights round to 0.
     """
 
     param: str
@@ -50,6 +61,8 @@ class WeightRange:
     outliers: tuple[int, ...]
     levels: int | None = None
     median_levels: float | None = None
+    cells: int = 0
+    collapsed: tuple[int, ...] = ()
 
     @property
     def absmax(self) -> np.ndarray:
@@ -66,14 +79,16 @@ class WeightRange:
         return {"param": self.param, "module_path": self.module_path, "spec": self.spec,
                 "axis": self.axis, "min": list(self.min), "max": list(self.max),
                 "outliers": list(self.outliers), "levels": self.levels,
-                "median_levels": self.median_levels}
+                "median_levels": self.median_levels, "cells": self.cells,
+                "collapsed": list(self.collapsed)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "WeightRange":
         return cls(param=d["param"], module_path=d["module_path"], spec=d["spec"], axis=d["axis"],
                    min=tuple(float(v) for v in d["min"]), max=tuple(float(v) for v in d["max"]),
                    outliers=tuple(int(c) for c in d["outliers"]), levels=d.get("levels"),
-                   median_levels=d.get("median_levels"))
+                   median_levels=d.get("median_levels"), cells=int(d.get("cells", 0)),
+                   collapsed=tuple(int(c) for c in d.get("collapsed", ())))
 
 
 def _operands(plan) -> dict[str, tuple]:
@@ -129,7 +144,30 @@ def weight_ranges(plan, params, scales=None) -> tuple[WeightRange, ...]:
                 step = (float(np.max(np.asarray(ts.scale))) if ts is not None
                         else float(np.max(absmax)) / levels)
                 median_levels = round(median / step, 1) if step > 0 else 0.0
+        ts = None if scales is None or op.attributes.get("fold") else scales.weights.get(param)
+        cells, collapsed = _collapsed(values[param], ts) if ts is not None and qt.kind == "int" else (0, ())
         out.append(WeightRange(param=param, module_path=op.module_path, spec=spec.describe(), axis=axis,
                                min=tuple(float(v) for v in lo), max=tuple(float(v) for v in hi),
-                               outliers=outliers, levels=levels, median_levels=median_levels))
+                               outliers=outliers, levels=levels, median_levels=median_levels,
+                               cells=cells, collapsed=collapsed))
     return tuple(out)
+
+
+def _collapsed(value, ts) -> tuple[int, tuple[int, ...]]:
+    """``(cells, collapsed cells)`` of a weight at its scale (see the module doc)."""
+    x = np.asarray(value, np.float32)
+    scale = np.asarray(ts.scale)
+    if scale.ndim != x.ndim:
+        if scale.size != 1:
+            return 0, ()
+        scale = scale.reshape((1,) * x.ndim)
+    cell = np.arange(scale.size).reshape(scale.shape)
+    if ts.block_axis is not None:
+        cell = np.repeat(cell, ts.block_size, axis=ts.block_axis)
+    cell = np.broadcast_to(cell, x.shape).ravel()
+    zero = np.asarray(ts.fake_quant(x)).ravel() == 0
+    nonzero = x.ravel() != 0
+    counted = np.bincount(cell[nonzero], minlength=scale.size)
+    vanished = np.bincount(cell[nonzero & zero], minlength=scale.size)
+    flagged = np.flatnonzero(vanished > COLLAPSED_FRACTION * np.maximum(counted, 1))
+    return int(scale.size), tuple(int(c) for c in flagged)

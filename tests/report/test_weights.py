@@ -64,3 +64,27 @@ def test_a_model_without_outliers_says_so():
     report = _report(model, x, variables, PER_TENSOR)
     assert all(w.outliers == () for w in report.weights)
     assert "weights: 3 quantized, no outlier channels" in str(report)
+
+
+def test_a_block_that_one_weight_collapses_is_pointed_at(planted):
+    """int4 in blocks of 32: one weight 200x its neighbours sets its block's scale and the
+    other 31 round to 0. The report names that block (its flat index in the scale's
+    shape) and no other; with blocks of 8 only a quarter of the block is left to vanish."""
+    model, x, variables = planted
+    kernel = np.array(variables["params"]["dense2"]["kernel"])  # (512, 256): 16 blocks per column
+    column, block = 7, 3
+    kernel[block * 32 + 5, column] = 200 * np.abs(kernel[block * 32:(block + 1) * 32, column]).max()
+    variables = {"params": {**variables["params"], "dense2": {**variables["params"]["dense2"], "kernel": kernel}}}
+    int4 = odmlq.Rule("dense2", weight_qtype="int4", weight_granularity=odmlq.PerBlock(32))
+    report = _report(model, x, variables, [int4, odmlq.Rule(".*", weight_qtype="int8")])
+    w = {w.param: w for w in report.weights}["dense2/kernel"]
+    assert w.cells == 16 * 256
+    assert w.collapsed == (block * 256 + column,)  # scale shape (16, 256), row-major
+    assert all(not v.collapsed for v in report.weights if v.param != "dense2/kernel")
+    text = str(report)
+    assert "collapsed blocks or channels" in text and "1 of 4096 scale cells collapsed" in text
+    assert Report.from_json(report.to_json()).weights == report.weights
+    # Per output channel, the same weight collapses its whole channel.
+    per_channel = odmlq.Rule("dense2", weight_qtype="int4")
+    w = {w.param: w for w in _report(model, x, variables, [per_channel]).weights}["dense2/kernel"]
+    assert w.cells == 256 and w.collapsed == (column,)
