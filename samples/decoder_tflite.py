@@ -268,11 +268,11 @@ def _print(results: dict, config) -> None:
             continue
         pairs = ("litert_vs_simulate", "litert_vs_xla", "simulate_vs_xla")
         same = {pair: sum(n == GENERATED for n in row[pair]) for pair in pairs}
+        differ = [f"{pair.replace('_vs_', ' = ')} {row[pair]}" for pair in pairs if same[pair] < PROMPTS]
         print(f"{schema}: {row['bytes']:,} bytes, XNNPACK partitions {row['partitions']}; prompts whose {GENERATED} "
               f"greedy bytes are the same: " + ", ".join(
                   f"{pair.replace('_vs_', ' = ')} {same[pair]} / {PROMPTS}" for pair in pairs)
-              + " (bytes before a difference: " + ", ".join(
-                  f"{pair.replace('_vs_', ' = ')} {row[pair]}" for pair in pairs if same[pair] < PROMPTS) + ")")
+              + (f" (bytes before a difference: {', '.join(differ)})" if differ else ""))
         print("  perplexity: " + ", ".join(
             f"{run} {row[run]['perplexity']:.4f} ({100 * (row[run]['perplexity'] / flt['perplexity'] - 1):+.2f}%)"
             for run in ("simulate", "xla", "litert")))

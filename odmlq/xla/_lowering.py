@@ -148,7 +148,9 @@ class Lowerer:
         operand = op.operands[[o.param for o in op.operands].index(path)]
         if operand.stacked_axes:
             return "a stacked weight (nn.scan), sliced per iteration: not lowered yet"
-        if tuple(w_value.shape) != tuple(q.shape):
+        transposed = (eqn.primitive.name == "dot_general" and q.ndim == 2
+                      and tuple(w_value.shape) == tuple(q.shape[::-1]) and operand.contraction_axes is not None)
+        if tuple(w_value.shape) != tuple(q.shape) and not transposed:
             return f"the weight is reshaped to {tuple(w_value.shape)} before the op"
         spec = None if read is None else read.spec
         if spec is not None and not spec.dynamic and read.scale is None:
@@ -157,6 +159,11 @@ class Lowerer:
                             "scales have none for it; compute them for this plan: "
                             "odmlq.compute_scales(plan, calibration, params).")
         schema = "weight_only" if spec is None else "dynamic" if spec.dynamic else "static"
+        if transposed:
+            layout = _matmul.DotLayout.of(eqn.params["dimension_numbers"], side,
+                                          eqn.invars[1 - side].aval.shape, w_value.shape)
+            if layout is not None and layout.w_perm == (0, 1) and tuple(operand.contraction_axes) == (1,):
+                return self._dot_transposed(op, q, eqn, side, read, schema, layout)
         if eqn.primitive.name == "dot_general":
             return self._dot(op, q, operand, eqn, side, read, schema)
         return self._conv(op, q, operand, eqn, side, read, schema)
@@ -209,6 +216,38 @@ class Lowerer:
                 else f"{act.name} activation x dequantized weight, f32 dot")
         self._record(op, schema, f"{name} ({q.qtype} weight, {blocks}{moved}{read.describe()})",
                      None if native_w else f"{q.qtype} is not native on XLA")
+        return kernel
+
+    def _dot_transposed(self, op, q, eqn, side, read, schema, layout):
+        """A 2-D weight stored (N, K) and read transposed (a tied embedding as
+        the output projection): whole stored rows per block (`_matmul.dot_rows`)."""
+        if q.qtype_info.kind != "int" or q.qtype_info.values_per_byte != 1 or q.zero_point is not None:
+            return f"the weight is transposed before the op (lowered for symmetric int8 only, not {q!r})"
+        if q.block_axis is not None or q.scale.shape[1] != 1:
+            return "the weight is transposed before the op and its scale varies along the contracted axis"
+        spec = None if read is None else read.spec
+        out_dtype = eqn.outvars[0].aval.dtype
+        codes, scale = q.qvalue.reshape(q.shape), q.scale
+        if spec is None:
+            self._record(op, schema, f"{q.qtype} weight-only dot on the weight as stored (N, K): "
+                                     "f32 dot per block of its rows, scale")
+            return lambda e, ins: [layout.output(
+                _matmul.dot_rows(layout.x_matrix(ins[1 - side]).astype(jnp.float32), codes, scale)).astype(out_dtype)]
+        act = spec.qtype
+        if not (act.kind == "int" and act.runs_natively_on("xla") and act.bits <= 8):
+            return f"the weight is transposed before the op ({act.name} activations are lowered for int8 only)"
+        if not _rows_only(spec, layout):
+            return "the activation scale varies along a contracted axis"
+        ts = read.scale
+
+        def kernel(e, ins):
+            x = ins[1 - side]
+            xq, s_x, zero_point = _quantize_activation(x, spec, ts)
+            y = _matmul.dot_rows(layout.x_matrix(xq), codes, scale, layout.x_rows(zero_point, x.ndim))
+            return [layout.output(y * layout.x_rows(s_x, x.ndim)).astype(out_dtype)]
+
+        self._record(op, schema, f"int8 x int8 -> int32 dot on the weight as stored (N, K), one rescale"
+                                 f"{read.describe()}")
         return kernel
 
     def _conv(self, op, q, operand, eqn, side, read, schema):

@@ -315,3 +315,40 @@ def dot_int(xq: jax.Array, x_zero_point: jax.Array | None, w: MatrixWeight) -> j
         return acc + jnp.sum(corrected(partial).astype(jnp.float32) * scale, axis=0)
 
     return _merge(_scan_blocks(w, xq, blockwise, m, jnp.float32))
+
+
+def dot_rows(x2: jax.Array, codes: jax.Array, scale: jax.Array, x_zero_point: jax.Array | None = None,
+             block_elements: int | None = None) -> jax.Array:
+    """float32 (M, N) = x2 . codes^T x scale, for a weight stored (N, K): a
+    tied embedding table read as the output projection (``x @ table.T``).
+
+    Blocks of whole rows of the stored weight (output channels) run in a
+    `lax.scan`, each giving its own outputs, so the weight is read once in
+    its stored layout (no transposed copy per call). `codes` int8 and `x2`
+    float (weight-only: each block converted to float32 in cache) or int8
+    codes (integer: int32 sums; `x_zero_point` folded in with the rows'
+    sums). `scale`: (N, 1) or (1, 1); the activation scale is the caller's.
+    """
+    n, k = codes.shape
+    m = x2.shape[0]
+    integer = jnp.issubdtype(x2.dtype, jnp.integer)
+    if block_elements is None:
+        block_elements = VECTOR_BLOCK_ELEMENTS if m <= VECTOR_ROWS else BLOCK_ELEMENTS
+    rows = block_rows(n, k, 1, block_elements)
+    if integer and x_zero_point is not None:
+        x2 = jnp.concatenate([x2, jnp.ones((1, k), x2.dtype)])
+    dims = (((1,), (1,)), ((), ()))
+
+    def step(_, block):
+        if integer:
+            return None, lax.dot_general(x2, block, dims, preferred_element_type=jnp.int32)
+        return None, lax.dot_general(x2, block.astype(jnp.float32), dims, preferred_element_type=jnp.float32)
+
+    blocks = codes.reshape(n // rows, rows, k)
+    sums = step(None, blocks[0])[1][None] if n == rows else lax.scan(step, None, blocks)[1]
+    y = jnp.transpose(sums, (1, 0, 2)).reshape(x2.shape[0], n)
+    if integer:
+        if x_zero_point is not None:
+            y = y[:m] - x_zero_point.astype(jnp.int32) * y[m:]
+        y = y.astype(jnp.float32)
+    return y * jnp.reshape(scale, (1, -1))

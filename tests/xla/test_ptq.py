@@ -272,3 +272,37 @@ def test_any_batch_size_with_constants_computed_in_the_model():
     assert y.shape == (7, 16, 4)
     y_sim = odmlq.simulate(model, qmodel.plan, qmodel.scales, ids, variables=variables)
     np.testing.assert_allclose(np.asarray(y), np.asarray(y_sim), rtol=1e-5, atol=1e-6)  # float32 order
+
+
+class _Tied(nn.Module):
+    """A tied embedding: looked up for the input, read transposed as the output projection."""
+
+    @nn.compact
+    def __call__(self, tokens):
+        embed = nn.Embed(300, 96, name="embedding")
+        h = nn.relu(nn.Dense(96, name="mix")(embed(tokens)))
+        return embed.attend(h)
+
+
+@pytest.mark.parametrize("schema", ["weight_only", "dynamic"])
+def test_a_tied_embedding_read_transposed_runs_on_the_stored_weight(schema):
+    """The output projection reads the (vocab, hidden) table as (hidden, vocab): lowered
+    on the table as stored (blocks of its rows), not emulated on a dequantized copy.
+    Weight-only matches simulate to float32 noise; dynamic int8 sums the same integers
+    and scales in the same order as simulate, so it is equal."""
+    model = _Tied()
+    tokens = np.random.default_rng(0).integers(0, 300, (2, 5)).astype(np.int32)
+    variables = model.init(jax.random.key(0), tokens)
+    rules = [Rule(".*", weight_qtype="int8", act_qtype="int8", act_dynamic=True)] if schema == "dynamic" \
+        else [Rule(".*", weight_qtype="int8")]
+    plan = odmlq.plan(model, rules, tokens, variables=variables, target="xla")
+    calibration = odmlq.calibrate(model, plan, [tokens], variables=variables, progress=False)
+    qmodel = odmlq.ptq(model, plan, variables, calibration)
+    attend = [r for op, r in qmodel.lowerings.items() if op.startswith("embedding.attend")]
+    assert len(attend) == 1 and attend[0].emulated is None and "as stored (N, K)" in attend[0].kernel
+    got = np.asarray(jax.jit(qmodel.apply)(qmodel.params, tokens))
+    expected = np.asarray(odmlq.simulate(model, plan, calibration, tokens, variables=variables))
+    if schema == "dynamic":
+        np.testing.assert_array_equal(got, expected)
+    else:
+        np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
