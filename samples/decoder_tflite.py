@@ -49,6 +49,12 @@ SCHEMAS: dict[str, list] = {
     "int4 blockwise dynamic": [
         R("embedding.*", weight_qtype="int8", act_qtype="int8", act_dynamic=True),
         R(".*", weight_qtype="int4", weight_granularity=odmlq.PerBlock(32), act_qtype="int8", act_dynamic=True)],
+    # The same, each block's range first searched against the calibration inputs (AWQ's
+    # clip search), then GPTQ.
+    "int4 blockwise dynamic, clip search": [
+        R("embedding.*", weight_qtype="int8", act_qtype="int8", act_dynamic=True),
+        R(".*", weight_qtype="int4", weight_granularity=odmlq.PerBlock(32), act_qtype="int8", act_dynamic=True,
+          weight_algorithm=odmlq.GPTQ(clip_search=True))],
     # The same, each block rounded to nearest instead of by GPTQ: what GPTQ buys.
     "int4 blockwise dynamic, to nearest": [
         R("embedding.*", weight_qtype="int8", act_qtype="int8", act_dynamic=True, weight_algorithm=odmlq.Nearest()),

@@ -71,3 +71,6 @@ def test_the_sample_generates_identically_and_keeps_perplexity(tmp_path):
             assert sum(n == decoder_tflite.GENERATED for n in row["litert_vs_simulate"]) >= 8, (schema, row)
         assert row["litert"]["perplexity"] <= limit * flt, (schema, row["litert"]["perplexity"], flt)
     assert results["XLA int8 weight-only"]["perplexity"] <= 1.01 * flt
+    nearest = results["int4 blockwise dynamic, to nearest"]["litert"]["perplexity"]
+    for schema in ("int4 blockwise dynamic", "int4 blockwise dynamic, clip search"):  # better than to nearest
+        assert results[schema]["litert"]["perplexity"] < nearest, (schema, results[schema]["litert"], nearest)

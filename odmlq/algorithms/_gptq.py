@@ -68,6 +68,11 @@ class GPTQ:
         convolution or matmul; `odmlq.scales.bias_corrections`); the
         depthwise convolutions of mobile CNNs, with 9 or 25 weights per
         channel, gain most.
+      clip_search: before rounding, each scale cell's range (a block's, an
+        output channel's) is its abs max times the ratio, from 1 down to 0.6,
+        that leaves the least output error on the calibration inputs (AWQ's
+        clip search, `odmlq.scales._clip`); symmetric integer weights, blocks
+        along one contracted axis. Off by default.
 
     Example:
       >>> rules = [odmlq.Rule('.*', weight_qtype='int4', weight_granularity=odmlq.PerBlock(128),
@@ -80,12 +85,13 @@ class GPTQ:
     block_size: int = 128
     required: bool = True
     bias_correction: bool = False
+    clip_search: bool = False
 
     def __post_init__(self):
         if isinstance(self.damping, bool) or not isinstance(self.damping, (int, float)) or not (
                 0 < self.damping <= 10):
             raise RuleError(f"GPTQ(damping={self.damping!r}): give a fraction in (0, 10], e.g. 0.01.")
-        for name in ("act_order", "required", "bias_correction"):
+        for name in ("act_order", "required", "bias_correction", "clip_search"):
             if not isinstance(getattr(self, name), bool):
                 raise RuleError(f"GPTQ({name}={getattr(self, name)!r}): give True or False.")
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
@@ -95,7 +101,7 @@ class GPTQ:
     def to_dict(self) -> dict[str, Any]:
         return {"algorithm": self.name, "damping": self.damping, "act_order": self.act_order,
                 "block_size": self.block_size, "required": self.required,
-                "bias_correction": self.bias_correction}
+                "bias_correction": self.bias_correction, "clip_search": self.clip_search}
 
 
 def gptq_round(w: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None, qmin: float,

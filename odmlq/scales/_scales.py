@@ -38,6 +38,7 @@ from odmlq.qarray import QArray, scale_shape
 from odmlq.scales._balance import balance_shifts
 from odmlq.scales._bias import bias_corrections, bias_room, int32_bias_ops
 from odmlq.scales._edges import check_edge_scales, edge_scales
+from odmlq.scales._clip import clip_searched
 from odmlq.scales._rounded import rounded_weights
 from odmlq.scales._tensor import TensorScale, constant_scale, reshaped, tensor_scale
 
@@ -113,7 +114,8 @@ def compute_scales(plan, calibration: Calibration | None, params: Any, *,
     weight_values: dict[str, np.ndarray] = {}
     if weight_scales is None:
         folded = flat_params(fold_params(plan.graph, params, plan.weight_specs()))
-        weights = bias_room(plan, scales, _weight_scales(plan, folded), folded, params)
+        searched = clip_searched(plan, _weight_scales(plan, folded), folded, calibration)
+        weights = bias_room(plan, scales, searched, folded, params)
         weight_values = rounded_weights(plan, folded, weights, calibration,
                                         lambda op, edge: scales.input_scale(plan, op, edge))
         for op_id, correction in bias_corrections(plan, folded, weight_values, calibration).items():
