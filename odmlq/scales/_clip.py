@@ -83,7 +83,8 @@ def searched_scale(w: np.ndarray, ts: TensorScale, gram, scale_dtype: str) -> np
         candidate = np.where(candidate > 0, candidate, 1.0)
         step = candidate[cell_of][..., None]
         d = wb - np.clip(np.round(wb / step), qmin, qmax) * step
-        error = np.einsum("gobi,gbij,gobj->gob", d, hb, d)
+        by_block = np.transpose(d, (0, 2, 1, 3))  # (groups, blocks, outputs, block): one BLAS matmul a block
+        error = np.transpose(np.sum((by_block @ hb) * by_block, axis=-1), (0, 2, 1))
         per_cell = np.bincount(cell_of.ravel(), weights=error.ravel(), minlength=base.size)
         better = per_cell < best
         best = np.where(better, per_cell, best)

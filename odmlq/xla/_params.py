@@ -131,7 +131,11 @@ def _rounded(params: Any, plan, prefix: str | None, calibration) -> dict[str, tu
     """Parameter path -> (scale, values) of each weight a weight algorithm
     rounds, as `odmlq.compute_scales` rounds it (against the calibration's
     statistics of its inputs, and the rounding noise of its input edge)."""
-    if not any(algorithm_applies(p, spec, calibration) for p, spec in weight_specs(plan).items()):
+    if prefix is None:  # quantized leaves (a model's params reused by another method) are kept
+        done = {path for path, leaf in flat_leaves(params)[0] if is_leaf(leaf)}
+    else:
+        done = set()
+    if not any(algorithm_applies(p, spec, calibration) for p, spec in weight_specs(plan).items() if p not in done):
         return {}
     if prefix is not None:
         raise PlanError(

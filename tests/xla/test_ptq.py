@@ -306,3 +306,20 @@ def test_a_tied_embedding_read_transposed_runs_on_the_stored_weight(schema):
         np.testing.assert_array_equal(got, expected)
     else:
         np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+
+
+def test_params_already_quantized_are_kept_when_a_required_algorithm_has_no_float_weight_left():
+    """A decoder's decode method reuses the params its prefill quantized: with GPTQ
+    required, nothing is left for GPTQ to round, so ptq keeps the QArrays as they are."""
+    model = _Tied()
+    tokens = np.random.default_rng(0).integers(0, 300, (2, 5)).astype(np.int32)
+    variables = model.init(jax.random.key(0), tokens)
+    rules = [Rule("mix", weight_qtype="int8", weight_algorithm=odmlq.GPTQ(required=True))]
+    plan = odmlq.plan(model, rules, tokens, variables=variables, target="xla")
+    calibration = odmlq.calibrate(model, plan, [tokens], variables=variables, progress=False)
+    first = odmlq.ptq(model, plan, variables, calibration)
+    again = odmlq.ptq(model, plan, first.params, calibration)
+    for a, b in zip(jax.tree.leaves(first.params, is_leaf=lambda x: isinstance(x, QArray)),
+                    jax.tree.leaves(again.params, is_leaf=lambda x: isinstance(x, QArray))):
+        assert a is b or np.array_equal(np.asarray(a.values() if isinstance(a, QArray) else a),
+                                        np.asarray(b.values() if isinstance(b, QArray) else b))
