@@ -17,7 +17,8 @@ this and a kernel is the rounding of those few multiplies and of the final
 sum over blocks.
 
 Sums of codes stay exact in float32 while every partial sum is below 2**24
-(the contracted size times the largest product); larger ones run in int32.
+(the contracted size times the largest product); past that, one operand's
+codes are split in two parts whose sums are (`_dot`).
 Convolutions keep summing dequantized values.
 """
 
@@ -35,6 +36,7 @@ from odmlq.graph import evaluate_replacing
 __all__ = ["Grid", "grid", "integer_sums"]
 
 _EXACT_F32 = 2**24
+_SPLIT = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +123,7 @@ def _exact_dot(dimension_numbers, ga: Grid, gb: Grid, lhs_scaled_first: bool):
         ca, cb = ga.codes(a), gb.codes(b)
         if not any(blocked):
             k = _size(a.shape, lc)
-            sums = _dot(ca, cb, dimension_numbers, k * ga.largest * gb.largest)
+            sums = _dot(ca, cb, dimension_numbers, k, ga.largest, gb.largest)
             sa, sb = _out_scale(ga.scale, lc, lb, 0, len(_free(b.ndim, rc, rb))), \
                 _out_scale(gb.scale, rc, rb, len(_free(a.ndim, lc, lb)), 0)
             first, second = (sa, sb) if lhs_scaled_first else (sb, sa)
@@ -138,7 +140,7 @@ def _exact_dot(dimension_numbers, ga: Grid, gb: Grid, lhs_scaled_first: bool):
         split = [_split(c, ax, size) for c, ax in zip((ca, cb), axes)]
         dn = (tuple(tuple(_after(a, ax) + (a == ax) for a in c) for c, ax in zip((lc, rc), axes)),
               tuple((ax,) + tuple(_after(a, ax) for a in bt) for bt, ax in zip((lb, rb), axes)))
-        sums = _dot(split[0], split[1], dn, size * ga.largest * gb.largest)
+        sums = _dot(split[0], split[1], dn, size, ga.largest, gb.largest)
         scales = [None, None]
         other = 1 - side
         n_free = (len(_free(b.ndim, rc, rb)), len(_free(a.ndim, lc, lb)))
@@ -157,11 +159,40 @@ def _exact_dot(dimension_numbers, ga: Grid, gb: Grid, lhs_scaled_first: bool):
     return kernel
 
 
-def _dot(a, b, dimension_numbers, bound: int) -> jax.Array:
-    """float32 sums of integer-valued a . b, exact."""
-    if bound < _EXACT_F32:
-        return lax.dot_general(a, b, dimension_numbers, precision=lax.Precision.HIGHEST,
+def _dot(a, b, dimension_numbers, k: int, largest_a: int, largest_b: int) -> jax.Array:
+    """float32 sums of integer-valued a . b (`k` contracted, ``|a| <=
+    largest_a``, ``|b| <= largest_b``), exact as an int32 sum converted to
+    float32 is. Where a float32 dot could round a partial sum, the operand
+    with the larger codes is split as ``SPLIT * high + low`` (``|high| <=
+    largest / SPLIT + 1``, ``0 <= low < SPLIT``): both parts, stacked along
+    one of its free axes, go through one float32 dot whose sums are exact
+    (1.3x a float dot here, where an int32 dot is 3x). An int32 dot only
+    where even that could round, or the operand has no free axis."""
+    (lc, rc), (lb, rb) = dimension_numbers
+
+    def dot(x, y):
+        return lax.dot_general(x, y, dimension_numbers, precision=lax.Precision.HIGHEST,
                                preferred_element_type=jnp.float32)
+
+    if k * largest_a * largest_b < _EXACT_F32:
+        return dot(a, b)
+    side = 0 if largest_a >= largest_b else 1
+    big, other = (largest_a, largest_b) if side == 0 else (largest_b, largest_a)
+    x = (a, b)[side]
+    free = _free(x.ndim, (lc, rc)[side], (lb, rb)[side])
+    if free and k * max(big // _SPLIT + 1, _SPLIT) * other < _EXACT_F32:
+        axis = free[0]
+        high = jnp.floor(x / _SPLIT)
+        stacked = jnp.concatenate([high, x - _SPLIT * high], axis=axis)
+        sums = dot(stacked, b) if side == 0 else dot(a, stacked)
+        # Where that axis lands in the output: after the batch axes, among its side's free axes.
+        out_axis = len(lb) + (0 if side == 0 else len(_free(a.ndim, lc, lb)))
+        n = x.shape[axis]
+        upper = lax.slice_in_dim(sums, 0, n, axis=out_axis)
+        lower = lax.slice_in_dim(sums, n, 2 * n, axis=out_axis)
+        # Both are integers below 2**24, so exact; the add rounds only where the
+        # true sum passes 2**24, as an int32 sum's conversion to float32 does.
+        return upper * _SPLIT + lower
     return lax.dot_general(a.astype(jnp.int32), b.astype(jnp.int32), dimension_numbers,
                            preferred_element_type=jnp.int32).astype(jnp.float32)
 
