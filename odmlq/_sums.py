@@ -49,6 +49,9 @@ class Grid:
     block_axis: int | None
     block_size: int | None
     largest: int
+    # A weight's contracted axes, in the operand's axes, where known: a matmul
+    # that contracts others reads a view of it laid out otherwise.
+    contraction: tuple[int, ...] | None = None
 
     def codes(self, x: jax.Array) -> jax.Array:
         scale = self.scale
@@ -57,12 +60,25 @@ class Grid:
         return jnp.round(x.astype(jnp.float32) / scale)
 
     def transposed(self, permutation) -> "Grid":
-        block_axis = None if self.block_axis is None else list(permutation).index(self.block_axis)
-        return dataclasses.replace(self, scale=jnp.transpose(self.scale, permutation), block_axis=block_axis)
+        where = list(permutation)
+        block_axis = None if self.block_axis is None else where.index(self.block_axis)
+        contraction = None if self.contraction is None else tuple(sorted(where.index(a) for a in self.contraction))
+        return dataclasses.replace(self, scale=jnp.transpose(self.scale, permutation), block_axis=block_axis,
+                                   contraction=contraction)
+
+    def read_contracting(self, axes) -> "Grid | None":
+        """This grid for a matmul contracting `axes` of the operand: itself, the
+        transpose of a 2-D weight read transposed, or None (another layout)."""
+        axes = tuple(sorted(axes))
+        if self.contraction is None or axes == self.contraction:
+            return self
+        if self.scale.ndim == 2 and axes == tuple(sorted(1 - a for a in self.contraction)):
+            return self.transposed((1, 0))
+        return None
 
 
 def grid(qtype, scale, zero_point, shape, block_axis: int | None = None,
-         block_size: int | None = None) -> Grid | None:
+         block_size: int | None = None, contraction: tuple[int, ...] | None = None) -> Grid | None:
     """The grid of an integer qtype of at most 8 bits on an operand of `shape`
     (None for other qtypes, or for a scale not keepdims-shaped to the operand)."""
     if qtype.kind != "int" or qtype.bits > 8:
@@ -72,12 +88,19 @@ def grid(qtype, scale, zero_point, shape, block_axis: int | None = None,
         if scale.size != 1:
             return None
         scale = scale.reshape((1,) * len(shape))
-    expected = [d // block_size if a == block_axis else d for a, d in enumerate(shape)]
-    if any(s not in (1, e) for s, e in zip(scale.shape, expected)):
-        return None
+    def fits(shape):
+        expected = [d // block_size if a == block_axis else d for a, d in enumerate(shape)]
+        return all(s in (1, e) for s, e in zip(scale.shape, expected))
+
+    if not fits(shape):
+        # A 2-D weight read as a transposed view: the grid in the weight's own
+        # layout, which `Grid.read_contracting` transposes for the matmul.
+        if not (contraction is not None and len(shape) == 2 and fits(tuple(shape)[::-1])):
+            return None
     # An asymmetric code minus its zero point spans up to 2**bits - 1.
     largest = 2 ** qtype.bits - 1 if zero_point is not None else 2 ** (qtype.bits - 1)
-    return Grid(scale, block_axis, block_size, largest)
+    return Grid(scale, block_axis, block_size, largest,
+                None if contraction is None else tuple(sorted(contraction)))
 
 
 def integer_sums(compute: Callable, operands: list, grids: Mapping[int, Grid], weight: int | None) -> Callable:
@@ -95,6 +118,10 @@ def integer_sums(compute: Callable, operands: list, grids: Mapping[int, Grid], w
             known[eqn.outvars[0]] = (index, g.transposed(eqn.params["permutation"]))
         elif eqn.primitive.name == "dot_general" and all(v in known for v in eqn.invars[:2]):
             (ia, ga), (_, gb) = known[eqn.invars[0]], known[eqn.invars[1]]
+            (lc, rc), _ = eqn.params["dimension_numbers"]
+            ga, gb = ga.read_contracting(lc), gb.read_contracting(rc)
+            if ga is None or gb is None:
+                continue
             lhs_scaled_first = weight == ia
             kernel = _exact_dot(eqn.params["dimension_numbers"], ga, gb, lhs_scaled_first)
             if kernel is not None:

@@ -159,6 +159,11 @@ class PlanHooks:
             if operand.role == "weight":
                 ts = self.scales.weights.get(operand.param)
                 weight = index if ts is not None else weight
+                if ts is not None:
+                    # The op may read a view of the weight (a tied embedding, transposed):
+                    # the grid knows which axes the weight contracts.
+                    grids[index] = _grid_of(ts, operands[index], operand.contraction_axes)
+                    continue
             elif operand.role == "input" and operand.edge is not None:
                 ts = self.scales.edges.get(operand.edge)
             if ts is not None:
@@ -194,5 +199,5 @@ def dynamic_fake_quant(x: jax.Array, spec: QuantSpec) -> jax.Array:
     return fake_quant(x, spec.qtype, scale=scale, zero_point=zero_point, scale_axes=spec.scale_axes)
 
 
-def _grid_of(ts: TensorScale, x: Any):
-    return _sums.grid(ts.qtype, ts.scale, ts.zero_point, jnp.shape(x), ts.block_axis, ts.block_size)
+def _grid_of(ts: TensorScale, x: Any, contraction=None):
+    return _sums.grid(ts.qtype, ts.scale, ts.zero_point, jnp.shape(x), ts.block_axis, ts.block_size, contraction)

@@ -8,6 +8,8 @@ with float activations (weight-only) match simulate to float32 noise (the
 dot sums in another order): rtol 1e-5 of the output's largest magnitude.
 """
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -277,24 +279,30 @@ def test_any_batch_size_with_constants_computed_in_the_model():
 class _Tied(nn.Module):
     """A tied embedding: looked up for the input, read transposed as the output projection."""
 
+    vocab: int = 300
+
     @nn.compact
     def __call__(self, tokens):
-        embed = nn.Embed(300, 96, name="embedding")
+        embed = nn.Embed(self.vocab, 96, name="embedding")
         h = nn.relu(nn.Dense(96, name="mix")(embed(tokens)))
         return embed.attend(h)
 
 
 @pytest.mark.parametrize("schema", ["weight_only", "dynamic"])
-def test_a_tied_embedding_read_transposed_runs_on_the_stored_weight(schema):
+@pytest.mark.parametrize("vocab", [300, 96], ids=["vocab-300", "square"])
+def test_a_tied_embedding_read_transposed_runs_on_the_stored_weight(schema, vocab):
     """The output projection reads the (vocab, hidden) table as (hidden, vocab): lowered
     on the table as stored (blocks of its rows), not emulated on a dequantized copy.
     Weight-only matches simulate to float32 noise; dynamic int8 sums the same integers
-    and scales in the same order as simulate, so it is equal."""
-    model = _Tied()
-    tokens = np.random.default_rng(0).integers(0, 300, (2, 5)).astype(np.int32)
+    and scales in the same order as simulate, so it is equal. The square table is int8
+    per vocabulary row (one scale per output of the projection)."""
+    model = _Tied(vocab)
+    tokens = np.random.default_rng(0).integers(0, vocab, (2, 5)).astype(np.int32)
     variables = model.init(jax.random.key(0), tokens)
     rules = [Rule(".*", weight_qtype="int8", act_qtype="int8", act_dynamic=True)] if schema == "dynamic" \
         else [Rule(".*", weight_qtype="int8")]
+    if vocab == 96:
+        rules = [dataclasses.replace(rules[0], module_path="embedding", weight_granularity=PerChannel(0))] + rules
     plan = odmlq.plan(model, rules, tokens, variables=variables, target="xla")
     calibration = odmlq.calibrate(model, plan, [tokens], variables=variables, progress=False)
     qmodel = odmlq.ptq(model, plan, variables, calibration)
