@@ -285,10 +285,19 @@ def _randomize_batch_stats(variables: Any, rng) -> Any:
     return variables
 
 
+def _family(rng) -> str:
+    return str(rng.choice(["cnn", "cnn", "seq", "seq", "mlp", "nnx_cnn"]))
+
+
+def case_family(seed: int) -> str:
+    """The family `make_case(seed)` builds, without building it."""
+    return _family(np.random.default_rng(seed))
+
+
 def make_case(seed: int) -> Case:
     rng = np.random.default_rng(seed)
     key = jax.random.PRNGKey(seed)
-    family = str(rng.choice(["cnn", "cnn", "seq", "seq", "mlp", "nnx_cnn"]))
+    family = _family(rng)
     if family == "cnn":
         blocks = _cnn_blocks(rng)
         model, shape = FuzzCnn(blocks), (12, 12, 3)
