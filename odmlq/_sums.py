@@ -25,6 +25,7 @@ Convolutions keep summing dequantized values.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 
 import jax
@@ -148,11 +149,11 @@ def _exact_dot(dimension_numbers, ga: Grid, gb: Grid, lhs_scaled_first: bool):
         a, b = ins
         out_dtype = eqn.outvars[0].aval.dtype
         ca, cb = ga.codes(a), gb.codes(b)
+        frees = (len(_free(a.ndim, lc, lb)), len(_free(b.ndim, rc, rb)))
         if not any(blocked):
-            k = _size(a.shape, lc)
+            k = math.prod(a.shape[ax] for ax in lc)
             sums = _dot(ca, cb, dimension_numbers, k, ga.largest, gb.largest)
-            sa, sb = _out_scale(ga.scale, lc, lb, 0, len(_free(b.ndim, rc, rb))), \
-                _out_scale(gb.scale, rc, rb, len(_free(a.ndim, lc, lb)), 0)
+            sa, sb = _out_scale(ga.scale, lc, lb, 0, frees), _out_scale(gb.scale, rc, rb, 1, frees)
             first, second = (sa, sb) if lhs_scaled_first else (sb, sa)
             # The barrier keeps XLA from multiplying the two scales first.
             return [(lax.optimization_barrier(sums * first) * second).astype(out_dtype)]
@@ -168,20 +169,16 @@ def _exact_dot(dimension_numbers, ga: Grid, gb: Grid, lhs_scaled_first: bool):
         dn = (tuple(tuple(_after(a, ax) + (a == ax) for a in c) for c, ax in zip((lc, rc), axes)),
               tuple((ax,) + tuple(_after(a, ax) for a in bt) for bt, ax in zip((lb, rb), axes)))
         sums = _dot(split[0], split[1], dn, size, ga.largest, gb.largest)
-        scales = [None, None]
         other = 1 - side
-        n_free = (len(_free(b.ndim, rc, rb)), len(_free(a.ndim, lc, lb)))
-        scales[other] = _out_scale((ga, gb)[other].scale, (lc, rc)[other], (lb, rb)[other],
-                                   0 if other == 0 else n_free[1], n_free[0] if other == 0 else 0)
+        other_scale = _out_scale((ga, gb)[other].scale, (lc, rc)[other], (lb, rb)[other], other, frees)
         # The blocked scale: its block axis leads, like the sums' blocks.
         c_w, b_w = (lc, rc)[side], (lb, rb)[side]
         moved = jnp.moveaxis(gw.scale, gw.block_axis, 0)
         b_moved = tuple(1 + (a if a < gw.block_axis else a - 1) for a in b_w)
         c_moved = tuple(1 + (a if a < gw.block_axis else a - 1) for a in c_w if a != gw.block_axis)
-        inner = _out_scale(moved, c_moved, (0,) + b_moved,
-                           0 if side == 0 else n_free[1], n_free[0] if side == 0 else 0)
+        inner = _out_scale(moved, c_moved, (0,) + b_moved, side, frees)
         blocks = lax.optimization_barrier(jnp.sum(sums * inner, axis=0))
-        return [(blocks * scales[other]).astype(out_dtype)]
+        return [(blocks * other_scale).astype(out_dtype)]
 
     return kernel
 
@@ -224,21 +221,15 @@ def _dot(a, b, dimension_numbers, k: int, largest_a: int, largest_b: int) -> jax
                            preferred_element_type=jnp.int32).astype(jnp.float32)
 
 
-def _size(shape, axes) -> int:
-    n = 1
-    for a in axes:
-        n *= shape[a]
-    return n
-
-
 def _free(ndim: int, contract, batch) -> tuple[int, ...]:
     return tuple(i for i in range(ndim) if i not in contract and i not in batch)
 
 
-def _out_scale(scale: jax.Array, contract, batch, before: int, after: int) -> jax.Array:
-    """A keepdims scale (size 1 along `contract`) laid out as dot_general's
-    output: batch axes, this side's free axes, with `before` / `after` unit
-    axes for the lhs's free axes (rhs side) / the rhs's (lhs side)."""
+def _out_scale(scale: jax.Array, contract, batch, side: int, frees: tuple[int, int]) -> jax.Array:
+    """A keepdims scale (size 1 along `contract`) of operand `side` (0: lhs,
+    1: rhs) laid out as dot_general's output: batch axes, the lhs's free axes,
+    the rhs's (`frees`: how many each side has; the other side's are units)."""
+    before, after = (0, frees[1]) if side == 0 else (frees[0], 0)
     free = _free(scale.ndim, contract, batch)
     s = jnp.transpose(scale, tuple(batch) + free + tuple(contract))
     s = s.reshape(s.shape[:len(batch) + len(free)])

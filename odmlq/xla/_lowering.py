@@ -38,7 +38,8 @@ from odmlq.qarray import kernels as qkernels
 from odmlq.errors import PlanError
 from odmlq.graph import MATMUL_KINDS, evaluate_replacing
 from odmlq.plan import dynamic_kernel_inputs
-from odmlq.qarray import QArray, compute_scale
+from odmlq.hooks import dynamic_scale
+from odmlq.qarray import QArray
 from odmlq.xla import _conv, _decode, _matmul
 from odmlq.xla._inputs import Input, converted_inputs
 
@@ -314,18 +315,11 @@ def _batch_param(p, dn, ndim: int):
     return flat.reshape(shape)
 
 
-def _activation_range(x, spec):
-    axes = tuple(a for a in range(x.ndim) if a not in spec.scale_axes)
-    lo = jnp.min(x, axis=axes, keepdims=True)
-    hi = jnp.max(x, axis=axes, keepdims=True)
-    return compute_scale(lo, hi, spec.qtype, symmetric=spec.symmetric)
-
-
 def _quantize_activation(x, spec, ts):
     """``(codes, scale, zero_point)`` of an input edge: its calibrated `TensorScale`
     (static) or its own range (dynamic), as `simulate` computes them."""
     if spec.dynamic:
-        scale, zero_point = _activation_range(x.astype(jnp.float32), spec)
+        scale, zero_point = dynamic_scale(x.astype(jnp.float32), spec)
     else:
         scale = jnp.asarray(ts.scale)
         zero_point = None if ts.zero_point is None else jnp.asarray(ts.zero_point)

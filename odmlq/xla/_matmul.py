@@ -159,9 +159,7 @@ def matrix_weight(q: QArray, layout: DotLayout, block_elements: int | None = Non
         return None
     zero_point = _matrix_param(q.zero_point, layout, nc)
     rows_per_scale = 0 if scale.shape[0] == 1 else k // scale.shape[0]
-    if block_elements is None:
-        block_elements = VECTOR_BLOCK_ELEMENTS if layout.m <= VECTOR_ROWS else BLOCK_ELEMENTS
-    rows = block_rows(k, n, max(rows_per_scale, 1), block_elements)
+    rows = block_rows(k, n, max(rows_per_scale, 1), block_elements or default_block_elements(layout.m))
     packed = q.qtype_info.values_per_byte == 2 and layout.w_identity and n % 2 == 0
     if packed:
         codes = q.qvalue.reshape(k // rows, rows, n // 2)
@@ -198,6 +196,11 @@ def _matrix_param(p, layout: DotLayout, nc: int):
     if all(d == 1 for d in free):
         return moved.reshape(ks, 1)
     return jnp.broadcast_to(moved, contraction + layout.w_free).reshape(ks, layout.n)
+
+
+def default_block_elements(m: int) -> int:
+    """Weight elements per block for a matmul of `m` activation rows."""
+    return VECTOR_BLOCK_ELEMENTS if m <= VECTOR_ROWS else BLOCK_ELEMENTS
 
 
 def block_rows(k: int, n: int, multiple: int, block_elements: int) -> int:
@@ -332,9 +335,7 @@ def dot_rows(x2: jax.Array, codes: jax.Array, scale: jax.Array, x_zero_point: ja
     n, k = codes.shape
     m = x2.shape[0]
     integer = jnp.issubdtype(x2.dtype, jnp.integer)
-    if block_elements is None:
-        block_elements = VECTOR_BLOCK_ELEMENTS if m <= VECTOR_ROWS else BLOCK_ELEMENTS
-    rows = block_rows(n, k, 1, block_elements)
+    rows = block_rows(n, k, 1, block_elements or default_block_elements(m))
     if integer and x_zero_point is not None:
         x2 = jnp.concatenate([x2, jnp.ones((1, k), x2.dtype)])
     dims = (((1,), (1,)), ((), ()))
