@@ -156,18 +156,14 @@ def weight_ranges(plan, params, scales=None) -> tuple[WeightRange, ...]:
 def _collapsed(value, ts) -> tuple[int, tuple[int, ...]]:
     """``(cells, collapsed cells)`` of a weight at its scale (see the module doc)."""
     x = np.asarray(value, np.float32)
-    scale = np.asarray(ts.scale)
-    if scale.ndim != x.ndim:
-        if scale.size != 1:
-            return 0, ()
-        scale = scale.reshape((1,) * x.ndim)
-    cell = np.arange(scale.size).reshape(scale.shape)
-    if ts.block_axis is not None:
-        cell = np.repeat(cell, ts.block_size, axis=ts.block_axis)
-    cell = np.broadcast_to(cell, x.shape).ravel()
+    cells = ts.cells(x.shape)
+    if cells is None:
+        return 0, ()
+    size = int(np.size(ts.scale))
+    cell = cells.ravel()
     zero = np.asarray(ts.fake_quant(x)).ravel() == 0
     nonzero = x.ravel() != 0
-    counted = np.bincount(cell[nonzero], minlength=scale.size)
-    vanished = np.bincount(cell[nonzero & zero], minlength=scale.size)
+    counted = np.bincount(cell[nonzero], minlength=size)
+    vanished = np.bincount(cell[nonzero & zero], minlength=size)
     flagged = np.flatnonzero(vanished > COLLAPSED_FRACTION * np.maximum(counted, 1))
-    return int(scale.size), tuple(int(c) for c in flagged)
+    return size, tuple(int(c) for c in flagged)

@@ -53,10 +53,10 @@ def searched_scale(w: np.ndarray, ts: TensorScale, gram, scale_dtype: str) -> np
     cells are not laid out as the search reads them)."""
     layout = gram.layout
     base = np.asarray(ts.scale, np.float64)
-    cells = np.arange(base.size).reshape(base.shape)
-    if ts.block_axis is not None:
-        cells = np.repeat(cells, ts.block_size, axis=ts.block_axis)
-    cells = layout.matrix(np.broadcast_to(cells, w.shape))  # (groups, outputs, taps)
+    cells = ts.cells(w.shape)
+    if cells is None:
+        return None
+    cells = layout.matrix(cells)  # (groups, outputs, taps)
     matrix = layout.matrix(w)
     h = gram.matrix.astype(np.float64)  # (groups, taps, taps)
     groups, outputs, taps = matrix.shape

@@ -49,6 +49,20 @@ class TensorScale:
     def quantize(self, x: jax.Array) -> QArray:
         return quantize(x, self.qtype, **self._kwargs())
 
+    def cells(self, shape) -> np.ndarray | None:
+        """Each element's scale cell for a tensor of `shape`: the flat index
+        (row-major) of the scale it is quantized with; None where the scale is
+        not keepdims-shaped to the tensor."""
+        scale = np.asarray(self.scale)
+        if scale.ndim != len(shape):
+            if scale.size != 1:
+                return None
+            scale = scale.reshape((1,) * len(shape))
+        cell = np.arange(scale.size).reshape(scale.shape)
+        if self.block_axis is not None:
+            cell = np.repeat(cell, self.block_size, axis=self.block_axis)
+        return np.broadcast_to(cell, tuple(shape))
+
     def lsb(self) -> np.ndarray:
         """One quantization step, in the tensor's float units."""
         return np.asarray(self.scale, np.float32)
