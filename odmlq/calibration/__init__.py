@@ -30,11 +30,12 @@ from odmlq.calibration._wrapped import (
     parse_calibration_method,
 )
 from odmlq.calibration._reuse import calibrated_edges, derivable, needs_calibration, restricted, reusable
-from odmlq.calibration._statistics import Statistics, compute_range, merge, observe, range_of
+from odmlq.calibration._shards import range_of
+from odmlq.calibration._statistics import Statistics, compute_range, merge, observe, observe_parts
 
 __all__ = [
     "AbsMax", "CALIBRATION_METHODS", "MASK_SENTINEL", "Calibration", "CalibrationMethod", "Capped", "Entropy", "FixedRange",
     "Gram", "HISTOGRAM_BINS", "MSE", "Masked", "MinMax", "MovingAverageMinMax", "Percentile", "RMS", "RelativeMSE", "Statistics",
-    "calibrate", "calibration_method_from_dict", "channel_key", "compute_range", "merge", "observe",
+    "calibrate", "calibration_method_from_dict", "channel_key", "compute_range", "merge", "observe", "observe_parts",
     "parse_calibration_method", "range_of", "calibrated_edges", "derivable", "needs_calibration", "restricted", "reusable",
 ]

@@ -13,6 +13,7 @@ from odmlq.graph import WeightLayout, GraphCache, check_finite_params, check_inp
 from odmlq.calibration._calibration import Calibration, channel_key
 from odmlq.calibration._gram import Gram
 from odmlq.calibration._methods import MinMax
+from odmlq.calibration._parallel import device_parts
 from odmlq.calibration._reuse import calibrated_edges
 from odmlq.errors import CalibrationError
 from odmlq.progress import steps
@@ -69,27 +70,27 @@ def calibrate(model: Any, plan, rep_dataset: Iterable | Callable[[], Iterable], 
     out = Calibration() if calibration is None else calibration
     dataset = rep_dataset() if callable(rep_dataset) else rep_dataset
     collectors: dict[Any, Callable] = {}
+    placed: dict = {}  # device -> the params there
     count = 0
     for index, batch in enumerate(steps(dataset, "calibrating", progress=progress, unit="batch")):
         inputs = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
         check_inputs(plan.graph, inputs, f"rep_dataset batch {index}")
         _check_finite(inputs, index)
-        graph = cache.graph_for(inputs)
-        key = id(graph)
-        if key not in collectors:
-            layouts: dict = {}
-            collectors[key] = (jax.jit(_collector(graph, {e for e, _, _ in observed.values()}, rounded, layouts)),
-                               layouts)
-        collector, layouts = collectors[key]
-        values, grams = collector(params, *inputs)
+        parts = device_parts(inputs, params, placed)
+        if parts is None:  # one run, wherever the inputs and params lie
+            runs = [collector_for(cache, inputs, observed, rounded, collectors)(params, *inputs)]
+        else:  # data parallel: each device runs its part of the batch (dispatched before any is read)
+            runs = [collector_for(cache, part, observed, rounded, collectors)(device_params, *part)
+                    for device_params, part in parts]
         for name, (edge_id, method, keep_axes) in observed.items():
-            if edge_id in values:
-                out.observe(name, method, np.asarray(values[edge_id]), keep_axes=keep_axes,
-                            batch_index=index)
-        for param, (matrix, fourth, total) in grams.items():
-            layout, rows = layouts[param]
-            out.observe_gram(param, Gram(np.asarray(matrix, np.float64), rows, layout,
-                                         np.asarray(fourth, np.float64), np.asarray(total, np.float64)))
+            found = [np.asarray(values[edge_id]) for (values, _), _ in runs if edge_id in values]
+            if found:
+                out.observe_parts(name, method, found, keep_axes=keep_axes, batch_index=index)
+        for (_, grams), layouts in runs:
+            for param, (matrix, fourth, total) in grams.items():
+                layout, rows = layouts[param]
+                out.observe_gram(param, Gram(np.asarray(matrix, np.float64), rows, layout,
+                                             np.asarray(fourth, np.float64), np.asarray(total, np.float64)))
         count += 1
     if count == 0:
         raise CalibrationError(
@@ -97,6 +98,19 @@ def calibrate(model: Any, plan, rep_dataset: Iterable | Callable[[], Iterable], 
             "returning one), e.g. [x_calibration[i:i + 32] for i in range(0, len(x_calibration), 32)]."
         )
     return out
+
+
+def collector_for(cache, inputs, observed, rounded, collectors):
+    """The jitted statistics of a batch of these inputs' shapes (traced once
+    per graph), returning ``((edge values, grams), layouts)``."""
+    graph = cache.graph_for(inputs)
+    key = id(graph)
+    if key not in collectors:
+        layouts: dict = {}
+        collectors[key] = (jax.jit(_collector(graph, {e for e, _, _ in observed.values()}, rounded, layouts)),
+                           layouts)
+    collector, layouts = collectors[key]
+    return lambda *args: (collector(*args), layouts)
 
 
 def _collector(graph, edges, rounded: dict[str, bool], layouts: dict):

@@ -32,7 +32,7 @@ import numpy as np
 from odmlq.calibration._gram import Gram
 from odmlq.calibration._stored import FIELDS, FORMAT, VERSION, edge_entries, gram_entries, grams_of, statistics_of
 from odmlq.calibration._wrapped import CalibrationMethod, parse_calibration_method
-from odmlq.calibration._statistics import Statistics, compute_range, merge, observe
+from odmlq.calibration._statistics import Statistics, compute_range, merge, observe_parts
 from odmlq.errors import CalibrationError
 from odmlq.files import atomic_output
 from odmlq.qtypes import QType
@@ -135,6 +135,24 @@ class Calibration(Mapping[str, tuple[CalibrationMethod, Statistics]]):
           CalibrationError: as `observe`, naming the edge (and batch); or the
             edge was observed before with another method.
         """
+        self.observe_parts(edge_id, method, [x], keep_axes=keep_axes, batch_index=batch_index)
+
+    def observe_parts(
+        self,
+        edge_id: str,
+        method: CalibrationMethod | dict[str, Any] | str,
+        parts: Sequence[Any],
+        *,
+        keep_axes: Sequence[int] = (),
+        batch_index: int | None = None,
+    ) -> None:
+        """Folds one batch of edge `edge_id`, given as disjoint parts (what
+        each device computed of it), into its statistics: as `observe` of
+        the whole batch (see `odmlq.calibration.observe_parts`).
+
+        Raises:
+          CalibrationError: as `observe`.
+        """
         method = parse_calibration_method(method)
         where = f"edge {edge_id!r}" + ("" if batch_index is None else f", batch {batch_index}")
         previous = self._entries.get(edge_id)
@@ -144,7 +162,7 @@ class Calibration(Mapping[str, tuple[CalibrationMethod, Statistics]]):
                 f"{method!r}; use one method per edge."
             )
         try:
-            stats = observe(method, None if previous is None else previous[1], x, keep_axes=keep_axes)
+            stats = observe_parts(method, None if previous is None else previous[1], parts, keep_axes=keep_axes)
         except CalibrationError as e:
             raise CalibrationError(f"Calibration of {where}: {e}") from e
         self._entries[edge_id] = (method, stats)

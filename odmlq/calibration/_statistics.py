@@ -234,7 +234,7 @@ def observe(
         method or other keep_axes.
 
     Example:
-      >>> from odmlq.calibration._calibration import MinMax
+      >>> from odmlq.calibration import MinMax
       >>> s = observe(MinMax(), None, np.array([1.0, -2.0]))
       >>> s = observe(MinMax(), s, np.array([5.0]))
       >>> float(s.max), int(s.count)
@@ -248,7 +248,47 @@ def observe(
             "support per-tensor activations only (keep_axes=()); use MinMax() or "
             "AbsMax() for per-channel ranges."
         )
-    batch = _batch_statistics(method, x, keep_axes)
+    return _folded(method, stats, _batch_statistics(method, x, keep_axes))
+
+
+def observe_parts(
+    method: CalibrationMethod | dict[str, Any] | str,
+    stats: Statistics | None,
+    parts: Sequence[Any],
+    *,
+    keep_axes: Sequence[int] = (),
+) -> Statistics:
+    """Folds one batch given as disjoint parts (its shards on several devices)
+    into `stats`: exactly what `observe` of the whole batch gives for counts,
+    minima, maxima, extremes, histograms and moving averages; sums up to
+    float64 rounding. The parts may split any axis but a kept one.
+
+    Raises:
+      CalibrationError: as `observe`; parts of different kept shapes.
+
+    Example:
+      >>> from odmlq.calibration import MinMax
+      >>> s = observe_parts(MinMax(), None, [np.array([1.0, -2.0]), np.array([5.0])])
+      >>> float(s.max), int(s.count), int(s.batches)
+      (5.0, 3, 1)
+    """
+    method = parse_calibration_method(method)
+    batch = functools.reduce(lambda a, b: merge(method, a, b),
+                             [observe(method, None, part, keep_axes=keep_axes) for part in parts])
+    return _folded(method, stats, one_batch(batch))
+
+
+def one_batch(stats: Statistics) -> Statistics:
+    """Merged statistics of the parts of one batch, counted as that one batch
+    (its moving extremes are its own extremes)."""
+    moving = {}
+    if stats.moving_min is not None:
+        moving = dict(moving_min=stats.min, moving_max=stats.max)
+    return dataclasses.replace(stats, batches=np.asarray(1, np.int64), **moving)
+
+
+def _folded(method: CalibrationMethod, stats: Statistics | None, batch: Statistics) -> Statistics:
+    """`stats` with one more batch's statistics."""
     if stats is None:
         return batch
     _check_compatible(method, stats, batch)
@@ -270,7 +310,7 @@ def merge(method: CalibrationMethod | dict[str, Any] | str, a: Statistics, b: St
     is not what one stream over all batches would have given.
 
     Example:
-      >>> from odmlq.calibration._calibration import MinMax
+      >>> from odmlq.calibration import MinMax
       >>> a = observe(MinMax(), None, np.array([1.0]))
       >>> b = observe(MinMax(), None, np.array([-3.0]))
       >>> float(merge(MinMax(), a, b).min)
@@ -308,7 +348,7 @@ def compute_range(
       with lo <= 0 <= hi.
 
     Example:
-      >>> from odmlq.calibration._calibration import AbsMax
+      >>> from odmlq.calibration import AbsMax
       >>> s = observe(AbsMax(), None, np.array([-1.0, 4.0]))
       >>> compute_range(AbsMax(), s, 'int8', symmetric=True)
       (array(-4., dtype=float32), array(4., dtype=float32))
@@ -325,23 +365,3 @@ def compute_range(
         hi = np.maximum(-lo, hi)
         lo = -hi
     return np.asarray(lo, np.float32), np.asarray(hi, np.float32)
-
-
-def range_of(
-    method: CalibrationMethod | dict[str, Any] | str,
-    x: Any,
-    qtype: QType | str,
-    *,
-    symmetric: bool,
-    keep_axes: Sequence[int] = (),
-) -> tuple[np.ndarray, np.ndarray]:
-    """One-shot range of a whole tensor (weights): observe, then compute_range.
-
-    Example:
-      >>> from odmlq.calibration._calibration import AbsMax
-      >>> w = np.array([[1.0, -2.0], [0.5, 0.25]])
-      >>> range_of(AbsMax(), w, 'int8', symmetric=True, keep_axes=(0,))[1]
-      array([2. , 0.5], dtype=float32)
-    """
-    stats = observe(method, None, x, keep_axes=keep_axes)
-    return compute_range(method, stats, qtype, symmetric=symmetric)

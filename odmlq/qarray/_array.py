@@ -47,9 +47,11 @@ import numpy as np
 
 from odmlq.qarray import _kernels as kernels
 from odmlq.qarray._packing import pack, unpack
+from odmlq.qarray._sharded import quantize_and_pack_sharded
 from odmlq.qarray._layout import fit_shape, normalize_layout, scale_shape
 from odmlq.errors import CalibrationError, GranularityError, QTypeError
 from odmlq.qtypes import QType, qtype as _lookup
+from odmlq.sharding import is_sharded
 
 __all__ = [
     "QArray", "quantize", "quantize_tensor", "fake_quant", "compute_scale",
@@ -281,7 +283,11 @@ def quantize(
         x, qtype, scale, zero_point, scale_axes, block_axis, block_size, narrow_range
     )
     bounds, kernel = kernels.qrange(qt, narrow_range), kernels.kernel_for(qt)
-    qvalue = kernels.quantize_and_pack(x, scale, zero_point, bounds, kernel, block_axis, block_size)
+    if is_sharded(x):  # computed where it lies, placed like x (odmlq.sharding)
+        qvalue, scale, zero_point = quantize_and_pack_sharded(x, scale, zero_point, qt, bounds, kernel,
+                                                              block_axis, block_size)
+    else:
+        qvalue = kernels.quantize_and_pack(x, scale, zero_point, bounds, kernel, block_axis, block_size)
     return QArray(
         qvalue=qvalue, scale=scale, zero_point=zero_point, qtype=qt.name,
         shape=tuple(x.shape), scale_axes=axes, block_axis=block_axis,

@@ -180,10 +180,9 @@ def weight_scale(x: np.ndarray, spec) -> TensorScale:
     if spec.block_size is not None:
         # Split the block axis into (blocks, block_size) and keep the block index.
         a, b = spec.block_axis, spec.block_size
-        blocked = x.reshape(x.shape[:a] + (x.shape[a] // b, b) + x.shape[a + 1:])
         keep = tuple(ax if ax < a else ax + 1 for ax in spec.scale_axes) + (a,)
-        lo, hi = range_of(spec.calibration, blocked, spec.qtype, symmetric=spec.symmetric,
-                          keep_axes=tuple(sorted(keep)))
+        lo, hi = range_of(spec.calibration, x, spec.qtype, symmetric=spec.symmetric,
+                          keep_axes=tuple(sorted(keep)), block=(a, b))
     else:
         lo, hi = range_of(spec.calibration, x, spec.qtype, symmetric=spec.symmetric,
                           keep_axes=spec.scale_axes)

@@ -22,6 +22,7 @@ from odmlq.errors import PlanError
 from odmlq.qarray import QArray, scale_shape
 from odmlq.scales import TensorScale, algorithm_applies, compute_scales, weight_scale
 from odmlq.qarray import packed_size
+from odmlq.sharding import is_sharded
 
 __all__ = ["quantize_params", "weight_specs", "flat_leaves", "check_paths", "weight_scale_of"]
 
@@ -122,6 +123,8 @@ def quantize_params(params: Any, plan, *, prefix: str | None = None, calibration
         elif path in rounded:
             ts, values = rounded[path]
             out.append(ts.quantize(values))
+        elif is_sharded(leaf):  # read shard by shard, quantized where it lies (odmlq.sharding)
+            out.append(weight_scale(leaf, spec).quantize(leaf))
         else:
             out.append(weight_scale(np.asarray(leaf, np.float32), spec).quantize(leaf))
     return jax.tree_util.tree_unflatten(tree, out)
@@ -137,6 +140,15 @@ def _rounded(params: Any, plan, prefix: str | None, calibration) -> dict[str, tu
         done = set()
     if not any(algorithm_applies(p, spec, calibration) for p, spec in weight_specs(plan).items() if p not in done):
         return {}
+    specs = weight_specs(plan)
+    sharded = [path for path, leaf in flat_leaves(params)[0] if path in specs and is_sharded(leaf)
+               and algorithm_applies(path, specs[path], calibration)]
+    if sharded:
+        raise PlanError(
+            f"Weight {sharded[0]!r} is sharded over devices, and its algorithm "
+            f"({specs[sharded[0]].algorithm!r}) rounds a whole layer at once on one device; "
+            "round sharded weights to nearest (weight_algorithm=odmlq.Nearest() in their rules), or "
+            "quantize them before sharding.")
     if prefix is not None:
         raise PlanError(
             "quantize_params with a prefix quantizes part of the params, but this plan rounds "

@@ -1,0 +1,38 @@
+"""Quantizing a tensor that is sharded over a mesh, where it lies.
+
+The codes are computed under `jax.jit` with the float tensor's sharding in
+and the layout of `odmlq.sharding` out, so no device gathers the tensor.
+They are the same codes `quantize` gives on one device: the same kernel, on
+the same float32 values and scales.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from odmlq.qarray import _kernels as kernels
+from odmlq.qarray._packing import packed_size
+from odmlq.qtypes import QType
+from odmlq.sharding import named, packed_sharding, run_placed, scale_sharding
+
+__all__ = ["quantize_and_pack_sharded"]
+
+
+def quantize_and_pack_sharded(x: jax.Array, scale, zero_point, qt: QType, bounds, kernel,
+                              block_axis, block_size):
+    """``(qvalue, scale, zero_point)`` of `kernels.quantize_and_pack`, each
+    placed on `x`'s mesh (`odmlq.sharding`)."""
+    sharding = named(x, "The tensor to quantize")
+    scales = scale_sharding(sharding, tuple(scale.shape))
+    if qt.values_per_byte > 1:
+        values = packed_sharding(sharding, x.ndim, packed_size(x.size, qt))
+    else:
+        values = sharding
+    scale = jax.device_put(scale, scales)
+    zero_point = None if zero_point is None else jax.device_put(zero_point, scales)
+
+    def run(x, scale, zero_point):
+        return kernels.quantize_and_pack(x, scale, zero_point, bounds, kernel, block_axis, block_size)
+
+    qvalue = run_placed(run, values, x, scale, zero_point)
+    return qvalue, scale, zero_point
