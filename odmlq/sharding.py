@@ -18,7 +18,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from odmlq.errors import PlanError
 
-__all__ = ["is_sharded", "shard_extents", "mesh_axes_size", "scale_sharding", "packed_sharding"]
+__all__ = ["is_sharded", "shard_extents", "mesh_axes_size", "scale_sharding", "packed_sharding", "placed"]
 
 Extent = tuple[tuple[int, int], ...]  # (start, stop) along each axis
 
@@ -101,15 +101,20 @@ def packed_sharding(sharding: NamedSharding, ndim: int, stored: int) -> NamedSha
     return NamedSharding(sharding.mesh, PartitionSpec(used if len(used) > 1 else used[0]))
 
 
-def run_placed(fun, out: NamedSharding, *args):
-    """``fun(*args)`` under `jax.jit`, its one output placed with `out`.
+def placed(fun, out: NamedSharding):
+    """`fun` under `jax.jit`, its one output placed with `out`.
 
     On a mesh with explicit axes (`jax.make_mesh`'s default), the body runs
     with those axes automatic (`jax.sharding.auto_axes`), so reshapes that
     mix sharded axes (packing sub-byte values) are partitioned by XLA
-    instead of refused."""
+    instead of refused. Keep the result to call it again: each new one
+    compiles anew."""
     mesh = out.mesh
-    if any(t == AxisType.Explicit for t in mesh.axis_types):
+    if not any(t == AxisType.Explicit for t in mesh.axis_types):
+        return jax.jit(fun, out_shardings=out)
+    jitted = jax.jit(jax.sharding.auto_axes(fun, out_sharding=out.spec))
+
+    def run(*args):
         with jax.set_mesh(mesh):
-            return jax.jit(jax.sharding.auto_axes(fun, out_sharding=out.spec))(*args)
-    return jax.jit(fun, out_shardings=out)(*args)
+            return jitted(*args)
+    return run

@@ -8,12 +8,15 @@ the same float32 values and scales.
 
 from __future__ import annotations
 
+import functools
+
 import jax
+from jax.sharding import NamedSharding
 
 from odmlq.qarray import _kernels as kernels
 from odmlq.qarray._packing import packed_size
 from odmlq.qtypes import QType
-from odmlq.sharding import named, packed_sharding, run_placed, scale_sharding
+from odmlq.sharding import named, packed_sharding, placed, scale_sharding
 
 __all__ = ["quantize_and_pack_sharded"]
 
@@ -31,8 +34,13 @@ def quantize_and_pack_sharded(x: jax.Array, scale, zero_point, qt: QType, bounds
     scale = jax.device_put(scale, scales)
     zero_point = None if zero_point is None else jax.device_put(zero_point, scales)
 
-    def run(x, scale, zero_point):
-        return kernels.quantize_and_pack(x, scale, zero_point, bounds, kernel, block_axis, block_size)
-
-    qvalue = run_placed(run, values, x, scale, zero_point)
+    qvalue = _quantizer(kernel, block_axis, block_size, values)(x, scale, zero_point, bounds)
     return qvalue, scale, zero_point
+
+
+@functools.lru_cache(maxsize=256)
+def _quantizer(kernel: kernels.Kernel, block_axis, block_size, out: NamedSharding):
+    """One compiled quantizer per layout and placement, reused by every weight that shares them."""
+    def run(x, scale, zero_point, bounds):
+        return kernels.quantize_and_pack(x, scale, zero_point, bounds, kernel, block_axis, block_size)
+    return placed(run, out)

@@ -156,6 +156,55 @@ def refusals() -> None:
     print("refusals: blocks cut by shards, GPTQ on sharded weights")
 
 
+def checkpoint() -> None:
+    """The sample decoder streamed from a sharded checkpoint onto the mesh, tensor by tensor, as
+    bench/sharded_decoder.py does at 1B parameters."""
+    import tempfile
+
+    from converters._checkpoint import nest
+    from converters.sharded_checkpoint import ShardedCheckpoint, write_sharded
+    from samples.decoder_model import Decoder, DecoderConfig
+    from samples.decoder_tflite import decode_inputs
+
+    model = Decoder(DecoderConfig(layers=2))
+    variables = model.init(jax.random.key(1), np.zeros((1, 4), np.int32))
+    named = {jax.tree_util.keystr(p, simple=True, separator="."): np.asarray(x)
+             for p, x in jax.tree_util.tree_leaves_with_path(variables["params"])}
+    inputs = decode_inputs(model)
+    rules = [odmlq.Rule("embedding.*", weight_qtype="int8"),
+             odmlq.Rule(".*", op="dot_general", weight_qtype="int4", weight_granularity=odmlq.PerBlock(32))]
+    plan = odmlq.plan(model, rules, *inputs, variables=variables, method="decode")
+    mesh = _mesh("model")
+    columns, rows = ("query", "key", "value", "gate", "up"), ("output", "down", "embedding")
+    with tempfile.TemporaryDirectory() as directory:
+        write_sharded(directory, iter(named.items()), max_file_bytes=2 ** 20)
+        stored = ShardedCheckpoint(directory)
+        assert len(set(stored.weight_map.values())) > 1
+        params: dict = {}
+        for name in stored:
+            *module, leaf = name.split(".")
+            spec = P(None, "model") if module[-1] in columns else P("model", None) if module[-1] in rows else P()
+            value = stored.array(name, NamedSharding(mesh, spec))
+            if "/".join(module + [leaf]) in plan.weight_specs():
+                value = odmlq.quantize_params({leaf: value}, plan, prefix="/".join(module))[leaf]
+            nest(params, tuple(module + [leaf]), value)
+    whole = odmlq.quantize_params(variables, plan)
+    for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(whole),
+                                 jax.tree_util.tree_leaves_with_path({"params": params})):
+        assert np.array_equal(np.asarray(a), np.asarray(b)), jax.tree_util.keystr(path)
+        assert len(b.sharding.device_set) == 8
+    sharded = odmlq.ptq(model, plan, {"params": params})
+    one = odmlq.ptq(model, plan, whole)
+    logits, keys, _ = jax.jit(sharded.apply)(sharded.params, *inputs)
+    expected, expected_keys, _ = jax.jit(one.apply)(one.params, *inputs)
+    # row-parallel matmuls add their partial sums in another order: float32 rounding
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(expected), rtol=0,
+                               atol=1e-5 * float(np.abs(expected).max()))
+    np.testing.assert_allclose(np.asarray(keys), np.asarray(expected_keys), rtol=0,
+                               atol=1e-5 * float(np.abs(expected_keys).max()))
+    print("checkpoint: streamed onto the mesh, quantized bit for bit, decode step sharded")
+
+
 def _row_split_up():
     mesh = _mesh("model")
     return jax.tree_util.tree_map_with_path(

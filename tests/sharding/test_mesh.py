@@ -35,3 +35,7 @@ def test_sharded_params_quantize_bit_for_bit_and_keep_their_mesh_axes(mesh_run):
 
 def test_data_parallel_calibration_gives_single_device_statistics(mesh_run):
     assert "statistics as on one device" in mesh_run("calibrate")
+
+
+def test_decoder_streams_from_a_sharded_checkpoint_onto_the_mesh(mesh_run):
+    assert "decode step sharded" in mesh_run("checkpoint")
