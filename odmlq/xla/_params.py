@@ -16,13 +16,14 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
 from odmlq.graph import fold_params, folded_ops, param_path, params_tree
 from odmlq.errors import PlanError
 from odmlq.qarray import QArray, scale_shape
 from odmlq.scales import TensorScale, algorithm_applies, compute_scales, weight_scale
 from odmlq.qarray import packed_size
-from odmlq.sharding import is_sharded
+from odmlq.sharding import is_sharded, packed_sharding, scale_sharding
 
 __all__ = ["quantize_params", "weight_specs", "flat_leaves", "check_paths", "weight_scale_of"]
 
@@ -119,7 +120,7 @@ def quantize_params(params: Any, plan, *, prefix: str | None = None, calibration
         if spec is None or is_leaf(leaf):
             out.append(leaf)
         elif isinstance(leaf, jax.ShapeDtypeStruct):
-            out.append(abstract_qarray(tuple(leaf.shape), spec))
+            out.append(abstract_qarray(tuple(leaf.shape), spec, getattr(leaf, "sharding", None)))
         elif path in rounded:
             ts, values = rounded[path]
             out.append(ts.quantize(values))
@@ -182,14 +183,21 @@ def _folded(params: Any, plan, prefix: str | None) -> Any:
     return fold_params(plan.graph, params, weight_specs(plan))
 
 
-def abstract_qarray(shape: tuple[int, ...], spec) -> QArray:
-    """The QArray `spec` makes of a tensor of `shape`, with `ShapeDtypeStruct` leaves."""
+def abstract_qarray(shape: tuple[int, ...], spec, sharding=None) -> QArray:
+    """The QArray `spec` makes of a tensor of `shape`, with `ShapeDtypeStruct`
+    leaves; placed as `quantize_params` places them for a tensor on `sharding`
+    (a `NamedSharding` over several devices), else unplaced."""
     qt = spec.qtype
     stored = (packed_size(math.prod(shape), qt),) if qt.values_per_byte > 1 else shape
     s_shape = scale_shape(shape, spec.scale_axes, spec.block_axis, spec.block_size)
-    zero_point = None if spec.symmetric else jax.ShapeDtypeStruct(s_shape, np.int32)
-    return QArray(qvalue=jax.ShapeDtypeStruct(stored, qt.storage_dtype if qt.values_per_byte == 1 else np.uint8),
-                  scale=jax.ShapeDtypeStruct(s_shape, np.float32), zero_point=zero_point,
+    values = scales = None
+    if isinstance(sharding, NamedSharding) and len(sharding.device_set) > 1:
+        scales = scale_sharding(sharding, s_shape)
+        values = sharding if stored == shape else packed_sharding(sharding, len(shape), stored[0])
+    zero_point = None if spec.symmetric else jax.ShapeDtypeStruct(s_shape, np.int32, sharding=scales)
+    return QArray(qvalue=jax.ShapeDtypeStruct(stored, qt.storage_dtype if qt.values_per_byte == 1 else np.uint8,
+                                              sharding=values),
+                  scale=jax.ShapeDtypeStruct(s_shape, np.float32, sharding=scales), zero_point=zero_point,
                   qtype=qt.name, shape=tuple(shape), scale_axes=spec.scale_axes,
                   block_axis=spec.block_axis, block_size=spec.block_size,
                   narrow_range=spec.narrow_range)

@@ -19,10 +19,12 @@ from typing import Any
 import jax
 import ml_dtypes
 import numpy as np
+from jax.sharding import NamedSharding
 
 from odmlq.files import atomic_output
 from odmlq.errors import PlanError
 from odmlq.qarray import QArray
+from odmlq.sharding import packed_sharding, scale_sharding
 from odmlq.xla import _params
 
 __all__ = ["save_params", "load_params", "fingerprint"]
@@ -108,7 +110,11 @@ def load_params(path: str | os.PathLike, plan, *, like: Any = None) -> Any:
       plan: the Plan they must have been made for.
       like: a params tree of the model (float, abstract or quantized; an NNX
         module or state) to lay the result out like; None gives a flat dict
-        ``{param path: QArray or array}``.
+        ``{param path: QArray or array}``. A leaf placed on a mesh (a sharded
+        array, or a `jax.ShapeDtypeStruct` with a `NamedSharding`) is loaded
+        there: each device reads only its slice of the file, the QArray's
+        values split like the float weight and its scales as
+        `odmlq.sharding` places them.
 
     Raises:
       PlanError: the file was made for another plan (names what differs) or
@@ -125,24 +131,15 @@ def load_params(path: str | os.PathLike, plan, *, like: Any = None) -> Any:
         handle = safe_open(path, "np")
     except Exception as e:  # safetensors raises its own error type on a bad header
         raise PlanError(f"Cannot read {path} as a safetensors file: {e}.") from None
+    placements = {} if like is None else {p: _placement(leaf) for p, leaf in _params.flat_leaves(like)[0]}
     with handle as f:
         metadata = f.metadata() or {}
         if metadata.get("format") != FORMAT:
             raise PlanError(f"{path} is not an odmlq quantized-params file (no format={FORMAT!r} "
                             "in its metadata); write it with odmlq.save_params.")
         _check_plan(path, metadata, plan)
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    flat = {}
-    for name, entry in json.loads(metadata["layout"]).items():
-        if "qtype" not in entry:
-            flat[name] = _restored(tensors[name], entry["dtype"])
-            continue
-        parts = {part: _restored(tensors[f"{name}:{part}"], dtype) for part, dtype in entry["dtypes"].items()}
-        flat[name] = QArray(qvalue=jax.numpy.asarray(parts["qvalue"]), scale=jax.numpy.asarray(parts["scale"]),
-                            zero_point=None if "zero_point" not in parts else jax.numpy.asarray(parts["zero_point"]),
-                            qtype=entry["qtype"], shape=tuple(entry["shape"]), scale_axes=tuple(entry["scale_axes"]),
-                            block_axis=entry["block_axis"], block_size=entry["block_size"],
-                            narrow_range=entry["narrow_range"])
+        flat = {name: _read(f, name, entry, placements.get(name))
+                for name, entry in json.loads(metadata["layout"]).items()}
     if like is None:
         return flat
     leaves, tree = _params.flat_leaves(like)
@@ -151,6 +148,47 @@ def load_params(path: str | os.PathLike, plan, *, like: Any = None) -> Any:
     if missing:
         raise PlanError(f"{path} has no {missing[:8]}, which `like` holds; pass params laid out like the model's.")
     return jax.tree_util.tree_unflatten(tree, [flat[p] for p, _ in leaves])
+
+
+def _placement(leaf: Any) -> NamedSharding | None:
+    """Where `like`'s leaf says its loaded value goes: its NamedSharding over
+    several devices (of an array, an abstract `ShapeDtypeStruct` or a QArray's
+    values), else None (one array on the default device)."""
+    if isinstance(leaf, QArray):
+        leaf = leaf.qvalue if leaf.qvalue.shape == tuple(leaf.shape) else None
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, NamedSharding) and len(sharding.device_set) > 1:
+        return sharding
+    return None
+
+
+def _read(f, name: str, entry: dict, sharding: NamedSharding | None) -> Any:
+    """One stored leaf; with a sharding, each device reads its own slice of
+    each part (values split like the float weight, scales as
+    `odmlq.sharding` places them)."""
+    def part(key: str, dtype: str, placed: NamedSharding | None):
+        if placed is None:
+            return _restored(f.get_tensor(key), dtype)
+        shape = tuple(f.get_slice(key).get_shape())
+        return jax.make_array_from_callback(
+            shape, placed, lambda index: _restored(np.array(f.get_slice(key)[index]), dtype))
+
+    if "qtype" not in entry:
+        return part(name, entry["dtype"], sharding)
+    shape = tuple(entry["shape"])
+    scales = values = None
+    if sharding is not None:
+        scale_shape = tuple(f.get_slice(f"{name}:scale").get_shape())
+        scales = scale_sharding(sharding, scale_shape)
+        stored = tuple(f.get_slice(f"{name}:qvalue").get_shape())
+        values = sharding if stored == shape else packed_sharding(sharding, len(shape), stored[0])
+    parts = {key: part(f"{name}:{key}", dtype, values if key == "qvalue" else scales)
+             for key, dtype in entry["dtypes"].items()}
+    return QArray(qvalue=jax.numpy.asarray(parts["qvalue"]), scale=jax.numpy.asarray(parts["scale"]),
+                  zero_point=None if "zero_point" not in parts else jax.numpy.asarray(parts["zero_point"]),
+                  qtype=entry["qtype"], shape=shape, scale_axes=tuple(entry["scale_axes"]),
+                  block_axis=entry["block_axis"], block_size=entry["block_size"],
+                  narrow_range=entry["narrow_range"])
 
 
 def _check_plan(path: str, metadata: dict, plan) -> None:

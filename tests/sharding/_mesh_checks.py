@@ -134,6 +134,32 @@ def calibrate() -> None:
     print("calibrate: data parallel over 8 devices, statistics as on one device")
 
 
+def saved() -> None:
+    """Params saved from the mesh load back onto it, each device reading its slice."""
+    import tempfile
+
+    sharded = _tensor_parallel(_mesh("model"))
+    for name in ("int8 per channel", "int4 blocks of 32", "int8 asymmetric"):
+        plan = odmlq.plan(MODEL, SCHEMAS[name], X, variables=VARIABLES)
+        quantized = odmlq.quantize_params(sharded, plan)
+        with tempfile.TemporaryDirectory() as directory:
+            path = odmlq.save_params(f"{directory}/params.safetensors", quantized, plan)
+            abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                                              sharded)
+            loaded = odmlq.load_params(path, plan, like=abstract)
+            on_host = odmlq.load_params(path, plan, like=VARIABLES)
+        for (path_, a), (_, b), (_, c) in zip(*(jax.tree_util.tree_leaves_with_path(t)
+                                               for t in (quantized, loaded, on_host))):
+            where = f"{name}, {jax.tree_util.keystr(path_)}"
+            assert np.array_equal(np.asarray(a), np.asarray(b)) and np.array_equal(np.asarray(a), np.asarray(c)), where
+            assert b.sharding == a.sharding, (where, b.sharding, a.sharding)
+            assert not hasattr(c, "sharding") or len(c.sharding.device_set) == 1, where
+        planned = odmlq.quantize_params(abstract, plan)  # abstract QArrays placed as the real ones are
+        for (path_, a), (_, b) in zip(*(jax.tree_util.tree_leaves_with_path(t) for t in (quantized, planned))):
+            assert (a.shape, a.dtype, a.sharding) == (b.shape, b.dtype, b.sharding), jax.tree_util.keystr(path_)
+    print("saved: loaded back onto the mesh as quantized there")
+
+
 def refusals() -> None:
     sharded = _tensor_parallel(_mesh("model"))
     plan = odmlq.plan(MODEL, [odmlq.Rule(".*", weight_qtype="int4", weight_granularity=odmlq.PerBlock(64))],

@@ -29,8 +29,9 @@ def mesh_run():
 
 
 def test_sharded_params_quantize_bit_for_bit_and_keep_their_mesh_axes(mesh_run):
-    out = mesh_run("quantize_params", "ptq", "refusals")
-    assert "bit for bit" in out and "params stay sharded" in out and "refusals" in out
+    out = mesh_run("quantize_params", "ptq", "saved", "refusals")
+    assert "bit for bit" in out and "params stay sharded" in out and "loaded back onto the mesh" in out
+    assert "refusals" in out
 
 
 def test_data_parallel_calibration_gives_single_device_statistics(mesh_run):
