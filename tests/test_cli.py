@@ -268,12 +268,14 @@ def test_a_weight_only_export_saves_the_statistics_its_gptq_weights_were_rounded
 def test_verbose_is_taken_before_or_after_the_command(capsys, monkeypatch):
     from odmlq.litert import VERBOSE_ENVIRONMENT
 
-    monkeypatch.delenv(VERBOSE_ENVIRONMENT, raising=False)
+    # setenv, not delenv: monkeypatch records nothing for deleting an absent variable, and the
+    # "1" cli.main sets would then outlive the test (later tests would see LiteRT's INFO lines).
+    monkeypatch.setenv(VERBOSE_ENVIRONMENT, "0")
     assert cli.main(["ops", "--verbose"]) == 0
     import os
 
     assert os.environ[VERBOSE_ENVIRONMENT] == "1"
-    monkeypatch.delenv(VERBOSE_ENVIRONMENT)
+    monkeypatch.setenv(VERBOSE_ENVIRONMENT, "0")
     assert cli.main(["--verbose", "ops"]) == 0 and os.environ[VERBOSE_ENVIRONMENT] == "1"
 
 
