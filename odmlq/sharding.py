@@ -18,7 +18,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from odmlq.errors import PlanError
 
-__all__ = ["is_sharded", "shard_extents", "mesh_axes_size", "scale_sharding", "packed_sharding", "placed"]
+__all__ = ["is_sharded", "shard_extents", "mesh_axes_size", "scale_sharding", "packed_sharding", "placed",
+           "quantized_placement"]
 
 Extent = tuple[tuple[int, int], ...]  # (start, stop) along each axis
 
@@ -87,6 +88,17 @@ def scale_sharding(sharding: NamedSharding, scale_shape: tuple[int, ...]) -> Nam
     kept = tuple(axes if n > 1 and n % mesh_axes_size(sharding.mesh, axes) == 0 else None
                  for axes, n in zip(spec, scale_shape))
     return NamedSharding(sharding.mesh, PartitionSpec(*kept))
+
+
+def quantized_placement(sharding: NamedSharding, shape: tuple[int, ...], stored: tuple[int, ...],
+                        scale_shape: tuple[int, ...]) -> tuple[NamedSharding, NamedSharding]:
+    """``(values, scales)``: where the parts of a QArray of a tensor of `shape`
+    placed with `sharding` go. Its values are stored as `stored` (the tensor's
+    shape, or the flat bytes of packed sub-byte values); its scales (and zero
+    points) have `scale_shape`."""
+    stored = tuple(stored)
+    values = sharding if stored == tuple(shape) else packed_sharding(sharding, len(shape), stored[0])
+    return values, scale_sharding(sharding, tuple(scale_shape))
 
 
 def packed_sharding(sharding: NamedSharding, ndim: int, stored: int) -> NamedSharding:

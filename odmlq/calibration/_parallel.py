@@ -25,13 +25,10 @@ def device_parts(inputs: tuple, params: Any, placed: dict) -> list[tuple[Any, tu
     of the batch in batch order; None when the batch is not split along its
     first axis alone, the inputs are split differently, or the params are
     split over devices. `placed` caches each device's params across batches."""
-    arrays = [x for x in inputs if is_sharded(x)]
-    if not arrays:
+    if not inputs or not all(is_sharded(x) for x in inputs):
         return None
     layouts = []
     for x in inputs:
-        if not is_sharded(x):
-            return None
         extents = shard_extents(x, "A calibration batch")
         if any(extent[1:] != tuple((0, n) for n in x.shape[1:]) for extent in extents):
             return None

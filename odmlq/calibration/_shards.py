@@ -12,15 +12,15 @@ sums up to float64 rounding. No device ever holds the whole tensor.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from odmlq.calibration._statistics import Statistics, compute_range, merge, observe, one_batch
+from odmlq.calibration._statistics import Statistics, compute_range, observe, one_batch
 from odmlq.calibration._wrapped import CalibrationMethod
 from odmlq.errors import CalibrationError
+from odmlq.qarray import to_blocks
 from odmlq.qtypes import QType
 from odmlq.sharding import is_sharded, shard_extents
 
@@ -58,8 +58,7 @@ def observe_shards(method, x, *, keep_axes: Sequence[int] = (),
         full = extent if full is None else tuple((min(a[0], b[0]), max(a[1], b[1])) for a, b in zip(full, extent))
         kept = tuple(extent[axis] for axis in keep_axes)
         groups.setdefault(kept, []).append(observe(method, None, values, keep_axes=keep_axes))
-    joined = {kept: one_batch(functools.reduce(lambda a, b: merge(method, a, b), parts))
-              for kept, parts in groups.items()}
+    joined = {kept: one_batch(method, parts) for kept, parts in groups.items()}
     if len(joined) == 1:
         return next(iter(joined.values()))
     shape = tuple(full[axis][1] - full[axis][0] for axis in keep_axes)
@@ -74,7 +73,7 @@ def _blocked(values: np.ndarray, extent: Extent, block: tuple[int, int], shape) 
             f"A shard of a tensor of shape {tuple(shape)} holds elements {start}..{stop} of axis {axis}, "
             f"which cuts its blocks of {size}; shard that axis in whole blocks (a multiple of "
             f"{size} per device) or shard another axis.")
-    values = values.reshape(values.shape[:axis] + (values.shape[axis] // size, size) + values.shape[axis + 1:])
+    values = to_blocks(values, axis, size)
     extent = extent[:axis] + ((start // size, stop // size), (0, size)) + extent[axis + 1:]
     return values, extent
 
@@ -123,8 +122,6 @@ def range_of(
         stats = observe_shards(method, x, keep_axes=keep_axes, block=block)
     else:
         if block is not None:
-            axis, size = block
-            x = np.asarray(x)
-            x = x.reshape(x.shape[:axis] + (x.shape[axis] // size, size) + x.shape[axis + 1:])
+            x = to_blocks(np.asarray(x), *block)
         stats = observe(method, None, x, keep_axes=keep_axes)
     return compute_range(method, stats, qtype, symmetric=symmetric)

@@ -273,14 +273,14 @@ def observe_parts(
       (5.0, 3, 1)
     """
     method = parse_calibration_method(method)
-    batch = functools.reduce(lambda a, b: merge(method, a, b),
-                             [observe(method, None, part, keep_axes=keep_axes) for part in parts])
-    return _folded(method, stats, one_batch(batch))
+    return _folded(method, stats, one_batch(method, [observe(method, None, part, keep_axes=keep_axes)
+                                                     for part in parts]))
 
 
-def one_batch(stats: Statistics) -> Statistics:
-    """Merged statistics of the parts of one batch, counted as that one batch
-    (its moving extremes are its own extremes)."""
+def one_batch(method: CalibrationMethod, parts: Sequence[Statistics]) -> Statistics:
+    """The statistics of disjoint parts of one batch merged, counted as that
+    one batch (its moving extremes are its own extremes)."""
+    stats = functools.reduce(lambda a, b: merge(method, a, b), parts)
     moving = {}
     if stats.moving_min is not None:
         moving = dict(moving_min=stats.min, moving_max=stats.max)

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from odmlq.qarray import _kernels as kernels
 from odmlq.qarray._packing import packed_size
 from odmlq.qtypes import QType
-from odmlq.sharding import named, packed_sharding, placed, scale_sharding
+from odmlq.sharding import named, placed, quantized_placement
 
 __all__ = ["quantize_and_pack_sharded"]
 
@@ -26,11 +26,8 @@ def quantize_and_pack_sharded(x: jax.Array, scale, zero_point, qt: QType, bounds
     """``(qvalue, scale, zero_point)`` of `kernels.quantize_and_pack`, each
     placed on `x`'s mesh (`odmlq.sharding`)."""
     sharding = named(x, "The tensor to quantize")
-    scales = scale_sharding(sharding, tuple(scale.shape))
-    if qt.values_per_byte > 1:
-        values = packed_sharding(sharding, x.ndim, packed_size(x.size, qt))
-    else:
-        values = sharding
+    stored = (packed_size(x.size, qt),) if qt.values_per_byte > 1 else x.shape
+    values, scales = quantized_placement(sharding, x.shape, stored, scale.shape)
     scale = jax.device_put(scale, scales)
     zero_point = None if zero_point is None else jax.device_put(zero_point, scales)
 

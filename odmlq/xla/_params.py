@@ -23,7 +23,7 @@ from odmlq.errors import PlanError
 from odmlq.qarray import QArray, scale_shape
 from odmlq.scales import TensorScale, algorithm_applies, compute_scales, weight_scale
 from odmlq.qarray import packed_size
-from odmlq.sharding import is_sharded, packed_sharding, scale_sharding
+from odmlq.sharding import is_sharded, quantized_placement
 
 __all__ = ["quantize_params", "weight_specs", "flat_leaves", "check_paths", "weight_scale_of"]
 
@@ -192,8 +192,7 @@ def abstract_qarray(shape: tuple[int, ...], spec, sharding=None) -> QArray:
     s_shape = scale_shape(shape, spec.scale_axes, spec.block_axis, spec.block_size)
     values = scales = None
     if isinstance(sharding, NamedSharding) and len(sharding.device_set) > 1:
-        scales = scale_sharding(sharding, s_shape)
-        values = sharding if stored == shape else packed_sharding(sharding, len(shape), stored[0])
+        values, scales = quantized_placement(sharding, shape, stored, s_shape)
     zero_point = None if spec.symmetric else jax.ShapeDtypeStruct(s_shape, np.int32, sharding=scales)
     return QArray(qvalue=jax.ShapeDtypeStruct(stored, qt.storage_dtype if qt.values_per_byte == 1 else np.uint8,
                                               sharding=values),

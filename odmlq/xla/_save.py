@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding
 from odmlq.files import atomic_output
 from odmlq.errors import PlanError
 from odmlq.qarray import QArray
-from odmlq.sharding import packed_sharding, scale_sharding
+from odmlq.sharding import quantized_placement
 from odmlq.xla import _params
 
 __all__ = ["save_params", "load_params", "fingerprint"]
@@ -178,10 +178,8 @@ def _read(f, name: str, entry: dict, sharding: NamedSharding | None) -> Any:
     shape = tuple(entry["shape"])
     scales = values = None
     if sharding is not None:
-        scale_shape = tuple(f.get_slice(f"{name}:scale").get_shape())
-        scales = scale_sharding(sharding, scale_shape)
-        stored = tuple(f.get_slice(f"{name}:qvalue").get_shape())
-        values = sharding if stored == shape else packed_sharding(sharding, len(shape), stored[0])
+        values, scales = quantized_placement(sharding, shape, f.get_slice(f"{name}:qvalue").get_shape(),
+                                             f.get_slice(f"{name}:scale").get_shape())
     parts = {key: part(f"{name}:{key}", dtype, values if key == "qvalue" else scales)
              for key, dtype in entry["dtypes"].items()}
     return QArray(qvalue=jax.numpy.asarray(parts["qvalue"]), scale=jax.numpy.asarray(parts["scale"]),
