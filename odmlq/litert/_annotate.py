@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +38,7 @@ from odmlq.scales import Scales, TensorScale, fake_quant_bias, folded_weights
 from odmlq.hooks import FakeQuant, PlanHooks
 from odmlq.litert._blockwise import Blockwise, payload, placeholder
 from odmlq.litert._check import blockwise_weights
+from odmlq.litert._external import Placeholder
 
 _DTYPES = {"int8": "i8", "int16": "i16", "int4": "i4"}
 
@@ -110,17 +111,20 @@ def _native_layouts(plan) -> dict[str, tuple[tuple[int, ...], int]]:
     return out
 
 
-def _annotated_weight(w: np.ndarray, ts: TensorScale, layout) -> jax.Array:
-    if layout is None or w.ndim < 2:
-        return fake_quant_composite(jnp.asarray(w), ts)
+def _annotated_weight(w: np.ndarray | jax.ShapeDtypeStruct, ts: TensorScale, layout) -> jax.Array:
+    """`w` in the kernel's layout in a composite, transposed back; a
+    `jax.ShapeDtypeStruct` (a placeholder) stands for zeros of its shape."""
+    if layout is None or len(w.shape) < 2:
+        return fake_quant_composite(_value(w), ts)
     perm, channel = layout
     if ts.scale_axes and perm[channel] != ts.scale_axes[0]:
         raise OdmlqError(f"Per-channel axis {ts.scale_axes[0]} is not the kernel's output-channel "
                          f"axis {perm[channel]}; LiteRT quantizes weights along output channels.")
     inverse = tuple(int(i) for i in np.argsort(perm))
-    native = np.transpose(w, perm)
+    native = (jax.ShapeDtypeStruct(tuple(w.shape[a] for a in perm), w.dtype)
+              if isinstance(w, jax.ShapeDtypeStruct) else np.transpose(w, perm))
     ts_native = _permuted(ts, perm) if ts.scale_axes else ts
-    quantized = fake_quant_composite(jnp.asarray(native), ts_native, channel if ts.scale_axes else None)
+    quantized = fake_quant_composite(_value(native), ts_native, channel if ts.scale_axes else None)
     return jnp.transpose(quantized, inverse)
 
 
@@ -131,14 +135,27 @@ def _permuted(ts: TensorScale, perm) -> TensorScale:
                                scale_axes=(perm.index(ts.scale_axes[0]),))
 
 
+class Annotated(NamedTuple):
+    """The function litert-converter converts, and what is written into its file afterwards."""
+
+    fn: Callable
+    # int4 weights in blocks, which `_blockwise.write_blockwise` puts in.
+    blockwise: list[Blockwise]
+    # Weights handed over as zeros (`external_weights`), which
+    # `_external.externalized` writes after the flatbuffer.
+    placeholders: list[Placeholder]
+
+
 def annotated_function(graph, plan, scales: Scales, params: Any,
-                       float_ops=()) -> tuple[Callable, list[Blockwise]]:
+                       float_ops=(), *, external_weights: bool = False) -> Annotated:
     """A function of the model inputs only (weights are constants in it), and
-    the blocks of its blockwise weights, which `_blockwise.write_blockwise`
-    puts into the converted file.
+    what the converted file needs put in afterwards (`Annotated`).
 
     `float_ops`: ops LiteRT must run in float (kept by a skip rule, or with no
-    integer kernel), besides those no rule matched."""
+    integer kernel), besides those no rule matched.
+    `external_weights`: quantized weights of two or more dimensions become
+    placeholders (zeros of their shape: see `_external`), written after the
+    flatbuffer once converted."""
     converted = {edge for edge, _ in scales.conversions}
     # Only a float op next to a quantized tensor can be quantized by the
     # converter; a float model keeps its file as it was.
@@ -151,16 +168,21 @@ def annotated_function(graph, plan, scales: Scales, params: Any,
     # The converter re-derives the integers from the composite's input. Given
     # values already on the grid (our integers times the scale) it cannot round
     # a near-tie (w / s = -20.5000016) differently from us.
-    on_grid = {p: np.asarray(ts.fake_quant(jnp.asarray(values[p]))) for p, ts in scales.weights.items()}
+    # (One weight at a time where the weights are written after conversion.)
+    def grid(p):
+        return np.asarray(scales.weights[p].fake_quant(jnp.asarray(values[p])))
+
+    on_grid = {} if external_weights else {p: grid(p) for p in scales.weights}
     # int4 weights in blocks are annotated per channel, and their blocks written
     # into the converted file (`_blockwise`): one placeholder and payload each.
     blockwise = blockwise_weights(plan)
-    per_channel = {}
-    for p in blockwise:
+    per_channel, payloads = {}, []
+    for p, (_, input_axis, output_axis) in blockwise.items():
+        values_on_grid = on_grid[p] if p in on_grid else grid(p)
         channel = placeholder(scales.weights[p])
-        per_channel[p] = (channel, np.asarray(channel.fake_quant(jnp.asarray(on_grid[p]))))
-    payloads = [payload(p, on_grid[p], scales.weights[p], input_axis, output_axis)
-                for p, (_, input_axis, output_axis) in blockwise.items()]
+        per_channel[p] = (channel, None if external_weights
+                          else np.asarray(channel.fake_quant(jnp.asarray(values_on_grid))))
+        payloads.append(payload(p, values_on_grid, scales.weights[p], input_axis, output_axis))
     for path, ts in scales.weights.items():
         if path in blockwise:
             continue  # annotated per channel; its blocks are written into the file (`_blockwise`)
@@ -180,15 +202,22 @@ def annotated_function(graph, plan, scales: Scales, params: Any,
             if o.param is not None:
                 readers.setdefault(o.param, set()).add(op.id)
     float_only = {p for p in scales.weights if readers.get(p) and readers[p] <= keep_float}
+    placeholders = {} if not external_weights else {
+        p: _placeholder(p, np.shape(values[p]), scales.weights[p], layouts.get(p), grid,
+                        [b for b in payloads if b.param == p])
+        for p in scales.weights if p not in float_only and np.ndim(values[p]) >= 2}
 
     def fn(*inputs):
         new = {}
         for p, ts in scales.weights.items():
             with jax.named_scope(p):
                 if p in float_only:
-                    new[p] = jnp.asarray(on_grid[p])
+                    new[p] = jnp.asarray(grid(p) if external_weights else on_grid[p])
                 elif p in blockwise:
-                    new[p] = _annotated_weight(per_channel[p][1], per_channel[p][0], layouts.get(p))
+                    value = per_channel[p][1] if p not in placeholders else _zeros(np.shape(values[p]))
+                    new[p] = _annotated_weight(value, per_channel[p][0], layouts.get(p))
+                elif p in placeholders:
+                    new[p] = _annotated_weight(_zeros(np.shape(values[p])), ts, layouts.get(p))
                 else:
                     new[p] = _annotated_weight(on_grid[p], ts, layouts.get(p))
         for p, s in scales.biases.items():
@@ -197,7 +226,38 @@ def annotated_function(graph, plan, scales: Scales, params: Any,
 
         return PlanHooks(plan, scales, Annotation(scales, plan.graph, keep_float)).evaluate(graph, qparams, *inputs)
 
-    return fn, payloads
+    return Annotated(fn, payloads, list(placeholders.values()))
+
+
+def _zeros(shape) -> jax.ShapeDtypeStruct:
+    """A placeholder (see `_value`)."""
+    return jax.ShapeDtypeStruct(tuple(int(d) for d in shape), jnp.float32)
+
+
+def _value(w) -> jax.Array:
+    """`w` as a constant; a placeholder as zeros made in the traced function,
+    one value in the StableHLO text however large the weight."""
+    if isinstance(w, jax.ShapeDtypeStruct):
+        return jnp.zeros(w.shape, w.dtype)
+    return jnp.asarray(w)
+
+
+def _placeholder(param: str, shape, ts: TensorScale, layout, grid, blocks) -> Placeholder:
+    """The weight as `_external` writes it: its integers in the kernel's layout."""
+    perm = layout[0] if layout is not None else tuple(range(len(shape)))
+    native_shape = tuple(int(shape[a]) for a in perm)
+    if blocks:  # int4 blocks: the payload's (out, in) integers, what the file holds
+        return Placeholder(param, blocks[0].codes.shape, "int4", lambda: blocks[0].codes)
+
+    def codes():
+        native = np.transpose(grid(param), perm).astype(np.float32)
+        t = _permuted(ts, perm) if ts.scale_axes else ts
+        scale = np.asarray(t.scale, np.float32)
+        zero = 0 if t.zero_point is None else np.asarray(t.zero_point, np.float32)
+        qt = ts.qtype
+        return np.clip(np.rint(native / scale) + zero, int(qt.qmin), int(qt.qmax)).astype(np.int32)
+
+    return Placeholder(param, native_shape, str(ts.qtype.name), codes)
 
 
 # Ops that move values without computing: quantizing one changes nothing the

@@ -15,8 +15,8 @@ import numpy as np
 from odmlq.calibration import Calibration
 from odmlq.errors import OdmlqError
 from odmlq.files import atomic_output, check_output_path
-from odmlq.graph import params_for
-from odmlq.litert import _annotate, _blockwise, _convert, _repair
+from odmlq.graph import flat_params, params_for
+from odmlq.litert import _annotate, _blockwise, _convert, _external, _repair
 from odmlq.litert._check import FloatOpsError, check_plan
 from odmlq.litert._prepare import Prepared, prepare
 from odmlq.litert._probe import LiteRTCrashError, probe
@@ -70,6 +70,7 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
                   require_delegate: bool = False,
                   benchmark: bool = False,
                   method: str | Callable | None = None,
+                  external_weights: bool | None = None,
                   progress: bool | None = None) -> Export:
     """Exports `model` as a LiteRT flatbuffer quantized by `rules`, and checks it.
 
@@ -102,6 +103,12 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
       benchmark: also convert the float twin (the same model, no rules) and
         time both at the exported batch size on one thread in interleaved
         rounds (`Export.latency`); warn when the export is slower.
+      external_weights: store the quantized weights after the flatbuffer
+        (``Buffer.offset``/``size``: the file may pass flatbuffers' 2 GB) and
+        hand them to the converter as placeholders, writing each one's
+        integers into the file afterwards, so no weight is held as StableHLO
+        text or by the converter. None (default): when the quantized weights
+        pass 1 GiB in float32. The file loads like any other .tflite.
       progress: bars on stderr while calibrating, converting and verifying
         (default: when stderr is a terminal; False: never).
       method: the Linen or NNX method to export (default: the model's call),
@@ -141,19 +148,36 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
                        progress=progress)
     return build(model, prepared, path, variables=variables, verify=verify, verify_samples=verify_samples,
                  allow_float_ops=allow_float_ops, require_delegate=require_delegate, benchmark=benchmark,
-                 progress=progress)
+                 progress=progress, external_weights=external_weights)
 
 
-def annotated(model: Any, prepared: Prepared, *, variables: Any = None):
-    """``(fn, blockwise payloads)``: the prepared model as the function litert-converter converts."""
+def annotated(model: Any, prepared: Prepared, *, variables: Any = None,
+              external_weights: bool | None = None) -> _annotate.Annotated:
+    """The prepared model as the function litert-converter converts, and what
+    its file needs put in afterwards (`_annotate.Annotated`).
+
+    `external_weights`: see `export_tflite`; None decides by the quantized
+    weights' size (`uses_external_weights`)."""
     params = params_for(model, variables, "export_tflite")
-    return _annotate.annotated_function(prepared.graph, prepared.plan, prepared.scales, params, prepared.float_ops)
+    if external_weights is None:
+        external_weights = uses_external_weights(prepared.scales, params)
+    return _annotate.annotated_function(prepared.graph, prepared.plan, prepared.scales, params, prepared.float_ops,
+                                        external_weights=external_weights)
+
+
+def uses_external_weights(scales: Scales, params: Any) -> bool:
+    """Whether the quantized weights hold more float32 bytes than
+    `_external.EXTERNAL_AUTO_BYTES`: their text alone would pass 2 GB."""
+    flat = flat_params(params)
+    total = sum(4 * int(np.prod(np.shape(flat[p]), dtype=np.int64)) for p in scales.weights if p in flat)
+    return total > _external.EXTERNAL_AUTO_BYTES
 
 
 def finished(tflite: bytes, prepared: Prepared, blockwise, subgraph: int = 0) -> bytes:
     """The converter's flatbuffer with what it cannot write put in: int4 block
     payloads (into `subgraph`, the prepared signature's), int64 biases of 16x8
-    convolutions, an integer interface."""
+    convolutions, an integer interface. (Placeholders are written last, for
+    every signature at once: `_external.externalized`.)"""
     tflite = _blockwise.write_blockwise(tflite, blockwise, subgraph)
     # litert-converter 0.5.0 writes an int32 bias for 16x8 convolutions, whose
     # kernels read int64 (outputs off by the whole range, or a depthwise
@@ -166,17 +190,22 @@ def finished(tflite: bytes, prepared: Prepared, blockwise, subgraph: int = 0) ->
 
 def build(model: Any, prepared: Prepared, path: str | os.PathLike | None = None, *, variables: Any = None,
           verify: bool = True, verify_samples: int = 32, allow_float_ops: bool = False,
-          require_delegate: bool = False, benchmark: bool = False, progress: bool | None = None) -> Export:
+          require_delegate: bool = False, benchmark: bool = False, progress: bool | None = None,
+          external_weights: bool | None = None) -> Export:
     """Converts, checks, verifies and writes a prepared export (see `export_tflite`)."""
     plan, schema = prepared.plan, prepared.schema
-    fn, blockwise = annotated(model, prepared, variables=variables)
+    fn, blockwise, placeholders = annotated(model, prepared, variables=variables, external_weights=external_weights)
     try:
         with Stage("converting", progress=progress):
             tflite = _convert.convert(fn, prepared.example_inputs, input_names=prepared.input_names,
                                       output_names=prepared.output_names, dynamic_range=schema == "dynamic")
     except _convert.ConversionError as error:
         raise with_module_paths(error, plan) from error
+    del fn  # (its closure holds the weights' values on the grid)
     tflite = finished(tflite, prepared, blockwise)
+    if placeholders:
+        with Stage("writing the weights", progress=progress):
+            tflite = _external.externalized(tflite, placeholders)
     summary = inspect(tflite)
     _check_summary(schema, summary, allow_float_ops, prepared.float_ops)
     # Never write (or load here) a file that crashes LiteRT: a child process tries it first.

@@ -35,7 +35,7 @@ from ai_edge_litert import schema_py_generated as schema
 
 from odmlq.errors import OdmlqError, PlanError
 from odmlq.files import check_output_path
-from odmlq.litert import _convert
+from odmlq.litert import _convert, _external
 from odmlq.litert._probe import LiteRTCrashError, probe
 from odmlq.litert._runtime import interpreter
 from odmlq.litert._prepare import Prepared, prepare
@@ -97,6 +97,7 @@ class SignatureExport:
 def export_signatures(model: Any, rules: Sequence, signatures: Mapping[str, Signature],
                       path: str | os.PathLike | None = None, *, variables: Any = None, verify: bool = True,
                       verify_samples: int = 32, allow_float_ops: bool = False,
+                      external_weights: bool | None = None,
                       progress: bool | None = None) -> SignatureExport:
     """Exports several methods of `model` into one LiteRT flatbuffer (see the module doc).
 
@@ -106,7 +107,8 @@ def export_signatures(model: Any, rules: Sequence, signatures: Mapping[str, Sign
       signatures: signature name (a Python identifier) -> `Signature`, in the
         file's order.
       path: where to write the file (atomically), or None.
-      verify, verify_samples, allow_float_ops, progress: as `export_tflite`'s.
+      verify, verify_samples, allow_float_ops, external_weights, progress:
+        as `export_tflite`'s (a weight several signatures read is stored once).
 
     Raises:
       PlanError: no signature, a name that is not an identifier, signatures
@@ -132,9 +134,9 @@ def export_signatures(model: Any, rules: Sequence, signatures: Mapping[str, Sign
                         "as one schema. Give every signature the same kind of activation quantization.")
     singles = {name: _named(name, lambda: build(model, p, variables=variables, verify=verify,
                                                  verify_samples=verify_samples, allow_float_ops=allow_float_ops,
-                                                 progress=progress))
+                                                 progress=progress, external_weights=external_weights))
                for name, p in prepared.items()}
-    tflite = _combined(model, prepared, variables, progress)
+    tflite = _combined(model, prepared, variables, progress, external_weights)
     try:
         probe(tflite, f"the model exported for {os.fspath(path)!r}" if path is not None else "the exported model")
     except LiteRTCrashError as error:
@@ -170,13 +172,15 @@ def _named(name: str, step: Callable[[], Any]) -> Any:
         raise raised from error
 
 
-def _combined(model: Any, prepared: Mapping[str, Prepared], variables: Any, progress) -> bytes:
+def _combined(model: Any, prepared: Mapping[str, Prepared], variables: Any, progress,
+              external_weights: bool | None) -> bytes:
     """All signatures converted into one flatbuffer, each in its subgraph."""
-    texts, payloads = [], {}
+    texts, payloads, placeholders = [], {}, {}
     for name, p in prepared.items():
-        fn, blockwise = annotated(model, p, variables=variables)
+        fn, blockwise, held_back = annotated(model, p, variables=variables, external_weights=external_weights)
         texts.append((name, _convert.lowered(fn, p.example_inputs), p.input_names, p.output_names))
         payloads[name] = blockwise
+        placeholders.update({h.param: h for h in held_back})  # the signatures share their weights
     dynamic = next(iter(prepared.values())).schema == "dynamic"
     try:
         with Stage("converting the signatures together", progress=progress):
@@ -186,6 +190,9 @@ def _combined(model: Any, prepared: Mapping[str, Prepared], variables: Any, prog
     subgraphs = _subgraphs(tflite)
     for name, p in prepared.items():
         tflite = finished(tflite, p, payloads[name], subgraph=subgraphs[name])
+    if placeholders:
+        with Stage("writing the weights", progress=progress):
+            tflite = _external.externalized(tflite, list(placeholders.values()))
     return tflite
 
 

@@ -95,7 +95,7 @@ def _export(name: str, rules_name: str = "int16x8", seed: int = 0):
     calibration = odmlq.calibrate(model, plan, [x[:32]], variables=variables)
     params = params_for(model, variables, "test")
     scales = odmlq.compute_scales(plan, calibration, params)
-    fn, _ = _annotate.annotated_function(plan.graph, plan, scales, params)
+    fn = _annotate.annotated_function(plan.graph, plan, scales, params).fn
     tflite = _convert.convert(fn, (x[:1],), input_names=["x"], output_names=["output_0"])
     return tflite, plan, scales, variables, x[32:]
 
@@ -381,7 +381,7 @@ def test_int32_bias_is_not_kept_where_the_int32_accumulator_could_overflow():
     plan = odmlq.plan(model, INT16X8, x[:1], variables=variables)
     scales = odmlq.compute_scales(plan, odmlq.calibrate(model, plan, [x[:8]], variables=variables),
                                   variables)
-    fn, _ = _annotate.annotated_function(plan.graph, plan, scales, variables)
+    fn = _annotate.annotated_function(plan.graph, plan, scales, variables).fn
     tflite = _convert.convert(fn, (x[:1],), input_names=["x"], output_names=["y"])
     fast = repair_int16_conv_bias(tflite, int32_bias_when_exact=True)
     assert _conv_options(fast) == [("CONV_2D", schema.TensorType.INT64, schema.TensorType.FLOAT32)]
