@@ -52,6 +52,12 @@ def _export_parser(sub) -> None:
                    help="refuse the export when any op runs outside XNNPACK (named in the error)")
     e.add_argument("--benchmark", action="store_true",
                    help="also time the float twin on one thread; warn when the export is slower")
+    weights = e.add_mutually_exclusive_group()
+    weights.add_argument("--external-weights", dest="external_weights", action="store_true", default=None,
+                         help="store the quantized weights after the flatbuffer (files past 2 GB; "
+                              "default: when they pass 1 GiB in float32)")
+    weights.add_argument("--inline-weights", dest="external_weights", action="store_false",
+                         help="store every weight inside the flatbuffer")
     e.add_argument("--quiet", action="store_true", help=_QUIET)
 
 

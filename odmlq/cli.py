@@ -152,7 +152,8 @@ def _cmd_export(args) -> int:
         result = export_tflite(model, rules, data or [tuple(inputs)], args.out, variables=variables,
                                example_inputs=inputs, calibration=calibration, verify=not args.no_verify,
                                allow_float_ops=args.allow_float_ops, require_delegate=args.require_delegate,
-                               benchmark=args.benchmark, progress=_progress_of(args))
+                               benchmark=args.benchmark, external_weights=args.external_weights,
+                               progress=_progress_of(args))
     print(result)
     if args.save_calibration:
         if result.calibration is None:

@@ -301,3 +301,18 @@ def test_dump_tensors_without_arguments_prints_its_usage():
     root = pathlib.Path(__file__).resolve().parent.parent
     done = subprocess.run([sys.executable, "samples/dump_tensors.py"], capture_output=True, text=True, cwd=root)
     assert done.returncode == 2 and "usage:" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_export_external_weights_writes_them_after_the_flatbuffer(tmp_path, capsys):
+    from ai_edge_litert import schema_py_generated as schema
+
+    data = _digits_like(tmp_path / "d.npz", rows=8)
+    offsets = {}
+    for flag in ("--external-weights", "--inline-weights"):
+        out = tmp_path / f"{flag[2:]}.tflite"
+        assert cli.main(["export", "cnn", "--data", data, "--out", str(out), "--quiet", flag]) == 0
+        model = schema.Model.GetRootAsModel(out.read_bytes(), 0)
+        offsets[flag] = [model.Buffers(b).Offset() for b in range(model.BuffersLength())
+                         if model.Buffers(b).Offset() > 1]
+        assert "of simulate: yes" in capsys.readouterr().out
+    assert len(offsets["--external-weights"]) == 4 and not offsets["--inline-weights"]

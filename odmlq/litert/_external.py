@@ -76,7 +76,7 @@ def _file_bytes(codes: np.ndarray, qtype: str) -> np.ndarray:
         if flat.size % 2:
             flat = np.append(flat, 0)
         return ((flat[0::2] & 0xF) | ((flat[1::2] & 0xF) << 4)).astype(np.uint8)
-    return np.ascontiguousarray(codes.astype("<i2" if qtype == "int16" else np.int8)).view(np.uint8).reshape(-1)
+    return np.ascontiguousarray(codes, "<i2" if qtype == "int16" else np.int8).view(np.uint8).reshape(-1)
 
 
 def _tensor_name(param: str) -> re.Pattern:
@@ -92,18 +92,20 @@ def _matches(model: schema.ModelT, placeholder: Placeholder) -> list[tuple[int, 
             and name.fullmatch((t.name or b"").decode())]
 
 
-def externalized(tflite: bytes, placeholders: Sequence[Placeholder], *,
-                 external_buffers: Sequence[int] = ()) -> bytes:
+def externalized(held: list[bytes], placeholders: Sequence[Placeholder]) -> bytes:
     """The model with each placeholder's tensors reading a buffer after the
-    flatbuffer that holds the weight's integers, and `external_buffers`
-    (buffer indices whose data is already real, such as int4 blocks
-    `_blockwise` wrote) moved there as they are.
+    flatbuffer that holds the weight's integers.
+
+    `held`: a list holding the converted model's bytes, which it empties, so
+    that they (as large as the weights' integers: the placeholders' zeros)
+    are freed before the new file is read back.
 
     Raises:
       ConversionError: a placeholder's weight is not in the converted file as
         one tensor of its shape and type per subgraph that reads it, or its
         buffer has another size than its integers need.
     """
+    tflite = held.pop()
     model = schema.ModelT.InitFromPackedBuf(tflite, 0)
     buffers = list(model.buffers)
     sizes: dict[int, int] = {}
@@ -139,10 +141,6 @@ def externalized(tflite: bytes, placeholders: Sequence[Placeholder], *,
         sizes[index] = want
         sources[index] = (lambda p=p: _file_bytes(np.asarray(p.codes()), p.qtype))
     _check_unmatched(model, buffers, placeholders, matched, zeros)
-    for index in external_buffers:
-        if index not in sizes and buffers[index].data is not None:
-            data = np.asarray(buffers[index].data, np.uint8).reshape(-1)
-            sizes[index], sources[index] = data.size, (lambda data=data: data)
     # Placeholder buffers no tensor reads any more (split above) hold nothing.
     read = {t.buffer for graph in model.subgraphs or [] for t in graph.tensors or []}
     for index, buffer in enumerate(buffers):
@@ -164,7 +162,8 @@ def externalized(tflite: bytes, placeholders: Sequence[Placeholder], *,
     if len(final) != len(packed):  # the offsets are fixed-width fields
         raise ConversionError("The flatbuffer changed size when its buffer offsets were written; "
                               "export with external_weights=False.")
-    del packed, model
+    # What the flatbuffer holds is in `final`: the converted bytes can go.
+    del packed, model, buffers, tflite
     # The file is assembled on disk one weight at a time and read back once.
     with tempfile.TemporaryFile(prefix="odmlq-external-") as f:
         f.write(final)

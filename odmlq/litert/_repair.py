@@ -247,10 +247,12 @@ def repair_int16_conv_bias(tflite: bytes, *, int32_bias_when_exact: bool = False
       >>> tflite = repair_int16_conv_bias(converted)
       >>> Interpreter(model_content=tflite).allocate_tensors()
     """
-    model = schema.ModelT.InitFromPackedBuf(bytearray(tflite), 0)
+    # (Read in place: a large model's bytes are not copied to find nothing to repair.)
+    model = schema.ModelT.InitFromPackedBuf(tflite, 0)
     targets = _targets(model)
     if not targets:
         return tflite
+    model = schema.ModelT.InitFromPackedBuf(bytearray(tflite), 0)  # a copy its repairs write into
     if int32_bias_when_exact:
         kept = [tg for tg in targets if _int32_accumulation_is_exact(model, tg[0], tg[1])]
         for s, o, _, _ in kept:

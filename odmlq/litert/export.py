@@ -205,7 +205,8 @@ def build(model: Any, prepared: Prepared, path: str | os.PathLike | None = None,
     tflite = finished(tflite, prepared, blockwise)
     if placeholders:
         with Stage("writing the weights", progress=progress):
-            tflite = _external.externalized(tflite, placeholders)
+            held, tflite = [tflite], None
+            tflite = _external.externalized(held, placeholders)
     summary = inspect(tflite)
     _check_summary(schema, summary, allow_float_ops, prepared.float_ops)
     # Never write (or load here) a file that crashes LiteRT: a child process tries it first.

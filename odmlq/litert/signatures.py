@@ -192,7 +192,8 @@ def _combined(model: Any, prepared: Mapping[str, Prepared], variables: Any, prog
         tflite = finished(tflite, p, payloads[name], subgraph=subgraphs[name])
     if placeholders:
         with Stage("writing the weights", progress=progress):
-            tflite = _external.externalized(tflite, list(placeholders.values()))
+            held, tflite = [tflite], None
+            tflite = _external.externalized(held, list(placeholders.values()))
     return tflite
 
 

@@ -173,4 +173,4 @@ def test_a_weight_missing_from_the_converted_file_is_an_error_not_zeros():
     tflite = odmlq.export_tflite(model, SCHEMAS["int8"], _digits(), variables=variables, progress=False).tflite
     ghost = _external.Placeholder("conv9/kernel", (32, 3, 3, 16), "int8", lambda: np.zeros((32, 3, 3, 16)))
     with pytest.raises(OdmlqError, match=r"'conv9/kernel'.*external_weights=False"):
-        _external.externalized(tflite, [ghost])
+        _external.externalized([tflite], [ghost])
