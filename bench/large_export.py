@@ -32,6 +32,7 @@ import time
 import flax.linen as nn
 import jax
 import numpy as np
+from ai_edge_litert import schema_py_generated as schema
 
 import odmlq
 from odmlq.litert.verify import verification_samples, verify
@@ -100,9 +101,11 @@ def main() -> None:
     export_s = time.perf_counter() - start
     export_peak = _status("VmHWM")
     size = os.path.getsize(path)
-    flat = len(result.tflite) - result.summary.weight_bytes
-    print(f"export: {export_s:.0f} s; file {size / 2**20:,.0f} MiB ({result.summary.weight_bytes / 2**20:,.0f} MiB "
-          f"of weights after a {flat / 2**10:,.0f} KiB flatbuffer)")
+    model_file = schema.Model.GetRootAsModel(result.tflite, 0)
+    after = [model_file.Buffers(b) for b in range(model_file.BuffersLength()) if model_file.Buffers(b).Offset() > 1]
+    flatbuffer = min(b.Offset() for b in after) if after else size
+    print(f"export: {export_s:.0f} s; file {size / 2**20:,.0f} MiB: a {flatbuffer / 2**10:,.0f} KiB flatbuffer, then "
+          f"{len(after)} weights ({sum(b.Size() for b in after) / 2**20:,.0f} MiB) after it")
     print(f"  RSS before {before:,.0f} MiB, peak {export_peak:,.0f} MiB: {export_peak - before:,.0f} MiB above "
           f"(float weights {float_bytes / 2**20:,.0f} MiB, int8 file {size / 2**20:,.0f} MiB)")
     gc.collect()
