@@ -114,21 +114,21 @@ def externalized(held: list[bytes], placeholders: Sequence[Placeholder]) -> byte
     matched, zeros = set(), set()  # the placeholders' tensors, the buffers they read (zeros)
     for p in placeholders:
         found = _matches(model, p)
-        matched.update(found)
-        zeros.update(model.subgraphs[g].tensors[i].buffer for g, i in found)
         if not found:
             raise ConversionError(
                 f"The converted model has no {p.qtype} tensor of shape {p.shape} named after weight {p.param!r}, "
                 "so its integers cannot be written after the flatbuffer. Export with external_weights=False "
                 "(the weights then go through the converter as constants).")
+        matched.update(found)
+        zeros.update(model.subgraphs[g].tensors[i].buffer for g, i in found)
         want = nbytes(p.shape, p.qtype)
         index = None
         for g, i in found:
             tensor = model.subgraphs[g].tensors[i]
-            held = buffers[tensor.buffer].data
-            if held is not None and np.size(held) != want:
+            stored = _stored_bytes(buffers[tensor.buffer])
+            if stored != want:
                 raise ConversionError(
-                    f"Weight {p.param!r}: the converted model stores {np.size(held)} bytes for it, not the "
+                    f"Weight {p.param!r}: the converted model stores {stored} bytes for it, not the "
                     f"{want} its {p.qtype} integers take; export with external_weights=False.")
             if index is None:
                 # One buffer per weight: a buffer the converter shares between two
@@ -141,6 +141,15 @@ def externalized(held: list[bytes], placeholders: Sequence[Placeholder]) -> byte
         sizes[index] = want
         sources[index] = (lambda p=p: _file_bytes(np.asarray(p.codes()), p.qtype))
     _check_unmatched(model, buffers, placeholders, matched, zeros)
+    # Buffers the file already stores after its flatbuffer move with the rest.
+    for index, buffer in enumerate(buffers):
+        if index not in sizes and buffer.data is None and buffer.offset > 1:
+            if buffer.offset + buffer.size > len(tflite):
+                raise ConversionError(f"The converted model is truncated: buffer {index} lies at bytes "
+                                      f"{buffer.offset}..{buffer.offset + buffer.size} of {len(tflite)}.")
+            sizes[index] = int(buffer.size)
+            sources[index] = (lambda o=int(buffer.offset), n=int(buffer.size), src=tflite:
+                              np.frombuffer(src, np.uint8, n, o))
     # Placeholder buffers no tensor reads any more (split above) hold nothing.
     read = {t.buffer for graph in model.subgraphs or [] for t in graph.tensors or []}
     for index, buffer in enumerate(buffers):
@@ -162,7 +171,8 @@ def externalized(held: list[bytes], placeholders: Sequence[Placeholder]) -> byte
     if len(final) != len(packed):  # the offsets are fixed-width fields
         raise ConversionError("The flatbuffer changed size when its buffer offsets were written; "
                               "export with external_weights=False.")
-    # What the flatbuffer holds is in `final`: the converted bytes can go.
+    # What the flatbuffer holds is in `final`: the converted bytes can go
+    # (unless buffers stored after its flatbuffer are still to be copied).
     del packed, model, buffers, tflite
     # The file is assembled on disk one weight at a time and read back once.
     with tempfile.TemporaryFile(prefix="odmlq-external-") as f:
@@ -196,11 +206,15 @@ def _check_unmatched(model, buffers, placeholders, matched, zeros) -> None:
                     f"The converted model holds weight {named[0]!r} also as tensor {name!r} (shape "
                     f"{tuple(tensor.shape)}), which the converter derived from it; its integers cannot be "
                     "written after the flatbuffer. Export with external_weights=False.")
-            size = np.size(buffers[tensor.buffer].data) if buffers[tensor.buffer].data is not None else 0
             own = schema.BufferT()
-            own.data = np.zeros(size, np.uint8)
+            own.data = np.zeros(_stored_bytes(buffers[tensor.buffer]), np.uint8)
             buffers.append(own)
             tensor.buffer = len(buffers) - 1
+
+
+def _stored_bytes(buffer: schema.BufferT) -> int:
+    """A buffer's bytes, in the flatbuffer or after it."""
+    return int(np.size(buffer.data)) if buffer.data is not None else int(buffer.size if buffer.offset > 1 else 0)
 
 
 def _aligned(n: int) -> int:

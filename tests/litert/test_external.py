@@ -174,3 +174,19 @@ def test_a_weight_missing_from_the_converted_file_is_an_error_not_zeros():
     ghost = _external.Placeholder("conv9/kernel", (32, 3, 3, 16), "int8", lambda: np.zeros((32, 3, 3, 16)))
     with pytest.raises(OdmlqError, match=r"'conv9/kernel'.*external_weights=False"):
         _external.externalized([tflite], [ghost])
+
+
+def test_weights_already_after_the_flatbuffer_are_carried_over():
+    """A converted file that stores buffers after its flatbuffer (as a converter
+    may for a large model) keeps them when the placeholders are written."""
+    model, _, variables = cnn()
+    data = _digits()
+    external = odmlq.export_tflite(model, SCHEMAS["int8"], data, variables=variables, external_weights=True,
+                                   progress=False).tflite
+    again = _external.externalized([external], [])
+    assert len(_external_buffers(again)) == 4
+    assert _constants(again) == _constants(external)
+    rows = np.concatenate(data)[:8]
+    np.testing.assert_array_equal(litert_rows(again, rows), litert_rows(external, rows))
+    with pytest.raises(OdmlqError, match="truncated"):
+        _external.externalized([external[:-64]], [])
