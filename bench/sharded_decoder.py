@@ -148,7 +148,9 @@ def quantize(directory: str, schema: str) -> dict:
     start = time.perf_counter()
     params: dict = {}
     largest = 0
-    for name in checkpoint:
+    # Largest first: the float tensor and its temporaries are largest while the
+    # quantized params already held are fewest.
+    for name in sorted(checkpoint, key=lambda n: -int(np.prod(checkpoint.shape(n)))):
         *module, leaf = name.split(".")
         value = checkpoint.array(name, NamedSharding(mesh, _spec(name)))
         largest = max(largest, value.nbytes)

@@ -104,6 +104,45 @@ def write_sharded(directory: str | os.PathLike, tensors: Iterable[tuple[str, np.
     return files
 
 
+_CHUNK_BYTES = 8 << 20
+
+
+def _numpy_dtype(name: str):
+    """The numpy dtype of a safetensors dtype name, or None for one read through safetensors."""
+    import ml_dtypes
+
+    return {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+            "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+            "BOOL": np.bool_}.get(name)
+
+
+def _slices(index: Any, ndim: int) -> tuple[slice, ...] | None:
+    """`index` as one step-1 slice per axis, or None for other indexing."""
+    index = index if isinstance(index, tuple) else (index,)
+    if len(index) > ndim or ndim == 0 or not all(isinstance(i, slice) and i.step in (None, 1) for i in index):
+        return None
+    return index + (slice(None),) * (ndim - len(index))
+
+
+def _read_rows(path: Path, begin: int, shape: tuple[int, ...], dtype, index: tuple[slice, ...]) -> np.ndarray:
+    """The slice `index` of the row-major tensor at byte `begin` of `path`, read in chunks of whole rows."""
+    dtype = np.dtype(dtype)
+    rows = range(*index[0].indices(shape[0]))
+    rest = tuple(range(*i.indices(n)) for i, n in zip(index[1:], shape[1:]))
+    row_values = int(np.prod(shape[1:], dtype=np.int64))
+    out = np.empty((len(rows), *(len(r) for r in rest)), dtype)
+    step = max(1, _CHUNK_BYTES // max(1, row_values * dtype.itemsize))
+    with open(path, "rb", buffering=0) as f:
+        for start in range(rows.start, rows.stop, step):
+            n = min(step, rows.stop - start)
+            block = np.empty(n * row_values, dtype)
+            f.seek(begin + start * row_values * dtype.itemsize)
+            if f.readinto(block.view(np.uint8)) != block.nbytes:
+                raise ModelFilesError(f"{str(path)!r} is truncated; copy the whole checkpoint again.")
+            out[start - rows.start:start - rows.start + n] = block.reshape(n, *shape[1:])[(slice(None),) + index[1:]]
+    return out
+
+
 class ShardedCheckpoint:
     """A checkpoint `write_sharded` (or Hugging Face) wrote, read tensor by tensor.
 
@@ -129,6 +168,7 @@ class ShardedCheckpoint:
             raise ModelFilesError(f"{str(self.directory)!r}: its index names files that are not there: "
                                   f"{', '.join(missing)}; copy the whole checkpoint directory.")
         self._headers: dict[str, dict] = {}
+        self._data_start: dict[str, int] = {}
 
     @property
     def names(self) -> list[str]:
@@ -142,27 +182,52 @@ class ShardedCheckpoint:
             with open(self.directory / file, "rb") as f:
                 length = int.from_bytes(f.read(8), "little")
                 self._headers[file] = json.loads(f.read(length))
+            self._data_start[file] = 8 + length
         return self._headers[file][name]
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._header(name)["shape"])
 
     def read(self, name: str, index: Any = ...) -> np.ndarray:
-        """The tensor `name`, or the slice `index` of it (only that slice is read)."""
+        """The tensor `name`, or the slice `index` of it (only that slice is read).
+
+        A slice (of slices, as a sharding's indices are) is read with plain
+        reads, a few megabytes of whole leading-axis rows at a time, not
+        through a memory map: mapped file pages count in the process's
+        resident memory while the file is open, and a column slice touches
+        every page of its tensor."""
         from safetensors import safe_open
 
-        self._header(name)
-        with safe_open(str(self.directory / self.weight_map[name]), framework="numpy") as f:
+        entry = self._header(name)
+        path = self.directory / self.weight_map[name]
+        dtype = _numpy_dtype(entry["dtype"])
+        if index is not ... and dtype is not None and _slices(index, len(entry["shape"])) is not None:
+            return _read_rows(path, self._data_start[self.weight_map[name]] + entry["data_offsets"][0],
+                              tuple(entry["shape"]), dtype, _slices(index, len(entry["shape"])))
+        with safe_open(str(path), framework="numpy") as f:
             if index is ...:
                 return f.get_tensor(name)
-            return np.array(f.get_slice(name)[index])
+            return np.asarray(f.get_slice(name)[index])
 
     def array(self, name: str, sharding: jax.sharding.Sharding, dtype: Any = None) -> jax.Array:
-        """`name` as a `jax.Array` placed with `sharding`: each device reads its own slice."""
-        def part(index):
+        """`name` as a `jax.Array` placed with `sharding`: each device reads its own slice.
+
+        A slice is placed on its devices before the next is read, so the host
+        holds one slice at a time, not the whole tensor besides its placed copy."""
+        shape = self.shape(name)
+        by_slice: dict[str, list] = {}
+        for device, index in sharding.addressable_devices_indices_map(shape).items():
+            by_slice.setdefault(repr(index), [index, []])[1].append(device)
+        placed = {}
+        for index, devices in by_slice.values():
             values = self.read(name, index)
-            return values if dtype is None else values.astype(dtype)
-        return jax.make_array_from_callback(self.shape(name), sharding, part)
+            if dtype is not None:
+                values = values.astype(dtype)
+            for device in devices:
+                placed[device] = jax.device_put(values, device)
+            del values
+        arrays = [placed[d] for d in sharding.addressable_devices_indices_map(shape)]
+        return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.weight_map)

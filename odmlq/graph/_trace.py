@@ -19,7 +19,7 @@ from odmlq.graph._graph import Graph
 from odmlq.graph._canonical import activation_first_matmuls
 from odmlq.graph._norms import rewrite_norms
 from odmlq.graph._keras import is_keras, keras_function, keras_state
-from odmlq.graph._params import param_path, split_nnx
+from odmlq.graph._params import is_nnx_module, param_path, split_nnx
 from odmlq.graph._program import _Program, _TopProgram
 from odmlq.graph._walk import _W, _identity, _Walker
 
@@ -90,7 +90,6 @@ def _trace(model: Any, example_inputs: tuple, *, variables: Any = None, method: 
 
 def _apply_fn(model, example_inputs, variables, method):
     import flax.linen as nn
-    from flax import nnx
 
     if isinstance(model, nn.Module):
         name = type(model).__name__
@@ -101,7 +100,9 @@ def _apply_fn(model, example_inputs, variables, method):
             return model.apply(v, *xs, method=method)
 
         return fn, variables, "linen", name
-    if isinstance(model, nnx.Module):
+    if is_nnx_module(model):
+        from flax import nnx
+
         # Random state stays out of the params (a model in eval mode does not
         # read it; a PRNG key is no weight): it is closed over.
         graphdef, rng_state, state = split_nnx(model)

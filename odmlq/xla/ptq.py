@@ -22,13 +22,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from odmlq.graph import GraphCache
 from odmlq.calibration import Calibration
 from odmlq.constraints import Target
 from odmlq.errors import PlanError
-from odmlq.graph import is_keras, keras_state, params_tree, split_nnx
+from odmlq.graph import is_keras, is_nnx_module, keras_state, params_tree, split_nnx
 from odmlq.hooks import FakeQuant, PlanHooks
 from odmlq.plan import Plan, plan as make_plan
 from odmlq.qarray import QArray
@@ -190,7 +189,7 @@ def ptq(model: Any, rules: Sequence | Plan, params: Any = None, calibration: Cal
       >>> logits = qmodel(x)
     """
     if params is None:
-        if isinstance(model, nnx.Module):
+        if is_nnx_module(model):
             params = params_tree(model)
         elif is_keras(model):
             params = keras_state(model)
@@ -246,7 +245,9 @@ def _abstract_params(model: Any, params: Any) -> Any:
 def _for_tracing(model: Any, params: Any) -> tuple[Any, Any]:
     """``(model, variables)`` to trace the model for new input shapes, holding no
     weights: an NNX module is rebuilt around abstract state."""
-    if isinstance(model, nnx.Module):
+    if is_nnx_module(model):
+        from flax import nnx
+
         graphdef, rng_state, state = split_nnx(model)
         return nnx.merge(graphdef, rng_state, _abstract_params(model, state)), None
     return model, _abstract_params(model, params)
