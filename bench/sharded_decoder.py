@@ -9,7 +9,8 @@ tied embedding: 1.03B parameters), random weights:
    float model is never in memory.
 2. ``quantize`` (a fresh process, so its peak memory is its own): on a
    simulated mesh of 8 CPU devices (``--xla_force_host_platform_device_count``),
-   the plan is traced from abstract shapes; then, tensor by tensor, each
+   the plan is traced from abstract shapes; then, tensor by tensor (largest
+   first, so the peak comes with the smallest tensors on top), each
    device reads its own slice of the checkpoint (Megatron layout: query, key,
    value, gate and up split along their outputs; output and down along their
    inputs; the embedding along its rows), `odmlq.quantize_params` quantizes
