@@ -52,3 +52,20 @@ def test_missing_index_file_and_tensor_are_named(tmp_path):
     os.unlink(tmp_path / files[1])
     with pytest.raises(ModelFilesError, match=f"not there: {files[1]}"):
         ShardedCheckpoint(tmp_path)
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float32, np.int8])
+def test_slices_read_in_many_chunks_equal_numpy_slicing(tmp_path, dtype, monkeypatch):
+    """A slice is read from the file in chunks of whole rows (no memory map): with
+    chunks of 3 rows, every slice a sharding can ask for equals numpy's."""
+    import converters.sharded_checkpoint as sharded
+
+    rng = np.random.default_rng(1)
+    value = (rng.normal(size=(11, 6, 5)) * 50).astype(dtype)
+    write_sharded(tmp_path, iter([("a.b", value[:2]), ("w", value)]), max_file_bytes=1 << 20)
+    monkeypatch.setattr(sharded, "_CHUNK_BYTES", 3 * 6 * 5 * np.dtype(dtype).itemsize)
+    checkpoint = ShardedCheckpoint(tmp_path)
+    for index in [(slice(None),), (slice(2, 10), slice(1, 4)), (slice(None), slice(None), slice(3, 5)),
+                  (slice(10, 11),), (slice(0, 11), slice(0, 6), slice(0, 5))]:
+        got = checkpoint.read("w", index)
+        assert got.dtype == value.dtype and np.array_equal(got, value[index]), index
