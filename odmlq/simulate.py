@@ -9,15 +9,19 @@ step differently).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from odmlq.calibration import Calibration
 from odmlq.graph import GraphCache, params_for
 from odmlq.hooks import FakeQuant, PlanHooks
+from odmlq.qarray import QArray
 from odmlq.scales import Scales, compute_scales, folded_weights, quantized_params
 
 __all__ = ["simulate", "Simulator"]
@@ -34,8 +38,13 @@ class Simulator:
     def __init__(self, model: Any, plan, scales: Scales, *, variables: Any = None):
         self.plan, self.scales = plan, scales
         self._graphs = GraphCache(model, plan, variables)
+        # Weights are held as their integers (a QArray: a quarter of float32 at
+        # int8) and dequantized in the jitted run, which gives the values
+        # fake_quant gives, bit for bit: a Simulator of a model of several GB
+        # adds its integers, not a second float copy of the weights.
         self._qparams = quantized_params(
-            folded_weights(plan.graph, params_for(model, variables, "simulate"), scales), scales)
+            folded_weights(plan.graph, params_for(model, variables, "simulate"), scales), scales,
+            transform=_stored)
         self._jitted: dict = {}
 
     def __call__(self, *inputs: Any, capture: bool = False,
@@ -52,10 +61,34 @@ class Simulator:
         plan, scales = self.plan, self.scales
 
         def run(qparams, feed_values, *xs):
+            qparams = jax.tree.map(lambda leaf: leaf.dequantize(leaf.dtype) if isinstance(leaf, _Stored) else leaf,
+                                   qparams, is_leaf=lambda leaf: isinstance(leaf, _Stored))
             hooks = PlanHooks(plan, scales, FakeQuant(), capture=capture, feed=feed_values)
             return hooks.evaluate(graph, qparams, *xs), hooks.captured
 
         return run
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["qarray"], meta_fields=["dtype"])
+@dataclasses.dataclass(frozen=True)
+class _Stored:
+    """A weight as its QArray, and the float dtype fake_quant returns it in."""
+
+    qarray: QArray
+    dtype: Any
+
+    def dequantize(self, dtype) -> jax.Array:
+        return self.qarray.dequantize(dtype)
+
+
+def _stored(path: str, value: Any, ts) -> Any:
+    """A weight's integers, where its fake quantization is a plain quantize and
+    dequantize (not a sum's, rounded half away or snapped to a divisor's grid)."""
+    if ts.rounding != "half_even" or ts.divisor > 1 or ts.qtype.kind != "int":
+        return ts.fake_quant(value)
+    value = jnp.asarray(value)
+    dtype = value.dtype if jnp.issubdtype(value.dtype, jnp.floating) else jnp.float32
+    return _Stored(ts.quantize(value), np.dtype(dtype))
 
 
 def simulate(model: Any, plan, scales: Scales | Calibration, *inputs: Any, variables: Any = None,
