@@ -16,12 +16,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from odmlq.calibration import Calibration
 from odmlq.graph import GraphCache, params_for
 from odmlq.hooks import FakeQuant, PlanHooks
-from odmlq.qarray import QArray
+from odmlq.qarray import QArray, float_dtype
 from odmlq.scales import Scales, compute_scales, folded_weights, quantized_params
 
 __all__ = ["simulate", "Simulator"]
@@ -61,7 +60,7 @@ class Simulator:
         plan, scales = self.plan, self.scales
 
         def run(qparams, feed_values, *xs):
-            qparams = jax.tree.map(lambda leaf: leaf.dequantize(leaf.dtype) if isinstance(leaf, _Stored) else leaf,
+            qparams = jax.tree.map(lambda leaf: leaf.dequantize() if isinstance(leaf, _Stored) else leaf,
                                    qparams, is_leaf=lambda leaf: isinstance(leaf, _Stored))
             hooks = PlanHooks(plan, scales, FakeQuant(), capture=capture, feed=feed_values)
             return hooks.evaluate(graph, qparams, *xs), hooks.captured
@@ -77,8 +76,8 @@ class _Stored:
     qarray: QArray
     dtype: Any
 
-    def dequantize(self, dtype) -> jax.Array:
-        return self.qarray.dequantize(dtype)
+    def dequantize(self) -> jax.Array:
+        return self.qarray.dequantize(self.dtype)
 
 
 def _stored(path: str, value: Any, ts) -> Any:
@@ -86,9 +85,7 @@ def _stored(path: str, value: Any, ts) -> Any:
     dequantize (not a sum's, rounded half away or snapped to a divisor's grid)."""
     if ts.rounding != "half_even" or ts.divisor > 1 or ts.qtype.kind != "int":
         return ts.fake_quant(value)
-    value = jnp.asarray(value)
-    dtype = value.dtype if jnp.issubdtype(value.dtype, jnp.floating) else jnp.float32
-    return _Stored(ts.quantize(value), np.dtype(dtype))
+    return _Stored(ts.quantize(value), float_dtype(value))
 
 
 def simulate(model: Any, plan, scales: Scales | Calibration, *inputs: Any, variables: Any = None,

@@ -29,7 +29,7 @@ from ai_edge_litert import schema_py_generated as schema
 from odmlq.litert._convert import ConversionError
 from odmlq.litert._repair import FILE_IDENTIFIER, aligned_buffers
 
-__all__ = ["Blockwise", "payload", "placeholder", "write_blockwise"]
+__all__ = ["Blockwise", "int4_bytes", "payload", "placeholder", "write_blockwise"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +58,7 @@ def payload(param: str, on_grid: np.ndarray, ts, input_axis: int, output_axis: i
                      block_size=int(ts.block_size))
 
 
-def _packed(codes: np.ndarray) -> np.ndarray:
+def int4_bytes(codes: np.ndarray) -> np.ndarray:
     """int4 codes two to a byte, the first in the low nibble (LiteRT's packing)."""
     flat = codes.reshape(-1).astype(np.int16)
     if flat.size % 2:
@@ -88,7 +88,7 @@ def write_blockwise(tflite: bytes, weights: list[Blockwise], subgraph: int = 0) 
                 f"weight {w.param!r} (1 expected), so its block scales cannot be written; quantize it "
                 "per channel (PerChannel()) instead.")
         tensor = graph.tensors[found[0]]
-        model.buffers[tensor.buffer].data = _packed(w.codes)
+        model.buffers[tensor.buffer].data = int4_bytes(w.codes)
         scales_buffer = schema.BufferT()
         scales_buffer.data = np.frombuffer(w.scales.tobytes(), np.uint8)
         model.buffers.append(scales_buffer)

@@ -33,6 +33,7 @@ import flatbuffers
 import numpy as np
 from ai_edge_litert import schema_py_generated as schema
 
+from odmlq.litert._blockwise import int4_bytes
 from odmlq.litert._convert import ConversionError
 from odmlq.litert._repair import FILE_IDENTIFIER, aligned_buffers
 
@@ -72,10 +73,7 @@ def nbytes(shape: Sequence[int], qtype: str) -> int:
 
 def _file_bytes(codes: np.ndarray, qtype: str) -> np.ndarray:
     if qtype == "int4":
-        flat = codes.reshape(-1).astype(np.int16)
-        if flat.size % 2:
-            flat = np.append(flat, 0)
-        return ((flat[0::2] & 0xF) | ((flat[1::2] & 0xF) << 4)).astype(np.uint8)
+        return int4_bytes(codes)
     return np.ascontiguousarray(codes, "<i2" if qtype == "int16" else np.int8).view(np.uint8).reshape(-1)
 
 
@@ -160,8 +158,7 @@ def externalized(held: list[bytes], placeholders: Sequence[Placeholder]) -> byte
         buffers[index].offset, buffers[index].size = 1, sizes[index]  # 1: a non-default value of the same width
     offsets = {}
     packed = _pack(model, buffers)
-    start = _aligned(len(packed))
-    position = start
+    position = _aligned(len(packed))
     for index in sorted(sizes):
         offsets[index] = position
         position = _aligned(position + sizes[index])

@@ -9,6 +9,7 @@ from odmlq.qarray._array import (
     QArray,
     compute_scale,
     fake_quant,
+    float_dtype,
     pack,
     quantize,
     quantize_tensor,
@@ -20,6 +21,6 @@ from odmlq.qarray._layout import param_to_blocks, to_blocks
 from odmlq.qarray._packing import packed_size
 
 __all__ = [
-    "QArray", "compute_scale", "fake_quant", "kernels", "pack", "packed_size", "param_to_blocks",
+    "QArray", "compute_scale", "fake_quant", "float_dtype", "kernels", "pack", "packed_size", "param_to_blocks",
     "quantize", "quantize_tensor", "reduce_range", "scale_shape", "to_blocks", "unpack",
 ]

@@ -340,7 +340,7 @@ def fake_quant(
       >>> fake_quant(np.array([0.26, -0.3], np.float32), 'int8', scale=0.1)
       Array([ 0.3, -0.3], dtype=float32)
     """
-    dtype = _float_dtype(x)
+    dtype = float_dtype(x)
     qt, x, scale, zero_point, (_, block_axis, block_size) = _validate(
         x, qtype, scale, zero_point, scale_axes, block_axis, block_size, narrow_range
     )
@@ -401,7 +401,8 @@ def _check_range(lo: np.ndarray, hi: np.ndarray) -> None:
         )
 
 
-def _float_dtype(x):
+def float_dtype(x) -> np.dtype:
+    """The float dtype `fake_quant` returns `x` in: its own, float32 for non-float input."""
     dtype = np.dtype(getattr(x, "dtype", np.float32))
     # float64 numpy input comes back as float32 unless jax_enable_x64 is on.
     if not jnp.issubdtype(dtype, jnp.floating):
