@@ -14,9 +14,9 @@ from odmlq.errors import OdmlqError
 from odmlq.litert import _convert, _external
 from odmlq.litert._prepare import prepare
 from odmlq.litert.export import annotated
-from samples.decoder_model import Decoder, DecoderConfig
 from samples.models import cnn, mlp
 from tests._runs import litert_rows
+from tests.litert import _decoder
 
 R = odmlq.Rule
 SCHEMAS = {
@@ -132,19 +132,8 @@ def test_large_quantized_weights_choose_external_weights_by_themselves(monkeypat
 
 
 def test_signatures_share_each_external_weight():
-    config = DecoderConfig(hidden=32, layers=2, heads=2, kv_heads=1, head_dim=16, mlp_hidden=64, cache_length=16)
-    model = Decoder(config)
-    variables = model.init(jax.random.key(0), np.zeros((1, 4), np.int32))
-    rng = np.random.default_rng(0)
-    prompts = [(rng.integers(0, 256, (2, 6)).astype(np.int32), *model.empty_cache(2)) for _ in range(3)]
-    steps = []
-    for tokens, keys, values in prompts:
-        _, keys, values = model.apply(variables, tokens, keys, values, method="prefill")
-        steps.append((rng.integers(0, 256, (2, 1)).astype(np.int32), np.full((2,), 6, np.int32),
-                      np.asarray(keys), np.asarray(values)))
-    names = ["logits", "keys", "values"]
-    signatures = {"prefill": odmlq.Signature(method="prefill", rep_dataset=prompts, output_names=names),
-                  "decode": odmlq.Signature(method="decode", rep_dataset=steps, output_names=names)}
+    model, variables, prompts, steps = _decoder.decoder()
+    signatures = _decoder.signatures(prompts, steps)
     results = {external: odmlq.export_signatures(model, SCHEMAS["dynamic"], signatures, variables=variables,
                                                  external_weights=external, progress=False)
                for external in (False, True)}

@@ -6,35 +6,19 @@ import numpy as np
 import pytest
 
 import odmlq
-from samples.decoder_model import Decoder, DecoderConfig
+from tests.litert import _decoder
 
-CONFIG = DecoderConfig(hidden=32, layers=2, heads=2, kv_heads=1, head_dim=16, mlp_hidden=64, cache_length=16)
 DYNAMIC = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8", act_dynamic=True)]
 
 
 @pytest.fixture(scope="module")
 def decoder():
-    model = Decoder(CONFIG)
-    variables = model.init(jax.random.key(0), np.zeros((1, 4), np.int32))
-    rng = np.random.default_rng(0)
-    prompts = [(rng.integers(0, 256, (2, 6)).astype(np.int32), *model.empty_cache(2)) for _ in range(3)]
-    steps = []
-    for tokens, keys, values in prompts:
-        _, keys, values = model.apply(variables, tokens, keys, values, method="prefill")
-        steps.append((rng.integers(0, 256, (2, 1)).astype(np.int32), np.full((2,), 6, np.int32),
-                      np.asarray(keys), np.asarray(values)))
-    return model, variables, prompts, steps
-
-
-def _signatures(prompts, steps):
-    names = ["logits", "keys", "values"]
-    return {"prefill": odmlq.Signature(method="prefill", rep_dataset=prompts, output_names=names),
-            "decode": odmlq.Signature(method="decode", rep_dataset=steps, output_names=names)}
+    return _decoder.decoder()
 
 
 def test_prefill_and_decode_share_their_weights_in_one_verified_file(decoder, tmp_path):
     model, variables, prompts, steps = decoder
-    result = odmlq.export_signatures(model, DYNAMIC, _signatures(prompts, steps), tmp_path / "decoder.tflite",
+    result = odmlq.export_signatures(model, DYNAMIC, _decoder.signatures(prompts, steps), tmp_path / "decoder.tflite",
                                      variables=variables, progress=False)
     assert (tmp_path / "decoder.tflite").read_bytes() == result.tflite
     runner = odmlq.litert.interpreter(result.tflite)
@@ -105,7 +89,7 @@ def test_a_combined_file_that_differs_from_the_verified_ones_is_refused(decoder)
     from odmlq.litert import signatures
 
     model, variables, prompts, steps = decoder
-    result = odmlq.export_signatures(model, DYNAMIC, _signatures(prompts, steps), variables=variables,
+    result = odmlq.export_signatures(model, DYNAMIC, _decoder.signatures(prompts, steps), variables=variables,
                                      verify=False, progress=False)
     swapped = {"prefill": result.signatures["decode"], "decode": result.signatures["prefill"]}
     prepared = {name: signatures.prepare(model, DYNAMIC, data, variables=variables, method=name)
