@@ -14,6 +14,7 @@ from collections.abc import Iterable
 
 from odmlq.calibration._calibration import Calibration, channel_key
 from odmlq.calibration._methods import FixedRange, MovingAverageMinMax
+from odmlq.calibration._statistics import keeps_extremes
 
 __all__ = ["calibrated_edges", "derivable", "needs_calibration", "reusable", "restricted"]
 
@@ -25,6 +26,8 @@ def derivable(method, stats, new_method, scale_axes) -> bool:
     if isinstance(method, FixedRange) or tuple(stats.keep_axes) != tuple(scale_axes):
         return False
     if getattr(new_method, "needs_histogram", False) and stats.histogram is None:
+        return False
+    if keeps_extremes(new_method) and stats.top is None:
         return False
     return not (isinstance(new_method, MovingAverageMinMax) and stats.moving_min is None)
 

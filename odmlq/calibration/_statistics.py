@@ -85,7 +85,7 @@ def _base(method: CalibrationMethod) -> CalibrationMethod:
     return method.method if isinstance(method, (Masked, Capped)) else method
 
 
-def _keeps_extremes(method: CalibrationMethod) -> bool:
+def keeps_extremes(method: CalibrationMethod) -> bool:
     base = _base(method)
     return isinstance(base, MinMax) and base.headroom
 
@@ -142,7 +142,7 @@ def _batch_statistics(method: CalibrationMethod, x: Any, keep_axes: tuple[int, .
     if method.needs_histogram:
         limit = _histogram.limit_for(float(max(-low, high)))
         histogram = _histogram.build(flat, limit)
-    top, bottom = _extremes(flat) if _keeps_extremes(method) else (None, None)
+    top, bottom = _extremes(flat) if keeps_extremes(method) else (None, None)
     return Statistics(
         count=np.asarray(flat.shape[-1], np.int64),
         min=low,
@@ -172,12 +172,12 @@ def _check_compatible(method: CalibrationMethod, *stats: Statistics) -> None:
                 "observe every batch of a tensor with the same keep_axes."
             )
         if ((s.histogram is not None) != method.needs_histogram or (s.moving_min is not None) != moving
-                or (s.top is not None) != _keeps_extremes(method)):
+                or (s.top is not None) != keeps_extremes(method)):
             raise CalibrationError(
                 f"These statistics were not observed with {method!r} (it "
                 f"{'keeps' if method.needs_histogram else 'keeps no'} histogram and "
                 f"{'keeps' if moving else 'keeps no'} moving averages, "
-                f"{'keeps' if _keeps_extremes(method) else 'keeps no'} extreme values); use one method per tensor."
+                f"{'keeps' if keeps_extremes(method) else 'keeps no'} extreme values); use one method per tensor."
             )
 
 

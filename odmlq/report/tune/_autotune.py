@@ -18,6 +18,7 @@ from odmlq.progress import Bar, shown
 from odmlq.report.tune import _search
 from odmlq.report.tune._candidates import Candidate, default_candidates, parse_candidates
 from odmlq.report.tune._checks import check_rules
+from odmlq.report.tune._converts import Converts, refused_group
 from odmlq.report.tune._model import BACKENDS, TunedModel, rules_for
 from odmlq.report.tune._result import Trial, TuneResult
 from odmlq.report.tune._sensitivity import energies, group_noise, output_errors
@@ -161,6 +162,8 @@ class _Search:
         self.trials: list[Trial] = []
         self.configs: list[np.ndarray] = []
         self.margin_db = 0.0
+        self._checks: dict[bytes, tuple] = {}
+        self.converts = Converts(tuned)
 
     def slack_db(self, config) -> float:
         """How far (dB of noise) the predicted accuracy clears the floors."""
@@ -220,13 +223,21 @@ class _Search:
         return float(max(gaps))
 
     def legalize(self, config) -> tuple[np.ndarray, Any]:
-        """`config`, with groups whose choices LiteRT cannot join (an op
-        reading its producer's edge in a qtype the converter would fold into
-        the producer) given one candidate; and its plan.
+        """`config` made legal on LiteRT, and its plan.
 
-        Conflicting groups are merged into clusters that only grow, each on
-        one candidate legal for all its members, so this ends."""
-        tuned, config = self.tuned, config.copy()
+        Where an op reads its producer's edge in a qtype that the converter
+        would fold into the producer, the two groups are resolved one of three
+        ways: the producer's or the reader's group in float (a float op is
+        the converter's one legal separator), or both on one candidate legal
+        for both. Each way is checked; the ones that raise a conflict of their
+        own groups at once are taken last. Then the ways that add no
+        predicted noise, then the cheapest.
+
+        Groups joined on one candidate form clusters that only grow and stay
+        together, and a cluster put in float is never in a conflict again, so
+        this ends."""
+        tuned = self.tuned
+        config = config.copy()
         cluster = list(range(len(tuned.groups)))
 
         def root(g):
@@ -234,48 +245,108 @@ class _Search:
                 g = cluster[g]
             return g
 
-        for _ in range(len(tuned.groups) + 1):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UnmatchedRuleWarning)
-                plan = tuned.base.replan(rules_for(tuned, config))
-            if tuned.backend == "xla":
+        plan, error = self._checked(config)
+        for _ in range(2 * len(tuned.groups) + 1):
+            if error is None:
                 return config, plan
-            try:
-                litert.check_plan(plan, allow_float_ops=True)
-                return config, plan
-            except PlanError as error:
-                involved = sorted({root(tuned.op_group[o]) for o in error.ops if o in tuned.op_group})
-                if len(involved) < 2:
-                    raise
-                for g in involved[1:]:
-                    cluster[g] = involved[0]
-                members = [g for g in range(len(tuned.groups)) if root(g) == involved[0]]
-                config = self._joined(config, members, error)
+            involved = sorted({root(tuned.op_group[o]) for o in error.ops if o in tuned.op_group})
+            if len(involved) < 2:
+                raise error
+            clusters = [[g for g in range(len(tuned.groups)) if root(g) == r] for r in involved]
+            best = None
+            for label, members, candidate in self._resolutions(config, involved, clusters):
+                trial = config.copy()
+                trial[members] = candidate
+                trial_plan, trial_error = self._checked(trial)
+                cascades = trial_error is not None and any(
+                    tuned.op_group.get(o) in members for o in trial_error.ops)
+                added = self.badness[trial, np.arange(len(trial))].sum() - \
+                    self.badness[config, np.arange(len(config))].sum()
+                noisier = added > 1e-9 * max(self.badness[config, np.arange(len(config))].sum(), 1e-300)
+                extra = self.tables.cost[trial, np.arange(len(trial))].sum() - \
+                    self.tables.cost[config, np.arange(len(config))].sum()
+                key = (cascades, noisier, added if noisier else 0.0, extra)
+                if best is None or key < best[0]:
+                    best = (key, label, members, trial, trial_plan, trial_error)
+            if best is None:
+                raise error
+            _, label, members, config, plan, error = best
+            if label.startswith("joined"):
+                for r in involved[1:]:
+                    cluster[r] = involved[0]
+            self.say(f"{label} {len(members)} groups ({', '.join(tuned.groups[g] for g in members[:3])}"
+                     f"{', ...' if len(members) > 3 else ''}) on {tuned.candidates[config[members[0]]].name}: "
+                     "LiteRT converts between them only through a float op")
         raise PlanError("autotune: could not make the chosen precisions agree on LiteRT; "
                         "tune with fewer candidates (candidates=['int8', 'float']).")
 
-    def _joined(self, config, members: list[int], error) -> np.ndarray:
-        """The cluster's groups on one candidate legal for all of them: the
-        cheapest that adds no predicted noise to what they held (raising a
-        group, or a float island between them), else the least noisy."""
-        tables, candidates = self.tables, self.tuned.candidates
-        shared = [c for c in range(len(candidates)) if tables.legal[c, members].all()]
-        if not shared:
+    def _resolutions(self, config, involved: list[int], clusters: list[list[int]]):
+        """(label, groups, candidate) for each way to resolve a conflict
+        between the clusters of `involved`: each cluster in float, or all on
+        one candidate legal for every member."""
+        legal, candidates = self.tables.legal, self.tuned.candidates
+        floats = [c for c, candidate in enumerate(candidates) if candidate.is_float]
+        for members in clusters:
+            if floats and config[members[0]] not in floats:
+                yield "floated", members, floats[0]
+        everyone = sorted(g for members in clusters for g in members)
+        for c in range(len(candidates)):
+            if legal[c, everyone].all():
+                yield "joined", everyone, c
+
+    def _checked(self, config) -> tuple[Any, PlanError | None]:
+        """The plan of `config`, and LiteRT's objection to it (None: it holds)."""
+        key = config.tobytes()
+        if key not in self._checks:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UnmatchedRuleWarning)
+                plan = self.tuned.base.replan(rules_for(self.tuned, config))
+            error = None
+            if self.tuned.backend != "xla":
+                try:
+                    litert.check_plan(plan, allow_float_ops=True)
+                except PlanError as e:
+                    error = e
+            self._checks[key] = (plan, error)
+        return self._checks[key]
+
+    def convertible(self, config, plan) -> tuple[np.ndarray, Any]:
+        """`config` and its plan, with each group whose candidate litert-converter
+        refuses (`_converts.refused_group`) moved to its least noisy other
+        candidate; that candidate is not offered to the group again."""
+        tuned = self.tuned
+        floats = next((c for c, candidate in enumerate(tuned.candidates) if candidate.is_float), None)
+        for _ in range(self.tables.legal.size):
+            if self.converts(config, plan):
+                return config, plan
+            if floats is None:
+                raise OdmlqError("autotune: litert-converter refuses the chosen rules (odmlq.litert.check_plan "
+                                 "passes them), and without the 'float' candidate the group it refuses "
+                                 "cannot be found; add 'float' to candidates.")
+            g = refused_group(config, floats, self._plan_of, self.converts)
+            name = tuned.candidates[config[g]].name
+            self.tables.legal[config[g], g] = False
+            tuned.notes.append(f"{tuned.groups[g]}: litert-converter refuses it at {name!r} (the model "
+                               "converts with it and the groups after it in float, not with it quantized "
+                               "too); not offered")
+            self.say(f"litert-converter refuses {tuned.groups[g]} at {name}; not offered")
+            config = config.copy()
+            config[g] = min(np.flatnonzero(self.tables.legal[:, g]), key=lambda c: self.badness[c, g])
+            config, plan = self.legalize(config)
+        raise OdmlqError("autotune: litert-converter kept refusing the chosen rules; tune with fewer "
+                         "candidates (candidates=['int8', 'float']).")
+
+    def _plan_of(self, config):
+        plan, error = self._checked(config)
+        if error is not None:
             raise error
-        held = self.badness[config[members], members].sum()
-        no_worse = [c for c in shared if self.badness[c, members].sum() <= held * (1 + 1e-9)]
-        best = (min(no_worse, key=lambda c: tables.cost[c, members].sum()) if no_worse
-                else min(shared, key=lambda c: (self.badness[c, members].sum(), tables.cost[c, members].sum())))
-        config = config.copy()
-        config[members] = best
-        self.say(f"joined {len(members)} groups ({', '.join(self.tuned.groups[g] for g in members[:3])}"
-                 f"{', ...' if len(members) > 3 else ''}) on {candidates[best].name}: LiteRT converts "
-                 "between them only through a float op")
-        return config
+        return plan
 
     def measure(self, config) -> Trial:
         tuned = self.tuned
         config, plan = self.legalize(config)
+        if tuned.backend != "xla":
+            config, plan = self.convertible(config, plan)
         scales = tuned.scales(plan)
         simulator = tuned.simulator(plan, scales)
         errors, cosines = [], []

@@ -60,9 +60,10 @@ class Candidate:
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "fields", tuple(sorted(fields.items())))
 
-    def rule(self, module_path: str = ".*") -> Rule:
-        """The rule that gives the ops at `module_path` (a regex) this precision."""
-        return Rule(module_path, **dict(self.fields))
+    def rule(self, module_path: str = ".*", op: tuple[str, ...] | None = None) -> Rule:
+        """The rule that gives the ops at `module_path` (a regex; of the kinds
+        `op`, default all) this precision."""
+        return Rule(module_path, op=op, **dict(self.fields))
 
     @property
     def is_float(self) -> bool:

@@ -47,70 +47,99 @@ class TunedModel:
         self.base = base
         self.graph = base.graph
         self.notes: list[str] = []
-        self.groups, self.op_group = self._groups()
-        self.legal = self._legal()
-        self._calibration = calibration
+        op_legal = self._op_legality()
+        self.groups, self.selectors, self.op_group = self._groups(op_legal)
+        self.legal = self._legal(op_legal)
+        self._calibrations: list[Calibration] = [] if calibration is None else [calibration]
         self._float = Simulator(model, self.float_plan, compute_scales(self.float_plan, None, self.params),
                                 variables=variables)
         self.reference = [[np.asarray(o) for o in _leaves(self._float(*b))] for b in eval_batches]
 
     # -- groups and legality ------------------------------------------------
-    def _groups(self) -> tuple[list[str], dict[str, int]]:
-        """Module paths of the ops some candidate quantizes (a weight or an output), in op order."""
-        paths: list[str] = []
-        for op in self.graph.ops:
-            if any(_quantizes(p, op) for p in self.plans):
-                if op.module_path not in paths:
-                    paths.append(op.module_path)
-        index = {p: i for i, p in enumerate(paths)}
-        op_group = {op.id: index[op.module_path] for op in self.graph.ops if op.module_path in index}
-        return paths, op_group
-
-    def _legal(self) -> np.ndarray:
-        """(candidates, groups): whether the backend runs every op of the group as the candidate says."""
-        legal = np.ones((len(self.candidates), len(self.groups)), bool)
+    def _op_legality(self) -> dict[str, np.ndarray]:
+        """Op id -> (candidates,) bool: whether the backend runs the op as the
+        candidate says, for every op some candidate quantizes (a weight or an
+        output). A candidate the backend refuses outright is legal nowhere."""
+        quantized = [op for op in self.graph.ops if any(_quantizes(p, op) for p in self.plans)]
+        legal = {op.id: np.ones(len(self.candidates), bool) for op in quantized}
         if self.backend == "xla":
             return legal
         for c, (candidate, plan) in enumerate(zip(self.candidates, self.plans)):
             if candidate.is_float:
                 continue
             try:
-                float_ops = litert.check_plan(plan, allow_float_ops=True)
+                float_ops = set(litert.check_plan(plan, allow_float_ops=True))
             except PlanError as e:
-                legal[c] = False
+                float_ops = set(legal)
                 self.notes.append(f"candidate {candidate.name!r} is not offered: LiteRT refuses it ({e})")
-                continue
-            for op_id in float_ops:
-                if op_id in self.op_group:
-                    legal[c, self.op_group[op_id]] = False
+            for op_id in float_ops & set(legal):
+                legal[op_id][c] = False
+        return legal
+
+    def _groups(self, op_legal: dict[str, np.ndarray]) -> tuple[list[str], list[tuple[str, tuple | None]],
+                                                                dict[str, int]]:
+        """The groups rules address, in op order: (names, selectors, op id -> group).
+
+        A group is the ops at one module path. Where the backend runs some of
+        them at a candidate and not others (a block's residual ADD takes int16,
+        its GELU does not), the path is split by op kind, so that one kind's
+        limits do not hold back the others. A selector is (module path, op
+        kinds or None for all)."""
+        by_path: dict[str, list] = {}
+        for op in self.graph.ops:
+            if op.id in op_legal:
+                by_path.setdefault(op.module_path, []).append(op)
+        names, selectors, op_group = [], [], {}
+        for path, ops in by_path.items():
+            mixed = len({op_legal[op.id].tobytes() for op in ops}) > 1
+            kinds = list(dict.fromkeys(op.kind for op in ops)) if mixed else [None]
+            for kind in kinds:
+                op_group.update({op.id: len(names) for op in self.graph.ops
+                                 if op.module_path == path and (kind is None or op.kind == kind)})
+                names.append(path if kind is None else f"{path} [{kind}]")
+                selectors.append((path, None if kind is None else (kind,)))
+        return names, selectors, op_group
+
+    def _legal(self, op_legal: dict[str, np.ndarray]) -> np.ndarray:
+        """(candidates, groups): whether the backend runs every op of the group as the candidate says."""
+        legal = np.ones((len(self.candidates), len(self.groups)), bool)
+        for op_id, ok in op_legal.items():
+            legal[:, self.op_group[op_id]] &= ok
         stuck = [self.groups[g] for g in np.flatnonzero(~legal.any(axis=0))]
-        if stuck:
-            floats = [c for c, cand in enumerate(self.candidates) if cand.is_float]
-            if not floats:
-                raise PlanError(
-                    f"autotune: no candidate runs the ops at {stuck[:5]} on LiteRT (each would leave an "
-                    "op in float); add the 'float' candidate, or tune for backend='xla'.")
+        if stuck and not any(c.is_float for c in self.candidates):
+            raise PlanError(
+                f"autotune: no candidate runs the ops at {stuck[:5]} on LiteRT (each would leave an "
+                "op in float); add the 'float' candidate, or tune for backend='xla'.")
         return legal
 
     # -- calibration --------------------------------------------------------
     def calibration_for(self, plan) -> Calibration:
-        """Statistics for `plan`: the ones held, and any it needs observed now."""
-        if self._calibration is None:
+        """Statistics for `plan`: each edge's from the first calibration held
+        that gives its method's range (candidates may calibrate one edge with
+        different methods: MSE's histogram, MinMax(headroom=True)'s extremes),
+        and any it still needs observed now and held too."""
+        if not self._calibrations:
             static = next((p for p, c in zip(self.plans, self.candidates) if not c.is_float), self.plans[0])
-            self._calibration = calibrate(self.model, static, self.batches, variables=self.variables,
-                                          progress=False)
-        calibration, need = reusable(self._calibration, plan)
+            self._calibrations.append(calibrate(self.model, static, self.batches, variables=self.variables,
+                                                progress=False))
+        calibration, need = reusable(self._calibrations[0], plan)
+        entries, grams = dict(calibration), dict(calibration.grams)
+        for held in self._calibrations[1:]:
+            if not need:
+                break
+            served, need_here = reusable(held, plan, need)
+            entries.update({e: served[e] for e in need if e not in need_here and e in served})
+            grams.update({k: v for k, v in held.grams.items() if k not in grams})
+            need = need_here
         missing_grams = [p for p, spec in plan.weight_specs().items()
-                         if spec.algorithm is not None and p not in calibration.grams]
+                         if spec.algorithm is not None and p not in grams]
         if need or missing_grams:
             fresh = calibrate(self.model, restricted(plan, need), self.batches, variables=self.variables,
                               progress=False)
-            entries = dict(self._calibration)
-            entries.update({k: fresh[k] for k in fresh if k not in entries})
-            grams = {**fresh.grams, **self._calibration.grams}
-            self._calibration = Calibration(entries, grams)
-            calibration, need = reusable(self._calibration, plan)
-        return calibration
+            self._calibrations.append(fresh)
+            entries.update({k: fresh[k] for k in fresh if k in need or k not in entries})
+            grams.update({k: v for k, v in fresh.grams.items() if k not in grams})
+        return Calibration(entries, grams)
 
     def scales(self, plan):
         return compute_scales(plan, self.calibration_for(plan), self.params)
@@ -213,20 +242,28 @@ def rules_for(tuned: TunedModel, config) -> list[Rule]:
     """Rules giving each group its candidate: the commonest candidate as the
     last, catch-all rule, and one rule before it per pattern of the others
     (module paths that differ only in numbers share a rule when every group
-    the pattern matches takes the same candidate)."""
+    the pattern matches takes the same candidate). A group split by op kind
+    gets a rule with that `op`."""
     names = [tuned.candidates[c] for c in config]
     common = Counter(c.name for c in names).most_common(1)[0][0]
     by_name = {c.name: c for c in tuned.candidates}
     rules, covered = [], set()
-    for path, candidate in zip(tuned.groups, names):
-        if candidate.name == common or path in covered:
+    for g, ((path, kinds), candidate) in enumerate(zip(tuned.selectors, names)):
+        if candidate.name == common or g in covered:
             continue
-        general = re.sub(r"\d+", r"\\d+", group_pattern(path))
-        matched = [i for i, p in enumerate(tuned.groups) if re.fullmatch(general, p)]
-        if general != group_pattern(path) and all(names[i].name == candidate.name for i in matched):
+        exact = group_pattern(path)
+        general = re.sub(r"\d+", r"\\d+", exact)
+        matched = [i for i, (p, k) in enumerate(tuned.selectors)
+                   if re.fullmatch(general, p) and (k is None or kinds is None or set(k) & set(kinds))]
+        if general != exact and all(names[i].name == candidate.name for i in matched):
             pattern = general
         else:
-            pattern, matched = group_pattern(path), [tuned.groups.index(path)]
-        covered.update(tuned.groups[i] for i in matched)
-        rules.append(candidate.rule(pattern))
-    return rules + [by_name[common].rule(".*")]
+            pattern, matched = exact, [g]
+        covered.update(matched)
+        rules.append((pattern, kinds, candidate))
+    merged: dict[tuple[str, str], list] = {}  # one rule per pattern and candidate, its op kinds together
+    for pattern, kinds, candidate in rules:
+        entry = merged.setdefault((pattern, candidate.name), [candidate, ()])
+        entry[1] = None if kinds is None or entry[1] is None else entry[1] + kinds
+    return ([candidate.rule(pattern, op=kinds) for (pattern, _), (candidate, kinds) in merged.items()]
+            + [by_name[common].rule(".*")])

@@ -154,3 +154,73 @@ def test_candidates_are_rules_without_a_path():
         odmlq.Candidate("x", module_path="a", weight_qtype="int8")
     with pytest.raises(RuleError, match="Candidate 'y'"):
         odmlq.Candidate("y", weight_qtype="int9")
+
+
+class _AddThenGelu(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(16, name="inner")(x)
+        return nn.gelu(x + h, approximate=False)
+
+
+class _Residual(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(16, name="up")(x)
+        return nn.Dense(4, name="head")(_AddThenGelu(name="block")(x))
+
+
+def test_a_module_whose_ops_litert_runs_differently_is_split_by_op_kind():
+    """LiteRT runs the residual ADD in int16 and GELU only in int8: the
+    module holding both is two groups, so int16 is offered to its ADD
+    without its GELU (one group of both would be refused int16 whole). The
+    rules name the op kinds, and export and verify unedited."""
+    model = _Residual()
+    x = np.random.default_rng(1).standard_normal((64, 16)).astype(np.float32)
+    variables = model.init(jax.random.key(0), x[:1])
+    batches = [x[i:i + 16] for i in range(0, 64, 16)]
+    result = odmlq.autotune(model, variables, batches, target=odmlq.TuneTarget(min_sqnr_db=60.0))
+    assert "block [add]" in result.sensitivity and "block [gelu]" in result.sensitivity, str(result)
+    assert "block" not in result.sensitivity
+    assert "int16x8" in result.sensitivity["block [add]"]
+    assert "int16x8" not in result.sensitivity["block [gelu]"]
+    assert result.checks["litert"].startswith("exported") and "verified op by op" in result.checks["litert"], \
+        str(result)
+    assert all(r.op is None or set(r.op) <= {"add", "gelu"} for r in result.rules)
+
+
+def test_candidates_calibrated_with_different_methods_share_one_tuning(sensitive):
+    """int8 ranges by MSE (a histogram) and int16's by MinMax(headroom=True)
+    (the extremes) need different statistics of the same edges: each plan
+    gets the ones its methods read, observed once."""
+    model, variables, batches, int8 = sensitive
+    candidates = [odmlq.Candidate("int8", weight_qtype="int8", act_qtype="int8", act_calibration=odmlq.MSE()),
+                  "int16x8", "float"]
+    result = odmlq.autotune(model, variables, batches, candidates=candidates,
+                            target=odmlq.TuneTarget(min_sqnr_db=int8.measured.sqnr_db + 6.0))
+    assert result.met, str(result)
+    # Both precisions were measured on every group, each with its own ranges.
+    assert all({"int8", "int16x8"} <= set(s) for s in result.sensitivity.values()), str(result)
+    assert "verified op by op" in result.checks["litert"], str(result)
+
+
+def test_a_converter_refusal_is_traced_to_one_group_by_bisection():
+    """The converter refuses configurations where groups 3 and 7 are both
+    quantized: the bisection names 7 (with it and the groups after it in
+    float the model converts), and with 7 in float the configuration converts."""
+    from odmlq.report.tune._converts import refused_group
+
+    float_index = 2
+    calls = []
+
+    def converts(config, plan):
+        calls.append(config.copy())
+        return not (config[3] != float_index and config[7] != float_index)
+
+    config = np.array([0, 1, 0, 0, 2, 1, 0, 0, 1, 0])
+    assert not converts(config, None)
+    culprit = refused_group(config, float_index, lambda c: None, converts)
+    assert culprit == 7
+    config[culprit] = float_index
+    assert converts(config, None)
+    assert len(calls) <= 2 + int(np.ceil(np.log2(9)))  # a bisection, not one conversion per group
