@@ -156,7 +156,24 @@ def propose(plan, edges, *, weights=(), calibration=None, floats=None, litert: b
     """
     advice, notes, seen = [], [], set()
     by_param = {w.param: w for w in weights}
-    for e in candidates(edges, limit, output_sqnr_db):
+    chosen = candidates(edges, limit, output_sqnr_db)
+    if not chosen:
+        for rule, why in _spread(plan, edges, output_sqnr_db):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UnmatchedRuleWarning)
+                try:
+                    new_plan = plan.replan((rule, *plan.rules))
+                    if litert:
+                        from odmlq.litert.export import check_plan
+
+                        check_plan(new_plan, allow_float_ops=allow_float_ops)
+                except OdmlqError as error:
+                    notes.append(f"advice for every edge of {rule.module_path!r}: int16 activations not "
+                                 f"suggested: {error}")
+                    continue
+            advice.append(Advice(edge="*", module_path=rule.module_path, change="act_qtype='int16' (int16x8), "
+                                 "every edge the rule decides", rule=rule, why=why))
+    for e in chosen:
         op = deciding_op(plan, e.edge)
         index = None if op is None else plan.ops[op.id].rule
         if index is None or plan.rules[index].skip or op.module_path in seen:
@@ -177,6 +194,40 @@ def propose(plan, edges, *, weights=(), calibration=None, floats=None, litert: b
                     continue
             advice.append(Advice(edge=e.edge, module_path=op.module_path, change=change, rule=rule, why=why))
     return advice, notes
+
+
+def _spread(plan, edges, output_sqnr_db: float):
+    """(rule, why) for an error spread over many edges: where the outputs are
+    under `ADVICE_BELOW_DB` and no edge alone carries their error (none is a
+    `candidates`), what moves them is every edge at once. The int8 edges'
+    rule whose edges alone cost the outputs most together gets its int16x8
+    twin (same path and kinds, so put first it decides exactly the ops it
+    did)."""
+    if not output_sqnr_db < ADVICE_BELOW_DB:
+        return []
+    noise: dict[int, float] = {}
+    lowest = math.inf
+    for e in edges:
+        spec = plan.edges[e.edge].spec if e.edge in plan.edges else None
+        op = deciding_op(plan, e.edge)
+        if e.alone_sqnr_db is None or spec is None or spec.dynamic or spec.qtype != "int8" or op is None:
+            continue
+        index = plan.ops[op.id].rule
+        if index is None or plan.rules[index].skip:
+            continue
+        lowest = min(lowest, e.alone_sqnr_db)
+        noise[index] = noise.get(index, 0.0) + 10 ** (-e.alone_sqnr_db / 10)
+    if not noise:
+        return []
+    index = max(noise, key=noise.get)
+    base = plan.rules[index]
+    total = 10 ** (-output_sqnr_db / 10)
+    rule = dataclasses.replace(base, act_qtype="int16", act_symmetric=None,
+                               weight_qtype="int8" if base.weight_qtype is not None else None)
+    why = (f"the error is spread: no edge alone costs the outputs within {CONTRIBUTION_DB:g} dB of all "
+           f"together ({output_sqnr_db:.1f} dB; the costliest alone leaves {lowest:.1f} dB); this rule's int8 "
+           f"edges alone add up to {min(noise[index] / total, 1.0):.0%} of the error, and int16 steps are 256x finer")
+    return [(rule, why)]
 
 
 def _stored_method(edge_id, spec, calibration):
