@@ -317,7 +317,7 @@ class _Search:
         tuned = self.tuned
         floats = next((c for c, candidate in enumerate(tuned.candidates) if candidate.is_float), None)
         for _ in range(self.tables.legal.size):
-            if self.converts(config, plan):
+            if self.converts(config):
                 return config, plan
             if floats is None:
                 raise OdmlqError("autotune: litert-converter refuses the chosen rules (odmlq.litert.check_plan "

@@ -22,27 +22,30 @@ __all__ = ["Converts", "refused_group"]
 
 
 class Converts:
-    """`converts(config, plan)`: whether the converter takes the plan (cached per configuration)."""
+    """`converts(config)`: whether the converter takes the configuration's
+    rules, exported as `odmlq.export_tflite` exports them (cached)."""
 
     def __init__(self, tuned):
         self.tuned = tuned
         self._seen: dict[bytes, bool] = {}
         self.conversions = 0
 
-    def __call__(self, config: np.ndarray, plan) -> bool:
+    def __call__(self, config: np.ndarray) -> bool:
         key = config.tobytes()
         if key not in self._seen:
             from odmlq.litert import export_tflite
             from odmlq.litert._convert import ConversionError
+            from odmlq.report.tune._model import rules_for
 
             tuned = self.tuned
             self.conversions += 1
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    export_tflite(tuned.model, plan, tuned.batches, variables=tuned.variables,
-                                  calibration=tuned.calibration_for(plan), verify=False, allow_float_ops=True,
-                                  progress=False)
+                    rules = rules_for(tuned, config)
+                    export_tflite(tuned.model, rules, tuned.batches, variables=tuned.variables,
+                                  calibration=tuned.calibration_for(tuned.base.replan(rules)), verify=False,
+                                  allow_float_ops=True, progress=False)
                 self._seen[key] = True
             except ConversionError:
                 self._seen[key] = False
@@ -55,9 +58,9 @@ def refused_group(config: np.ndarray, floats: int, plan_of: Callable[[np.ndarray
     with it and every later quantized group in float, and not with it
     quantized too), found by bisection over the quantized groups in op order.
 
-    `floats` is the float candidate's index; `plan_of(config)` the plan of a
-    configuration, raising `OdmlqError` where the plan itself is refused
-    (counted as not converting).
+    `floats` is the float candidate's index; `plan_of(config)` raises
+    `OdmlqError` where the configuration's plan itself is refused (counted as
+    not converting).
     """
     suspects = [g for g in range(len(config)) if config[g] != floats]
     if not suspects:
@@ -68,7 +71,8 @@ def refused_group(config: np.ndarray, floats: int, plan_of: Callable[[np.ndarray
         trial = config.copy()
         trial[suspects[k:]] = floats
         try:
-            return converts(trial, plan_of(trial))
+            plan_of(trial)
+            return converts(trial)
         except OdmlqError:
             return False
 

@@ -213,14 +213,14 @@ def test_a_converter_refusal_is_traced_to_one_group_by_bisection():
     float_index = 2
     calls = []
 
-    def converts(config, plan):
+    def converts(config):
         calls.append(config.copy())
         return not (config[3] != float_index and config[7] != float_index)
 
     config = np.array([0, 1, 0, 0, 2, 1, 0, 0, 1, 0])
-    assert not converts(config, None)
+    assert not converts(config)
     culprit = refused_group(config, float_index, lambda c: None, converts)
     assert culprit == 7
     config[culprit] = float_index
-    assert converts(config, None)
+    assert converts(config)
     assert len(calls) <= 2 + int(np.ceil(np.log2(9)))  # a bisection, not one conversion per group
