@@ -33,8 +33,7 @@ class Converts:
     def __call__(self, config: np.ndarray) -> bool:
         key = config.tobytes()
         if key not in self._seen:
-            from odmlq.litert import export_tflite
-            from odmlq.litert._convert import ConversionError
+            from odmlq.litert import ConversionError, export_tflite
             from odmlq.report.tune._model import rules_for
 
             tuned = self.tuned
