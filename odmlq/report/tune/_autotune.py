@@ -204,7 +204,12 @@ class _Search:
                 step = _search.upgrade(tables, badness, config,
                                        lambda c: badness[c, np.arange(tables.groups)].sum() <= goal)
             else:
-                self.margin_db += max(_MIN_STEP_DB, self._shortfall_db(config, trial))
+                # The prediction was optimistic by its slack minus the measured
+                # one (-shortfall): the next configuration must clear that.
+                # (Making a configuration legal can add slack the search
+                # did not ask for, so the shortfall alone is not enough.)
+                optimism = self.slack_db(config) + self._shortfall_db(config, trial)
+                self.margin_db = max(self.margin_db + _MIN_STEP_DB, optimism + _MIN_STEP_DB)
                 step = _search.upgrade(tables, badness, config, self.enough)
             if np.array_equal(step, config):
                 self.say("no upgrade left to try")
