@@ -306,7 +306,8 @@ def compare(model: Any, plan, scales, *inputs: Any, variables: Any = None, tflit
       CalibrationError: inputs that do not fit the model (naming the input
         and the shape it takes); `try_fixes` without `calibration`.
       OdmlqError: inputs that do not fit the .tflite; a `device` dump
-        without `tflite`, or of other shapes.
+        without `tflite`, or of other shapes; `scales` that are not scales
+        (a Calibration).
       PlanError: an `xla` model made from another plan.
     """
     from odmlq.report import _advice as _report_advice
@@ -319,6 +320,10 @@ def compare(model: Any, plan, scales, *inputs: Any, variables: Any = None, tflit
 
     if device is not None and tflite is None:
         raise OdmlqError("compare(device=...) needs tflite=: the .tflite the device ran.")
+    if not hasattr(scales, "shifts"):
+        raise OdmlqError(f"compare's third argument is the plan's scales, got {type(scales).__name__}: pass "
+                         "odmlq.compute_scales(plan, calibration, variables), and the calibration as "
+                         "calibration= (advice reads it).")
     if try_fixes and calibration is None:
         raise CalibrationError("compare(try_fixes=True) needs calibration=: the statistics the scales "
                                "came from (odmlq.calibrate or Calibration.load).")

@@ -93,6 +93,12 @@ def test_xla_run_is_within_one_lsb_of_simulate_on_every_static_edge(cnn):
     assert data["outputs"]["output_0 (xla)"]["sqnr_db"] > 30
 
 
+def test_a_calibration_passed_as_scales_is_named_with_the_fix(cnn):
+    digits, model, variables, plan, calibration = cnn
+    with pytest.raises(odmlq.OdmlqError, match=r"got Calibration: pass odmlq.compute_scales\(plan, calibration"):
+        odmlq.compare(model, plan, calibration, digits.x_test[:4], variables=variables)
+
+
 def test_an_xla_model_of_another_plan_is_refused(cnn):
     from samples.models import mlp
 
