@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from odmlq.constraints import SharedWithInputs
 from odmlq.errors import OdmlqError, PlanError
-from odmlq.litert.spec import OP_SPEC, TARGET, WITHOUT_KERNEL, pool_as_depthwise
+from odmlq.litert.spec import OP_SPEC, SAME_AS_INPUT, TARGET, WITHOUT_KERNEL, pool_as_depthwise
 from odmlq.plan import Plan
 
 __all__ = ["BLOCKWISE_KERNEL", "FloatOpsError", "blockwise_weights", "check_io_dtype", "check_plan"]
@@ -160,6 +160,8 @@ def _check_one_activation_type(plan: Plan, op, where: str) -> None:
                 f"producer ({producer!r}) act_qtype={c.spec.qtype!r} too, or keep it in float "
                 "(skip=True, allow_float_ops=True): a QUANTIZE after a float op converts correctly.",
                 ops=(op.id, producer))
+        if c.source == "float" and kind is not None:
+            _check_float_layout_between(plan, op, plan.graph.op(producer), c, where)
     if converted and isinstance(plan.edges[op.outputs[0]].constraint, SharedWithInputs):
         c = converted[0]
         raise PlanError(
@@ -167,6 +169,29 @@ def _check_one_activation_type(plan: Plan, op, where: str) -> None:
             "its inputs at its output's scale, so the requantization cannot be placed before it. "
             "Give the producer of that edge and this op the same act_qtype.",
             ops=tuple(o for o in (op.id, plan.graph.edges[c.edge].producer) if o is not None))
+
+
+def _check_float_layout_between(plan: Plan, op, layout, c, where: str) -> None:
+    """A float op that only moves values (RESHAPE, TRANSPOSE: LiteRT runs them
+    at their input's scale) between an edge of one qtype and a reader of
+    another is no separator: litert-converter folds DEQUANTIZE, the op and
+    QUANTIZE into a requantization of the edge's producer, which then writes
+    the reader's qtype and scale (measured on MiniLM: an int16 value
+    projection given the int8 attention matmul's scale, refused by
+    verification)."""
+    if getattr(OP_SPEC.get(layout.kind), "output", None) is not SAME_AS_INPUT or plan.edges[layout.outputs[0]].spec:
+        return
+    source = plan.graph.resolve(layout.inputs[0]) if layout.inputs else None
+    spec = None if source is None else plan.edges[source].spec
+    inner = None if source is None else plan.graph.edges[source].producer
+    if spec is None or spec.dynamic or inner is None or spec.qtype == c.spec.qtype:
+        return
+    raise PlanError(
+        f"{where} reads {c.spec.qtype} through a float {layout.kind!r} ({layout.id!r}) of {spec.qtype} edge "
+        f"{source!r}: litert-converter folds the dequantize, {layout.kind} and quantize into the producing "
+        f"op ({inner!r}), which then writes {c.spec.qtype} at this op's scale. Give {layout.id!r} and its "
+        "producer one act_qtype, or keep the producer in float (skip=True, allow_float_ops=True).",
+        ops=(op.id, layout.id, inner))
 
 
 def check_io_dtype(plan: Plan, io_dtype: str) -> None:

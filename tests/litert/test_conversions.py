@@ -110,3 +110,34 @@ def test_conversion_the_converter_would_fold_is_refused(act, producer):
     with pytest.raises(PlanError, match=rf"op 'b/dot_general' .* reads int8 edge 'a/{producer}' as int16: "
                                         rf"litert-converter 0.5.0 folds .* Give the producer"):
         odmlq.export_tflite(model, rules, BATCHES, variables=variables)
+
+
+class _Reshaped(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(32, name="v")(x)
+        return nn.Dense(8, name="d")(_Reshape(name="r")(h))
+
+
+class _Reshape(nn.Module):
+    def __call__(self, h):
+        return h.reshape(h.shape[0], 4, 8)
+
+
+def test_a_float_reshape_between_two_qtypes_is_no_separator():
+    """int16 dense -> float RESHAPE -> int8 dense: litert-converter folds the
+    DEQUANTIZE, RESHAPE and QUANTIZE into the int16 dense, which then writes
+    int8 at the reader's scale (the export's verification finds its scale
+    is not the plan's). The plan check refuses it first, naming the three ops;
+    keeping the producer in float converts and verifies."""
+    model = _Reshaped()
+    variables = model.init(jax.random.PRNGKey(0), X[:1])
+    rules = [R("v", weight_qtype="int8", act_qtype="int16"), R("r", skip=True),
+             R(".*", weight_qtype="int8", act_qtype="int8")]
+    plan = odmlq.plan(model, rules, X[:1], variables=variables)
+    with pytest.raises(PlanError, match="float 'reshape'") as raised:
+        odmlq.litert.check_plan(plan, allow_float_ops=True)
+    assert set(raised.value.ops) == {"d/dot_general", "r/reshape", "v/dot_general"}
+    fixed = [R("v|r", skip=True), R(".*", weight_qtype="int8", act_qtype="int8")]
+    result = odmlq.export_tflite(model, fixed, BATCHES, variables=variables, allow_float_ops=True)
+    assert result.verification.passed
