@@ -265,11 +265,10 @@ class _Search:
                 trial_plan, trial_error = self._checked(trial)
                 cascades = trial_error is not None and any(
                     tuned.op_group.get(o) in members for o in trial_error.ops)
-                added = self.badness[trial, np.arange(len(trial))].sum() - \
-                    self.badness[config, np.arange(len(config))].sum()
-                noisier = added > 1e-9 * max(self.badness[config, np.arange(len(config))].sum(), 1e-300)
-                extra = self.tables.cost[trial, np.arange(len(trial))].sum() - \
-                    self.tables.cost[config, np.arange(len(config))].sum()
+                held = _summed(self.badness, config)
+                added = _summed(self.badness, trial) - held
+                noisier = added > 1e-9 * max(held, 1e-300)
+                extra = _summed(self.tables.cost, trial) - _summed(self.tables.cost, config)
                 key = (cascades, noisier, added if noisier else 0.0, extra)
                 if best is None or key < best[0]:
                     best = (key, label, members, trial, trial_plan, trial_error)
@@ -385,8 +384,12 @@ class _Search:
         met = [i for i, t in enumerate(self.trials) if t.met]
         if not met:
             return last
-        return min((self.configs[i] for i in met),
-                   key=lambda c: self.tables.cost[c, np.arange(self.tables.groups)].sum())
+        return min((self.configs[i] for i in met), key=lambda c: _summed(self.tables.cost, c))
+
+
+def _summed(table: np.ndarray, config: np.ndarray) -> float:
+    """Sum over groups of `table[candidate, group]` at each group's candidate."""
+    return float(table[config, np.arange(len(config))].sum())
 
 
 def _cosines(outputs, reference) -> np.ndarray:
