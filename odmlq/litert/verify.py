@@ -177,6 +177,16 @@ def _float_island_outputs(ops: Sequence[dict], details: Sequence[dict], plan) ->
     return out
 
 
+def _as_edge(tensor, shape) -> np.ndarray | None:
+    """A float tensor LiteRT computed, in its plan edge's shape: the converter
+    may drop or add unit axes (a broadcast mask (1, 8) for an edge (1, 1, 8)).
+    None where the sizes differ too: simulate then computes the edge itself."""
+    x = np.asarray(tensor)
+    if shape is None or x.size != int(np.prod(shape)):
+        return None
+    return x.reshape(shape)
+
+
 def produced_tensors(interpreter) -> list[int]:
     """Indices of the tensors the interpreter's ops write, in execution order."""
     return list(dict.fromkeys(int(t) for op in interpreter._get_ops_details() for t in op["outputs"]))
@@ -258,7 +268,8 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
         # too: LiteRT's float kernels and XLA differ by float32 noise, which a
         # fine int16 grid would turn into an LSB downstream.
         floats = {e: np.asarray(interpreter.get_tensor(i)) for e, i in island_outputs.items()}
-        _, fed = simulator(*inputs, capture=True, feed={**floats, **litert})
+        feed = {e: _as_edge(x, plan.graph.edges[e].shape) for e, x in {**floats, **litert}.items()}
+        _, fed = simulator(*inputs, capture=True, feed={e: x for e, x in feed.items() if x is not None})
         for e in mapping:
             want = np.asarray(fed[e])
             if litert[e].size != want.size:

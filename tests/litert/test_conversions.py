@@ -141,3 +141,38 @@ def test_a_float_reshape_between_two_qtypes_is_no_separator():
     fixed = [R("v|r", skip=True), R(".*", weight_qtype="int8", act_qtype="int8")]
     result = odmlq.export_tflite(model, fixed, BATCHES, variables=variables, allow_float_ops=True)
     assert result.verification.passed
+
+
+class _MaskBias(nn.Module):
+    def __call__(self, m):
+        return ((1.0 - m.astype(jnp.float32)) * -30.0)[:, None, :]
+
+
+class _Scores(nn.Module):
+    @nn.compact
+    def __call__(self, s, bias):
+        return jax.nn.softmax(s * 0.125 + bias, axis=-1)
+
+
+class _Masked(nn.Module):
+    @nn.compact
+    def __call__(self, x, m):
+        scores = nn.Dense(8, name="q")(x)
+        return nn.Dense(4, name="o")(_Scores(name="att")(scores, _MaskBias(name="mk")(m)))
+
+
+def test_a_tensor_the_converter_stores_without_unit_axes_is_verified_in_its_edge_shape():
+    """The mask bias (batch, 1, keys) is a (batch, keys) tensor in the
+    .tflite (the converter drops the broadcast's unit axis). Verification feeds
+    it to simulate in its edge's shape; before, simulate's ADD failed on the
+    ranks (a bare TypeError)."""
+    model = _Masked()
+    rng = np.random.RandomState(0)
+    x = rng.randn(32, 8, 16).astype(np.float32)
+    m = (rng.rand(32, 8) > 0.3).astype(np.int32)
+    variables = model.init(jax.random.PRNGKey(0), x[:1], m[:1])
+    rules = [R("mk", op=("convert_element_type", "mul"), skip=True), R(".*", weight_qtype="int8", act_qtype="int8")]
+    result = odmlq.export_tflite(model, rules, [(x[i:i + 8], m[i:i + 8]) for i in range(0, 32, 8)],
+                                 variables=variables, allow_float_ops=True)
+    assert result.verification.passed
+    assert "mk/broadcast_in_dim" in {c.edge for c in result.verification.checks}
