@@ -28,7 +28,6 @@ class Converts:
     def __init__(self, tuned):
         self.tuned = tuned
         self._seen: dict[bytes, bool] = {}
-        self.conversions = 0
 
     def __call__(self, config: np.ndarray) -> bool:
         key = config.tobytes()
@@ -37,7 +36,6 @@ class Converts:
             from odmlq.report.tune._model import rules_for
 
             tuned = self.tuned
-            self.conversions += 1
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")

@@ -85,17 +85,19 @@ class TunedModel:
         its GELU does not), the path is split by op kind, so that one kind's
         limits do not hold back the others. A selector is (module path, op
         kinds or None for all)."""
-        by_path: dict[str, list] = {}
+        every: dict[str, list] = {}  # module path -> all its ops, quantized or not
+        by_path: dict[str, list] = {}  # module path -> the ops some candidate quantizes, in op order
         for op in self.graph.ops:
+            every.setdefault(op.module_path, []).append(op)
             if op.id in op_legal:
                 by_path.setdefault(op.module_path, []).append(op)
         names, selectors, op_group = [], [], {}
         for path, ops in by_path.items():
+            all_ops = every[path]
             mixed = len({op_legal[op.id].tobytes() for op in ops}) > 1
             kinds = list(dict.fromkeys(op.kind for op in ops)) if mixed else [None]
             for kind in kinds:
-                op_group.update({op.id: len(names) for op in self.graph.ops
-                                 if op.module_path == path and (kind is None or op.kind == kind)})
+                op_group.update({op.id: len(names) for op in all_ops if kind is None or op.kind == kind})
                 names.append(path if kind is None else f"{path} [{kind}]")
                 selectors.append((path, None if kind is None else (kind,)))
         return names, selectors, op_group
