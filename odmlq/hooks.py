@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from odmlq import _sums
 from odmlq.graph import folded_bias, folded_operands
-from odmlq.plan import QuantSpec, dynamic_kernel_inputs, input_conversion_scales
+from odmlq.plan import QuantSpec, conversion_name, dynamic_kernel_inputs, input_conversion_scales
 from odmlq.qarray import compute_scale, fake_quant
 from odmlq.scales import Scales, TensorScale, fake_quant_bias
 
@@ -92,15 +92,20 @@ class PlanHooks:
     Args:
       materializer: how each quantization is made (`FakeQuant` by default).
       capture: keep every edge's value (after quantization) in `captured`.
-      feed: edge id -> a value that replaces the edge after it is captured, so
-        each op can be fed another run's tensors.
+      capture_conversions: keep every converted input (`Plan.conversions`) in
+        `captured` too, under its `conversion_name` (``<edge>/to_<qtype>``).
+      feed: edge id (or conversion name) -> a value that replaces the edge (or
+        the converted input) after it is captured, so each op can be fed
+        another run's tensors.
     """
 
     def __init__(self, plan, scales: Scales, materializer: Materializer | None = None, *,
-                 capture: bool = False, feed: Mapping[str, Any] | None = None):
+                 capture: bool = False, capture_conversions: bool = False,
+                 feed: Mapping[str, Any] | None = None):
         self.plan, self.scales = plan, scales
         self.materializer = FakeQuant() if materializer is None else materializer
         self.capture, self.feed = capture, dict(feed or {})
+        self.capture_conversions = capture_conversions
         self.captured: dict[str, Any] = {}
         self.graph = plan.graph
         self.converted = input_conversion_scales(plan, scales)
@@ -127,7 +132,7 @@ class PlanHooks:
         operands = list(operands)
         grids = {} if self._integer_sums and op.kind == "dot_general" and self._integer_sums(op) else None
         for index, ts in self.converted.get(op_id, ()):
-            operands[index] = self.materializer.converted_input(op, index, operands[index], ts)
+            operands[index] = self._converted(op, index, operands[index], ts)
             if grids is not None:
                 grids[index] = _grid_of(ts, operands[index])
         for index, spec in self.dynamic.get(op_id, ()):
@@ -148,6 +153,17 @@ class PlanHooks:
         if grids is not None:
             compute = self._exact(op, compute, operands, grids)
         return self.materializer.op(op, compute, operands)
+
+    def _converted(self, op, index: int, x: Any, ts: TensorScale) -> Any:
+        """Input `index` of `op` converted to the op's qtype; captured and fed
+        under its `conversion_name`."""
+        x = self.materializer.converted_input(op, index, x, ts)
+        if not (self.capture_conversions or self.feed):
+            return x
+        name = conversion_name(self.graph.resolve(op.operands[index].edge), str(ts.qtype))
+        if self.capture_conversions:
+            self.captured[name] = x
+        return self.feed.get(name, x)
 
     def _exact(self, op, compute: Callable, operands: list, grids: dict) -> Callable:
         """`compute` with its matmul of two quantized operands summed on the codes."""

@@ -46,23 +46,24 @@ class Simulator:
             transform=_stored)
         self._jitted: dict = {}
 
-    def __call__(self, *inputs: Any, capture: bool = False,
+    def __call__(self, *inputs: Any, capture: bool = False, capture_conversions: bool = False,
                  feed: Mapping[str, Any] | None = None) -> Any:
         graph = self._graphs.graph_for(inputs)
         feed_values = {k: jnp.asarray(v) for k, v in (feed or {}).items()}
-        key = (id(graph), capture, tuple(sorted(feed_values)))
+        key = (id(graph), capture, capture_conversions, tuple(sorted(feed_values)))
         if key not in self._jitted:
-            self._jitted[key] = jax.jit(self._runner(graph, capture))
+            self._jitted[key] = jax.jit(self._runner(graph, capture, capture_conversions))
         outputs, captured = self._jitted[key](self._qparams, feed_values, *inputs)
-        return (outputs, captured) if capture else outputs
+        return (outputs, captured) if capture or capture_conversions else outputs
 
-    def _runner(self, graph, capture: bool):
+    def _runner(self, graph, capture: bool, capture_conversions: bool):
         plan, scales = self.plan, self.scales
 
         def run(qparams, feed_values, *xs):
             qparams = jax.tree.map(lambda leaf: leaf.dequantize() if isinstance(leaf, _Stored) else leaf,
                                    qparams, is_leaf=lambda leaf: isinstance(leaf, _Stored))
-            hooks = PlanHooks(plan, scales, FakeQuant(), capture=capture, feed=feed_values)
+            hooks = PlanHooks(plan, scales, FakeQuant(), capture=capture,
+                              capture_conversions=capture_conversions, feed=feed_values)
             return hooks.evaluate(graph, qparams, *xs), hooks.captured
 
         return run
@@ -89,7 +90,8 @@ def _stored(path: str, value: Any, ts) -> Any:
 
 
 def simulate(model: Any, plan, scales: Scales | Calibration, *inputs: Any, variables: Any = None,
-             capture: bool = False, feed: Mapping[str, Any] | None = None) -> Any:
+             capture: bool = False, capture_conversions: bool = False,
+             feed: Mapping[str, Any] | None = None) -> Any:
     """Runs `model` as `plan` quantizes it, in float.
 
     Args:
@@ -99,12 +101,17 @@ def simulate(model: Any, plan, scales: Scales | Calibration, *inputs: Any, varia
         then computed from it, as the plan's constraints say).
       *inputs: the model's inputs (any batch size).
       capture: also return every edge's (fake-quantized) value, by edge id.
-      feed: edge id -> value that replaces the edge's value after it has been
-        captured, so that each op can be fed another run's tensors (this is how
-        an export is checked op by op).
+      capture_conversions: return every input an op reads converted to its
+        own qtype (`Plan.conversions`) too, under its conversion name
+        (``<edge>/to_<qtype>``, `odmlq.plan.conversion_name`).
+      feed: edge id (or conversion name) -> value that replaces the edge's
+        value (or the converted input) after it has been captured, so that
+        each op can be fed another run's tensors (this is how an export is
+        checked op by op).
 
     Returns:
-      The model's outputs, or ``(outputs, {edge_id: value})`` with `capture`.
+      The model's outputs, or ``(outputs, {edge_id: value})`` with `capture`
+      (or `capture_conversions`).
 
     Example:
       >>> scales = odmlq.compute_scales(plan, calibration, variables)
@@ -112,4 +119,5 @@ def simulate(model: Any, plan, scales: Scales | Calibration, *inputs: Any, varia
     """
     if isinstance(scales, Calibration):
         scales = compute_scales(plan, scales, params_for(model, variables, "simulate"))
-    return Simulator(model, plan, scales, variables=variables)(*inputs, capture=capture, feed=feed)
+    return Simulator(model, plan, scales, variables=variables)(
+        *inputs, capture=capture, capture_conversions=capture_conversions, feed=feed)

@@ -1,4 +1,7 @@
-"""Repairs the bias of int16x8 convolutions written by litert-converter 0.5.0 (internal).
+"""Repairs what litert-converter 0.5.0 writes wrong for int16 ops (internal).
+
+Two repairs: the bias of int16x8 convolutions (below), and the
+``pot_scale_int16`` option of int16 ADD and SUB (`repair_int16_add_sub`).
 
 Why this is needed:
   In the int16x8 schema (int16 activations, int8 weights) LiteRT's
@@ -41,7 +44,8 @@ import flatbuffers
 import numpy as np
 from ai_edge_litert import schema_py_generated as schema
 
-__all__ = ["FILE_IDENTIFIER", "aligned_buffers", "repair_int16_conv_bias", "int16_conv_bias_problems"]
+__all__ = ["FILE_IDENTIFIER", "aligned_buffers", "repair_int16_conv_bias", "int16_conv_bias_problems",
+           "int16_add_sub_problems", "repair_int16_add_sub"]
 
 FILE_IDENTIFIER = b"TFL3"
 # The schema asks for 16-byte aligned buffer data (`force_align: 16`); the
@@ -303,7 +307,98 @@ def repair_int16_conv_bias(tflite: bytes, *, int32_bias_when_exact: bool = False
         tensor.buffer = int64_buffer[old]
         tensor.type = _T.INT64
 
+    return _packed(model, len(tflite))
+
+
+def _packed(model: schema.ModelT, size: int) -> bytes:
+    """`model` as flatbuffer bytes, its buffers 16-byte aligned."""
     model.buffers = aligned_buffers(model.buffers)
-    builder = flatbuffers.Builder(len(tflite) + 1024)
+    builder = flatbuffers.Builder(size + 1024)
     builder.Finish(model.Pack(builder), file_identifier=FILE_IDENTIFIER)
     return bytes(builder.Output())
+
+
+# ADD and SUB options, by builtin operator: (options class, its union tag).
+_ADD_SUB = {
+    _Op.ADD: (schema.AddOptionsT, schema.BuiltinOptions.AddOptions),
+    _Op.SUB: (schema.SubOptionsT, schema.BuiltinOptions.SubOptions),
+}
+
+
+def _add_sub_targets(model: schema.ModelT) -> list[tuple[int, int]]:
+    """(subgraph, op) of every int16 ADD or SUB that may take LiteRT's power-of-two path."""
+    found = []
+    for s, subgraph in enumerate(model.subgraphs or []):
+        tensors = subgraph.tensors or []
+        for o, op in enumerate(subgraph.operators or []):
+            if _builtin_code(model, op) not in _ADD_SUB:
+                continue
+            outputs = list(op.outputs if op.outputs is not None else [])
+            if not outputs or outputs[0] < 0 or tensors[outputs[0]].type != _T.INT16:
+                continue
+            if op.builtinOptions is not None and not getattr(op.builtinOptions, "potScaleInt16", True):
+                continue
+            found.append((s, o))
+    return found
+
+
+def int16_add_sub_problems(tflite: bytes) -> list[str]:
+    """Describes the int16 ADD and SUB ops of `tflite` left on LiteRT's power-of-two path.
+
+    Args:
+      tflite: a LiteRT flatbuffer.
+
+    Returns:
+      One line per op (subgraph, op index and name, output tensor), in model
+      order; empty when there is nothing to repair.
+    """
+    model = schema.ModelT.InitFromPackedBuf(bytearray(tflite), 0)
+    lines = []
+    for s, o in _add_sub_targets(model):
+        op = model.subgraphs[s].operators[o]
+        name = model.subgraphs[s].tensors[op.outputs[0]].name
+        lines.append(f"subgraph {s} op {o} ({_OP_NAMES.get(_builtin_code(model, op), '?')}): "
+                     f"pot_scale_int16 set, output {name.decode(errors='replace') if name else ''}")
+    return lines
+
+
+def repair_int16_add_sub(tflite: bytes) -> bytes:
+    """Sends every int16 ADD and SUB of a LiteRT model down the kernels' general path.
+
+    Why: ADD and SUB options carry ``pot_scale_int16``, true by default and
+    left so by litert-converter 0.5.0. With it set, LiteRT's int16 kernels
+    take a path written for LSTM cells whenever all three scales are within
+    0.1% of a power of two and the zero points are 0: inputs are only
+    shifted, never rescaled, and an input whose scale is above the output's
+    is refused at allocation (``sub.cc: data->input1_shift <= 0 was not
+    true``). Scales land there by chance: a 0/1 mask in int16 has the scale
+    1/32767, within 0.001 of 2**-15 in log2. The general path (what the
+    quantization spec and `odmlq.simulate` compute) rescales each input with
+    a multiplier, for any scales. This sets ``pot_scale_int16`` false on
+    every ADD and SUB with an int16 output; everything else is kept.
+
+    Args:
+      tflite: a LiteRT flatbuffer (``.tflite`` bytes).
+
+    Returns:
+      The repaired flatbuffer; `tflite` itself (the same bytes) when no int16
+      ADD or SUB is on the power-of-two path.
+
+    Raises:
+      NotImplementedError: the model stores buffers after the flatbuffer
+        (models over 2 GB).
+    """
+    if not _add_sub_targets(schema.ModelT.InitFromPackedBuf(tflite, 0)):
+        return tflite
+    model = schema.ModelT.InitFromPackedBuf(bytearray(tflite), 0)
+    if any(b.offset > 1 for b in model.buffers or []):
+        raise NotImplementedError(
+            "The model stores buffers after the flatbuffer (models over 2 GB); repacking it "
+            "would move them. This repair supports models under 2 GB.")
+    for s, o in _add_sub_targets(model):
+        op = model.subgraphs[s].operators[o]
+        if op.builtinOptions is None:
+            options, tag = _ADD_SUB[_builtin_code(model, op)]
+            op.builtinOptions, op.builtinOptionsType = options(), tag
+        op.builtinOptions.potScaleInt16 = False
+    return _packed(model, len(tflite))

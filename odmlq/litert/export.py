@@ -183,6 +183,9 @@ def finished(tflite: bytes, prepared: Prepared, blockwise, subgraph: int = 0) ->
     # kernels read int64 (outputs off by the whole range, or a depthwise
     # convolution refused at allocation): the bias is rewritten in the file.
     tflite = _repair.repair_int16_conv_bias(tflite, int32_bias_when_exact=True)
+    # It also leaves int16 ADD/SUB on LiteRT's power-of-two path, taken when
+    # the scales are powers of two by chance (refused, or computed otherwise).
+    tflite = _repair.repair_int16_add_sub(tflite)
     if prepared.io_dtype != "float":
         tflite = _integer_interface(tflite, prepared.io_dtype)
     return tflite

@@ -6,7 +6,7 @@ every consumer (simulate, the XLA and LiteRT backends, the report) reads one
 resolved Plan and none re-decides.
 """
 
-from odmlq.plan._conversions import Conversion, input_conversion_scales, input_conversions, op_qtype
+from odmlq.plan._conversions import Conversion, conversion_name, input_conversion_scales, input_conversions, op_qtype
 from odmlq.plan._passes import dynamic_kernel_inputs
 from odmlq.plan._plan import EdgePlan, OpPlan, Plan, WeightPlan, check_rules, plan, plan_graph
 from odmlq.plan._spec import QuantSpec
@@ -14,6 +14,6 @@ from odmlq.plan._table import table as text_table
 
 __all__ = [
     "Conversion", "EdgePlan", "OpPlan", "Plan", "QuantSpec", "WeightPlan", "check_rules",
-    "dynamic_kernel_inputs", "input_conversion_scales", "input_conversions", "op_qtype", "plan",
+    "conversion_name", "dynamic_kernel_inputs", "input_conversion_scales", "input_conversions", "op_qtype", "plan",
     "plan_graph", "text_table",
 ]

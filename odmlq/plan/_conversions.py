@@ -22,7 +22,7 @@ import dataclasses
 
 from odmlq.plan._spec import QuantSpec
 
-__all__ = ["Conversion", "input_conversion_scales", "input_conversions", "op_qtype"]
+__all__ = ["Conversion", "conversion_name", "input_conversion_scales", "input_conversions", "op_qtype"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -45,8 +45,19 @@ class Conversion:
     def key(self) -> tuple[str, str]:
         return (self.edge, self.spec.qtype)
 
+    @property
+    def name(self) -> str:
+        return conversion_name(self.edge, self.spec.qtype)
+
     def describe(self) -> str:
         return f"{self.source} -> {self.spec.describe()} for {', '.join(self.consumers)}"
+
+
+def conversion_name(edge: str, qtype: str) -> str:
+    """The name of edge `edge` converted to `qtype`: ``<edge>/to_<qtype>``, the
+    scope LiteRT's QUANTIZE for it is named in (`odmlq.litert._annotate`) and the
+    key simulate captures and is fed the converted value under."""
+    return f"{edge}/to_{qtype}"
 
 
 def op_qtype(plan, op) -> QuantSpec | None:

@@ -14,6 +14,7 @@ import pytest
 
 import odmlq
 from odmlq.errors import PlanError
+from odmlq.plan import conversion_name
 
 R = odmlq.Rule
 
@@ -176,3 +177,60 @@ def test_a_tensor_the_converter_stores_without_unit_axes_is_verified_in_its_edge
                                  variables=variables, allow_float_ops=True)
     assert result.verification.passed
     assert "mk/broadcast_in_dim" in {c.edge for c in result.verification.checks}
+
+
+def _masked_batches():
+    rng = np.random.RandomState(0)
+    x = rng.randn(32, 8, 16).astype(np.float32)
+    m = (rng.rand(32, 8) > 0.3).astype(np.int32)
+    return x, m, [(x[i:i + 8], m[i:i + 8]) for i in range(0, 32, 8)]
+
+
+def test_an_int16_mask_bias_read_by_an_int8_add_exports_and_verifies():
+    """The padding mask's bias computed in int16 (its 0/1 input has the scale
+    1/32767, a power of two to LiteRT's test) and read by the int8 scores ADD
+    (BERT's mask, when autotune gives the mask int16):
+
+    - the SUB ``1 - m`` took LiteRT's power-of-two int16 path and was refused
+      at allocation (``sub.cc: input1_shift <= 0``) until the export cleared
+      ``pot_scale_int16``;
+    - the int16 -> int8 QUANTIZE rounds the bias's extreme, -127.498 LSB, to
+      -128 (it rounds twice); simulate rounds to -127, and the ADD reading it
+      was 2 of its own LSBs off. Verification now checks each conversion
+      within 1 LSB and feeds LiteRT's converted value to its reader."""
+    model = _Masked()
+    x, m, batches = _masked_batches()
+    variables = model.init(jax.random.PRNGKey(0), x[:1], m[:1])
+    rules = [R("mk", op=("convert_element_type", "mul"), skip=True),
+             R("mk", weight_qtype="int8", act_qtype="int16"), R(".*", weight_qtype="int8", act_qtype="int8")]
+    with pytest.warns(UserWarning, match="float ops"):
+        result = odmlq.export_tflite(model, rules, batches, variables=variables, allow_float_ops=True)
+    checks = {c.edge: c for c in result.verification.checks}
+    assert result.verification.passed
+    # The conversion is checked in its own row, on its int8 grid (1 LSB allowed: the requantize's rounding).
+    conversion = checks["mk/broadcast_in_dim/to_int8"]
+    assert conversion.params_match and conversion.max_lsb <= conversion.allowed_lsb and conversion.op == "att/add"
+    assert conversion.max_lsb > 0.5  # the extreme -30 is the tie the two round apart
+    # Its reader, fed LiteRT's converted value, agrees exactly.
+    assert checks["att/add"].max_lsb == 0
+
+
+def test_simulate_captures_and_is_fed_converted_inputs():
+    model = _Masked()
+    x, m, batches = _masked_batches()
+    variables = model.init(jax.random.PRNGKey(0), x[:1], m[:1])
+    rules = [R("mk", weight_qtype="int8", act_qtype="int16"), R(".*", weight_qtype="int8", act_qtype="int8")]
+    plan = odmlq.plan(model, rules, x[:1], m[:1], variables=variables)
+    scales = odmlq.compute_scales(plan, odmlq.calibrate(model, plan, batches, variables=variables), variables)
+    key = conversion_name("mk/broadcast_in_dim", "int8")
+    assert key in {c.name for c in plan.conversions.values()}
+    out, captured = odmlq.simulate(model, plan, scales, x[:8], m[:8], variables=variables, capture_conversions=True)
+    assert set(captured) == {c.name for c in plan.conversions.values()}
+    ts = scales.conversions[("mk/broadcast_in_dim", "int8")]
+    np.testing.assert_allclose(captured[key], ts.fake_quant(np.asarray(captured[key])))
+    # Fed a converted input, the reader computes from it: the mask bias fed as zeros unmasks every key.
+    fed = odmlq.simulate(model, plan, scales, x[:8], m[:8], variables=variables,
+                         feed={key: np.zeros_like(captured[key])})
+    unmasked = odmlq.simulate(model, plan, scales, x[:8], np.ones_like(m[:8]), variables=variables)
+    assert not np.allclose(out, unmasked)
+    np.testing.assert_allclose(fed, unmasked, atol=1e-6)

@@ -25,7 +25,8 @@ from odmlq.graph import params_for
 from odmlq.litert import _annotate, _convert
 from odmlq.litert.verify import verify
 
-from odmlq.litert._repair import int16_conv_bias_problems, repair_int16_conv_bias
+from odmlq.litert._repair import (int16_add_sub_problems, int16_conv_bias_problems, repair_int16_add_sub,
+                                  repair_int16_conv_bias)
 
 INT16X8 = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int16")]
 INT8 = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
@@ -387,3 +388,45 @@ def test_int32_bias_is_not_kept_where_the_int32_accumulator_could_overflow():
     assert _conv_options(fast) == [("CONV_2D", schema.TensorType.INT64, schema.TensorType.FLOAT32)]
     report = verify(fast, model, plan, scales, [x[8:]], variables=variables)
     assert all(c.max_lsb <= ALLOWED_LSB for c in report.checks), str(report)
+
+
+class Unmasked(nn.Module):
+    """``1 - m`` for a 0/1 mask: int16 scales 2**-14 (the constant) and 1/32767
+    (the mask, and the result), which LiteRT takes for powers of two."""
+
+    def __call__(self, m):
+        return 1.0 - m
+
+
+def _unmasked_export():
+    model = Unmasked()
+    m = (np.random.default_rng(0).random((40, 8)) > 0.3).astype(np.float32)
+    plan = odmlq.plan(model, INT16X8, m[:1], variables={})
+    scales = odmlq.compute_scales(plan, odmlq.calibrate(model, plan, [m[:32]], variables={}), {})
+    fn = _annotate.annotated_function(plan.graph, plan, scales, {}).fn
+    tflite = _convert.convert(fn, (m[:1],), input_names=["m"], output_names=["output_0"])
+    return tflite, model, plan, scales, m[32:]
+
+
+def test_int16_sub_on_the_power_of_two_path_is_refused_without_the_repair():
+    """What `repair_int16_add_sub` is for; when this fails, the converter clears
+    ``pot_scale_int16`` itself."""
+    tflite = _unmasked_export()[0]
+    (problem,) = int16_add_sub_problems(tflite)
+    assert "(SUB)" in problem
+    with pytest.raises(RuntimeError, match="input1_shift <= 0"):
+        _interpreter(tflite)
+
+
+def test_repaired_int16_sub_takes_the_general_path_and_matches_simulate():
+    tflite, model, plan, scales, m = _unmasked_export()
+    repaired = repair_int16_add_sub(tflite)
+    assert not int16_add_sub_problems(repaired)
+    assert repair_int16_add_sub(repaired) is repaired  # nothing left to do: the same bytes
+    report = verify(repaired, model, plan, scales, [m], variables={})
+    assert report.passed and report.output_max_lsb == 0, str(report)
+    # Only the option changed: the same ops, tensors and buffers.
+    before, after = _model(tflite), _model(repaired)
+    assert [_op_name(before, op) for op in before.subgraphs[0].operators] == \
+        [_op_name(after, op) for op in after.subgraphs[0].operators]
+    assert len(before.subgraphs[0].tensors) == len(after.subgraphs[0].tensors)
