@@ -20,6 +20,8 @@ import jax
 import numpy as np
 
 from odmlq.graph import GraphCache, params_for
+from odmlq.litert._mapping import (float_island_outputs, as_edge, dequantize_tensor, map_conversions,
+                                   map_tensors, params_match, produced_tensors)
 from odmlq.litert._probe import LiteRTCrashError, probe
 from odmlq.litert._runtime import interpreter
 from odmlq.plan import text_table as table
@@ -27,10 +29,9 @@ from odmlq.progress import steps
 from odmlq.errors import OdmlqError
 
 __all__ = ["EdgeCheck", "LiteRTCrashError", "VerificationError", "VerificationReport", "dequantize_tensor", "from_output",
-           "map_tensors", "params_match", "preserving_interpreter", "produced_tensors", "sample_rows",
+           "map_conversions", "map_tensors", "params_match", "preserving_interpreter", "produced_tensors", "sample_rows",
            "to_input", "verify"]
 
-_JIT_PREFIX = re.compile(r"^jit\((?:[^()]|\([^()]*\))*\)/")
 # Rounding in an integer kernel may differ from round-half-even in float by one
 # step; float32 noise in the comparison adds a little on top: float32 holds 24
 # bits, an int16 value up to 15 of them, so ~2^-9 LSB per rounding there.
@@ -127,123 +128,6 @@ class VerificationReport:
         return "\n".join(lines)
 
 
-def map_tensors(details: Sequence[dict], produced: set[int], plan, scales,
-                conversions: frozenset[int] = frozenset()) -> dict[str, int]:
-    """Plan edge id -> index of the tensor that carries it.
-
-    A tensor's name lists the locations of the ops fused into it
-    (``jit(fn)/conv1/relu/max;jit(fn)/conv1/conv/...``); the edge is the
-    latest of the plan's edges named there. When several tensors name one
-    edge (a requantized copy), the one whose scale and zero point are the
-    edge's wins. A tensor of a conversion (in `conversions`, see
-    `map_conversions`) carries an edge only where no other tensor does (the
-    converter writes a broadcast's reshape of it as the same tensor).
-    """
-    order = {e: i for i, e in enumerate(plan.graph.edges)}
-    candidates: dict[str, list[int]] = {}
-    for d in details:
-        if d["index"] not in produced or d["dtype"] not in (np.int8, np.int16):
-            continue
-        named = []
-        for location in d["name"].split(";"):
-            path = _JIT_PREFIX.sub("", location)
-            named += [e for e in order if path == e or path.startswith(e + "/")]
-        if named:
-            candidates.setdefault(max(named, key=order.get), []).append(d["index"])
-    by_index = {d["index"]: d for d in details}
-    out = {}
-    for edge, indices in candidates.items():
-        if edge not in scales.edges:
-            continue
-        matching = [i for i in indices if params_match(by_index[i], scales.edges[edge])]
-        pool = matching or [i for i in indices if i not in conversions] or indices
-        out[edge] = ([i for i in pool if i not in conversions] or pool)[-1]
-    return out
-
-
-def map_conversions(ops: Sequence[dict], details: Sequence[dict], plan, scales) -> dict[str, int]:
-    """Conversion name (`odmlq.plan.conversion_name`) -> index of the integer
-    tensor LiteRT's QUANTIZE writes for it (`Plan.conversions`).
-
-    The export names that QUANTIZE ``<operand edge>/to_<qtype>`` in the scope
-    of the op reading it (`odmlq.litert._annotate`); the operand edge may be an
-    alias of the converted edge. Where several tensors carry one conversion,
-    the one whose scale and zero point are the conversion's wins.
-    """
-    graph = plan.graph
-    scopes: dict[str, str] = {}  # "/<operand edge>/to_<qtype>/" -> conversion name
-    for c in plan.conversions.values():
-        if c.key not in scales.conversions:
-            continue
-        for op_id in c.consumers:
-            for operand in graph.op(op_id).operands:
-                if operand.edge is not None and graph.resolve(operand.edge) == c.edge:
-                    scopes[f"/{operand.edge}/to_{c.spec.qtype}/"] = c.name
-    by_index = {d["index"]: d for d in details}
-    found: dict[str, list[int]] = {}
-    for op in ops:
-        if op["op_name"] != "QUANTIZE" or len(op["outputs"]) != 1:
-            continue
-        out = by_index.get(int(op["outputs"][0]))
-        if out is None or out["dtype"] not in (np.int8, np.int16):
-            continue
-        locations = ["/" + _JIT_PREFIX.sub("", loc) + "/" for loc in out["name"].split(";")]
-        for scope, name in scopes.items():
-            if any(scope in loc for loc in locations):
-                found.setdefault(name, []).append(out["index"])
-    keys = {c.name: c.key for c in plan.conversions.values()}
-    return {name: ([i for i in indices if params_match(by_index[i], scales.conversions[keys[name]])]
-                   or indices)[-1] for name, indices in found.items()}
-
-
-def _float_island_outputs(ops: Sequence[dict], details: Sequence[dict], plan) -> dict[str, int]:
-    """Edge id -> the float32 tensor LiteRT quantizes for a conversion from a
-    float edge (`Plan.conversions`): the input of the QUANTIZE whose output is
-    named ``<edge>/to_<qtype>`` (see `odmlq.litert._annotate`)."""
-    wanted = {c.edge for c in plan.conversions.values() if c.source == "float"}
-    by_index = {d["index"]: d for d in details}
-    out: dict[str, int] = {}
-    for op in ops:
-        if op["op_name"] != "QUANTIZE" or len(op["inputs"]) != 1 or len(op["outputs"]) != 1:
-            continue
-        source = by_index.get(int(op["inputs"][0]))
-        name = by_index[int(op["outputs"][0])]["name"]
-        if source is None or source["dtype"] != np.float32:
-            continue
-        for edge in wanted:
-            if f"/{edge}/to_int" in name or name.startswith(f"{edge}/to_int"):
-                out[edge] = source["index"]
-    return out
-
-
-def _as_edge(tensor, shape) -> np.ndarray | None:
-    """A float tensor LiteRT computed, in its plan edge's shape: the converter
-    may drop or add unit axes (a broadcast mask (1, 8) for an edge (1, 1, 8)).
-    None where the sizes differ too: simulate then computes the edge itself."""
-    x = np.asarray(tensor)
-    if shape is None or x.size != int(np.prod(shape)):
-        return None
-    return x.reshape(shape)
-
-
-def produced_tensors(interpreter) -> list[int]:
-    """Indices of the tensors the interpreter's ops write, in execution order."""
-    return list(dict.fromkeys(int(t) for op in interpreter._get_ops_details() for t in op["outputs"]))
-
-
-def params_match(detail: dict, ts) -> bool:
-    q = detail["quantization_parameters"]
-    scale = np.asarray(ts.scale, np.float64).reshape(-1)
-    zp = np.zeros(scale.shape, np.int64) if ts.zero_point is None else np.asarray(ts.zero_point).reshape(-1)
-    return (q["scales"].shape == scale.shape and np.allclose(q["scales"], scale, rtol=1e-6, atol=0)
-            and np.array_equal(q["zero_points"], zp))
-
-
-def dequantize_tensor(value: np.ndarray, detail: dict) -> np.ndarray:
-    q = detail["quantization_parameters"]
-    return (value.astype(np.float32) - q["zero_points"].astype(np.float32)) * q["scales"].astype(np.float32)
-
-
 def preserving_interpreter(tflite: bytes, what: str = "the model"):
     """A LiteRT interpreter for `tflite` that keeps every intermediate tensor, allocated.
 
@@ -293,17 +177,8 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
     # input is several of its reader's output.
     conversions = map_conversions(interpreter._get_ops_details(), details, plan, scales)
     mapping = map_tensors(details, produced, plan, scales, conversions=frozenset(conversions.values()))
-    island_outputs = _float_island_outputs(interpreter._get_ops_details(), details, plan)
-    conversion_of = {c.name: c for c in plan.conversions.values()}
-    targets = {**{e: (scales.edges[e], plan.graph.edges[e].shape) for e in mapping},
-               **{n: (scales.conversions[conversion_of[n].key], plan.graph.edges[conversion_of[n].edge].shape)
-                  for n in conversions}}
-    # (op, module path) of each checked tensor: its edge's producer, or the
-    # first op reading the conversion (LiteRT's QUANTIZE is in its scope).
-    where = {e: (plan.graph.edges[e].producer, _module_path(plan, e)) for e in mapping}
-    for name in conversions:
-        reader = conversion_of[name].consumers[0]
-        where[name] = (reader, plan.graph.op(reader).module_path)
+    island_outputs = float_island_outputs(interpreter._get_ops_details(), details, plan)
+    targets, where = _checked_tensors(plan, scales, mapping, conversions)
     mapping = {**mapping, **conversions}
     by_index = {d["index"]: d for d in details}
     simulator = Simulator(model, plan, scales, variables=variables)
@@ -323,7 +198,7 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
         # fine int16 grid would turn into an LSB downstream.
         floats = {e: np.asarray(interpreter.get_tensor(i)) for e, i in island_outputs.items()}
         shapes = {**{e: plan.graph.edges[e].shape for e in floats}, **{e: t[1] for e, t in targets.items()}}
-        feed = {e: _as_edge(x, shapes[e]) for e, x in {**floats, **litert}.items()}
+        feed = {e: as_edge(x, shapes[e]) for e, x in {**floats, **litert}.items()}
         _, fed = simulator(*inputs, capture=True, capture_conversions=bool(conversions),
                            feed={e: x for e, x in feed.items() if x is not None})
         for e in mapping:
@@ -401,6 +276,20 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
             f"{report}"
         )
     return report
+
+
+def _checked_tensors(plan, scales, edges, conversions) -> tuple[dict, dict]:
+    """For each checked edge and conversion (by name): its (TensorScale,
+    shape), and the (op, module path) an error names: the edge's producer, or
+    the first op reading the conversion (LiteRT's QUANTIZE is in its scope)."""
+    conversion_of = {c.name: c for c in plan.conversions.values()}
+    targets = {e: (scales.edges[e], plan.graph.edges[e].shape) for e in edges}
+    where = {e: (plan.graph.edges[e].producer, _module_path(plan, e)) for e in edges}
+    for name in conversions:
+        c = conversion_of[name]
+        targets[name] = (scales.conversions[c.key], plan.graph.edges[c.edge].shape)
+        where[name] = (c.consumers[0], plan.graph.op(c.consumers[0]).module_path)
+    return targets, where
 
 
 def _module_path(plan, edge_id: str) -> str:

@@ -1,0 +1,135 @@
+"""Which tensor of a LiteRT model carries which plan edge and conversion (internal).
+
+Verification (`odmlq.litert.verify`) and the reports (`odmlq.report`) read a
+model's intermediate tensors by plan edge. The export names every tensor
+after the ops fused into it (``jit(fn)/<op id>/...``), and each conversion's
+QUANTIZE ``<edge>/to_<qtype>`` (`odmlq.litert._annotate`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["as_edge", "dequantize_tensor", "float_island_outputs", "map_conversions", "map_tensors", "params_match", "produced_tensors"]
+
+_JIT_PREFIX = re.compile(r"^jit\((?:[^()]|\([^()]*\))*\)/")
+
+
+def map_tensors(details: Sequence[dict], produced: set[int], plan, scales,
+                conversions: frozenset[int] = frozenset()) -> dict[str, int]:
+    """Plan edge id -> index of the tensor that carries it.
+
+    A tensor's name lists the locations of the ops fused into it
+    (``jit(fn)/conv1/relu/max;jit(fn)/conv1/conv/...``); the edge is the
+    latest of the plan's edges named there. When several tensors name one
+    edge (a requantized copy), the one whose scale and zero point are the
+    edge's wins. A tensor of a conversion (in `conversions`, see
+    `map_conversions`) carries an edge only where no other tensor does (the
+    converter writes a broadcast's reshape of it as the same tensor).
+    """
+    order = {e: i for i, e in enumerate(plan.graph.edges)}
+    candidates: dict[str, list[int]] = {}
+    for d in details:
+        if d["index"] not in produced or d["dtype"] not in (np.int8, np.int16):
+            continue
+        named = []
+        for location in d["name"].split(";"):
+            path = _JIT_PREFIX.sub("", location)
+            named += [e for e in order if path == e or path.startswith(e + "/")]
+        if named:
+            candidates.setdefault(max(named, key=order.get), []).append(d["index"])
+    by_index = {d["index"]: d for d in details}
+    out = {}
+    for edge, indices in candidates.items():
+        if edge not in scales.edges:
+            continue
+        matching = [i for i in indices if params_match(by_index[i], scales.edges[edge])]
+        pool = matching or [i for i in indices if i not in conversions] or indices
+        out[edge] = ([i for i in pool if i not in conversions] or pool)[-1]
+    return out
+
+
+def map_conversions(ops: Sequence[dict], details: Sequence[dict], plan, scales) -> dict[str, int]:
+    """Conversion name (`odmlq.plan.conversion_name`) -> index of the integer
+    tensor LiteRT's QUANTIZE writes for it (`Plan.conversions`).
+
+    The export names that QUANTIZE ``<operand edge>/to_<qtype>`` in the scope
+    of the op reading it (`odmlq.litert._annotate`); the operand edge may be an
+    alias of the converted edge. Where several tensors carry one conversion,
+    the one whose scale and zero point are the conversion's wins.
+    """
+    graph = plan.graph
+    scopes: dict[str, str] = {}  # "/<operand edge>/to_<qtype>/" -> conversion name
+    for c in plan.conversions.values():
+        if c.key not in scales.conversions:
+            continue
+        for op_id in c.consumers:
+            for operand in graph.op(op_id).operands:
+                if operand.edge is not None and graph.resolve(operand.edge) == c.edge:
+                    scopes[f"/{operand.edge}/to_{c.spec.qtype}/"] = c.name
+    by_index = {d["index"]: d for d in details}
+    found: dict[str, list[int]] = {}
+    for op in ops:
+        if op["op_name"] != "QUANTIZE" or len(op["outputs"]) != 1:
+            continue
+        out = by_index.get(int(op["outputs"][0]))
+        if out is None or out["dtype"] not in (np.int8, np.int16):
+            continue
+        locations = ["/" + _JIT_PREFIX.sub("", loc) + "/" for loc in out["name"].split(";")]
+        for scope, name in scopes.items():
+            if any(scope in loc for loc in locations):
+                found.setdefault(name, []).append(out["index"])
+    keys = {c.name: c.key for c in plan.conversions.values()}
+    return {name: ([i for i in indices if params_match(by_index[i], scales.conversions[keys[name]])]
+                   or indices)[-1] for name, indices in found.items()}
+
+
+def float_island_outputs(ops: Sequence[dict], details: Sequence[dict], plan) -> dict[str, int]:
+    """Edge id -> the float32 tensor LiteRT quantizes for a conversion from a
+    float edge (`Plan.conversions`): the input of the QUANTIZE whose output is
+    named ``<edge>/to_<qtype>`` (see `odmlq.litert._annotate`)."""
+    wanted = {c.edge for c in plan.conversions.values() if c.source == "float"}
+    by_index = {d["index"]: d for d in details}
+    out: dict[str, int] = {}
+    for op in ops:
+        if op["op_name"] != "QUANTIZE" or len(op["inputs"]) != 1 or len(op["outputs"]) != 1:
+            continue
+        source = by_index.get(int(op["inputs"][0]))
+        name = by_index[int(op["outputs"][0])]["name"]
+        if source is None or source["dtype"] != np.float32:
+            continue
+        for edge in wanted:
+            if f"/{edge}/to_int" in name or name.startswith(f"{edge}/to_int"):
+                out[edge] = source["index"]
+    return out
+
+
+def as_edge(tensor, shape) -> np.ndarray | None:
+    """A float tensor LiteRT computed, in its plan edge's shape: the converter
+    may drop or add unit axes (a broadcast mask (1, 8) for an edge (1, 1, 8)).
+    None where the sizes differ too: simulate then computes the edge itself."""
+    x = np.asarray(tensor)
+    if shape is None or x.size != int(np.prod(shape)):
+        return None
+    return x.reshape(shape)
+
+
+def produced_tensors(interpreter) -> list[int]:
+    """Indices of the tensors the interpreter's ops write, in execution order."""
+    return list(dict.fromkeys(int(t) for op in interpreter._get_ops_details() for t in op["outputs"]))
+
+
+def params_match(detail: dict, ts) -> bool:
+    q = detail["quantization_parameters"]
+    scale = np.asarray(ts.scale, np.float64).reshape(-1)
+    zp = np.zeros(scale.shape, np.int64) if ts.zero_point is None else np.asarray(ts.zero_point).reshape(-1)
+    return (q["scales"].shape == scale.shape and np.allclose(q["scales"], scale, rtol=1e-6, atol=0)
+            and np.array_equal(q["zero_points"], zp))
+
+
+def dequantize_tensor(value: np.ndarray, detail: dict) -> np.ndarray:
+    q = detail["quantization_parameters"]
+    return (value.astype(np.float32) - q["zero_points"].astype(np.float32)) * q["scales"].astype(np.float32)
