@@ -27,8 +27,9 @@ def map_tensors(details: Sequence[dict], produced: set[int], plan, scales,
     latest of the plan's edges named there. When several tensors name one
     edge (a requantized copy), the one whose scale and zero point are the
     edge's wins. A tensor of a conversion (in `conversions`, see
-    `map_conversions`) carries an edge only where no other tensor does (the
-    converter writes a broadcast's reshape of it as the same tensor).
+    `map_conversions`) carries an edge only where no other tensor does and
+    it has the edge's size (the converter writes a broadcast's reshape of it
+    as the same tensor; a reduction reading it is another tensor).
     """
     order = {e: i for i, e in enumerate(plan.graph.edges)}
     candidates: dict[str, list[int]] = {}
@@ -46,10 +47,20 @@ def map_tensors(details: Sequence[dict], produced: set[int], plan, scales,
     for edge, indices in candidates.items():
         if edge not in scales.edges:
             continue
+        size = _size(plan.graph.edges[edge].shape)
+        # A conversion's tensor stands for an edge only as a reshape of it
+        # (same size): it is named in its reader's scope, whatever that computes.
+        indices = [i for i in indices if i not in conversions or _size(by_index[i]["shape"]) == size]
+        if not indices:
+            continue
         matching = [i for i in indices if params_match(by_index[i], scales.edges[edge])]
         pool = matching or [i for i in indices if i not in conversions] or indices
         out[edge] = ([i for i in pool if i not in conversions] or pool)[-1]
     return out
+
+
+def _size(shape) -> int:
+    return int(np.prod(shape)) if shape is not None else 1
 
 
 def map_conversions(ops: Sequence[dict], details: Sequence[dict], plan, scales) -> dict[str, int]:
