@@ -234,3 +234,33 @@ def test_simulate_captures_and_is_fed_converted_inputs():
     unmasked = odmlq.simulate(model, plan, scales, x[:8], np.ones_like(m[:8]), variables=variables)
     assert not np.allclose(out, unmasked)
     np.testing.assert_allclose(fed, unmasked, atol=1e-6)
+
+
+def test_a_conversion_tensor_never_stands_for_its_readers_edge_of_another_size():
+    """A conversion's QUANTIZE is named in its reader's scope. Where the
+    reader's own tensor is fused under another edge's name (MiniLM's int16
+    mask sum), the conversion's tensor is the only one naming the reader's
+    edge: it stands for the edge only at the edge's size (a broadcast's
+    reshape), never for a reduction or a broadcast to another size."""
+    from odmlq.litert._mapping import map_tensors
+
+    model = _Masked()
+    x, m, batches = _masked_batches()
+    variables = model.init(jax.random.PRNGKey(0), x[:1], m[:1])
+    rules = [R("mk", weight_qtype="int8", act_qtype="int16"), R(".*", weight_qtype="int8", act_qtype="int8")]
+    plan = odmlq.plan(model, rules, x[:1], m[:1], variables=variables)
+    scales = odmlq.compute_scales(plan, odmlq.calibrate(model, plan, batches, variables=variables), variables)
+    ts = scales.conversions[("mk/broadcast_in_dim", "int8")]
+
+    def detail(index, shape):
+        return {"index": index, "name": "jit(fn)/att/add/mk/broadcast_in_dim/to_int8/composite",
+                "shape": np.array(shape), "dtype": np.int8,
+                "quantization_parameters": {"scales": np.asarray(ts.scale, np.float64).reshape(-1),
+                                            "zero_points": np.zeros(1, np.int64)}}
+
+    # att/add is (1, 8, 8); the conversion of the (1, 1, 8) mask bias is another size.
+    assert "att/add" not in map_tensors([detail(7, [1, 1, 8])], {7}, plan, scales, conversions=frozenset({7}))
+    # The same tensor not known as a conversion would still be taken (and then refused by size in verify).
+    assert map_tensors([detail(7, [1, 1, 8])], {7}, plan, scales)["att/add"] == 7
+    # At the edge's size it stands for the edge, as a broadcast's reshape does.
+    assert map_tensors([detail(7, [1, 8, 8])], {7}, plan, scales, conversions=frozenset({7}))["att/add"] == 7
