@@ -175,9 +175,10 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
     # Conversions are checked and fed like edges: LiteRT's requantization
     # rounds a near-tie its own way (twice), and one LSB of a coarse int8
     # input is several of its reader's output.
-    conversions = map_conversions(interpreter._get_ops_details(), details, plan, scales)
+    ops = interpreter._get_ops_details()
+    conversions = map_conversions(ops, details, plan, scales)
     mapping = map_tensors(details, produced, plan, scales, conversions=frozenset(conversions.values()))
-    island_outputs = float_island_outputs(interpreter._get_ops_details(), details, plan)
+    island_outputs = float_island_outputs(ops, details, plan)
     targets, where = _checked_tensors(plan, scales, mapping, conversions)
     mapping = {**mapping, **conversions}
     by_index = {d["index"]: d for d in details}

@@ -215,13 +215,20 @@ def test_an_int16_mask_bias_read_by_an_int8_add_exports_and_verifies():
     assert checks["att/add"].max_lsb == 0
 
 
-def test_simulate_captures_and_is_fed_converted_inputs():
+def _int16_mask_plan():
+    """The masked model with its mask bias in int16, read as int8 by the scores
+    ADD: (model, variables, x, m, plan, scales)."""
     model = _Masked()
     x, m, batches = _masked_batches()
     variables = model.init(jax.random.PRNGKey(0), x[:1], m[:1])
     rules = [R("mk", weight_qtype="int8", act_qtype="int16"), R(".*", weight_qtype="int8", act_qtype="int8")]
     plan = odmlq.plan(model, rules, x[:1], m[:1], variables=variables)
     scales = odmlq.compute_scales(plan, odmlq.calibrate(model, plan, batches, variables=variables), variables)
+    return model, variables, x, m, plan, scales
+
+
+def test_simulate_captures_and_is_fed_converted_inputs():
+    model, variables, x, m, plan, scales = _int16_mask_plan()
     key = conversion_name("mk/broadcast_in_dim", "int8")
     assert key in {c.name for c in plan.conversions.values()}
     out, captured = odmlq.simulate(model, plan, scales, x[:8], m[:8], variables=variables, capture_conversions=True)
@@ -244,12 +251,7 @@ def test_a_conversion_tensor_never_stands_for_its_readers_edge_of_another_size()
     reshape), never for a reduction or a broadcast to another size."""
     from odmlq.litert._mapping import map_tensors
 
-    model = _Masked()
-    x, m, batches = _masked_batches()
-    variables = model.init(jax.random.PRNGKey(0), x[:1], m[:1])
-    rules = [R("mk", weight_qtype="int8", act_qtype="int16"), R(".*", weight_qtype="int8", act_qtype="int8")]
-    plan = odmlq.plan(model, rules, x[:1], m[:1], variables=variables)
-    scales = odmlq.compute_scales(plan, odmlq.calibrate(model, plan, batches, variables=variables), variables)
+    model, variables, x, m, plan, scales = _int16_mask_plan()
     ts = scales.conversions[("mk/broadcast_in_dim", "int8")]
 
     def detail(index, shape):
