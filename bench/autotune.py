@@ -117,7 +117,7 @@ def minilm() -> None:
         verified = "-" if not rules else ("yes" if export.verification.passed else "NO")
         rows.append([name, f"{cosine.mean():.4f}", f"{cosine.min():.4f}",
                      f"{retrieval(unit, reference, np.arange(2 * PARAPHRASE_PAIRS)):.3f}",
-                     f"{os.path.getsize(path) / 1e6:.1f}", str(export.delegation.partitions), verified])
+                     f"{os.path.getsize(path) / 1e6:.3f}", str(export.delegation.partitions), verified])
         files.append(export.tflite)
     latency = odmlq.litert.interleaved_latency(files, [ids[:1], mask[:1]], rounds=9, invokes=20)
     print(f"autotune took {seconds:.0f} s\n")

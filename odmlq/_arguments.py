@@ -86,7 +86,7 @@ def _compare_parser(sub) -> None:
 
 
 def _tune_parser(sub) -> None:
-    t = sub.add_parser("tune", help="find rules that meet an accuracy floor or a size budget (autotune)")
+    t = sub.add_parser("tune", help="find rules that meet an accuracy floor, a size or a latency budget (autotune)")
     t.add_argument("model", help=_MODEL)
     t.add_argument("--data", required=True, help=_DATA)
     t.add_argument("--eval-data", help=".npz of inputs the accuracy is measured on (default: --data)")
@@ -95,6 +95,10 @@ def _tune_parser(sub) -> None:
     t.add_argument("--min-cosine", type=float, help="mean per-sample cosine against float at least this")
     t.add_argument("--max-bits-per-weight", type=float, help="average stored bits per weight at most this")
     t.add_argument("--max-bytes", type=int, help="parameters' stored bytes at most this")
+    t.add_argument("--max-latency-ratio", type=float,
+                   help="latency at most this times the float model's on the backend (timed in the same "
+                        "rounds; on LiteRT a group stays quantized only where XNNPACK runs it)")
+    t.add_argument("--max-latency-ms", type=float, help="latency on the backend at most this (ms, this machine)")
     t.add_argument("--backend", choices=("litert", "xla", "both"), default="litert",
                    help="whose kernels the rules must run on (default litert)")
     t.add_argument("--candidates", help="comma-separated precisions to choose among "

@@ -7,7 +7,8 @@ line every layer up against float.
              [--save-calibration C.npz]
   odmlq compare MODEL --data D.npz [--rules R] [--calibration C.npz] [--litert | --tflite M.tflite] [--xla]
              [--try-fixes] [--json] [--html out.html] [--model-explorer out.json]
-  odmlq tune MODEL --data D.npz (--min-cosine C | --min-sqnr DB | --max-bits-per-weight B | --max-bytes N)
+  odmlq tune MODEL --data D.npz (--min-cosine C | --min-sqnr DB | --max-bits-per-weight B | --max-bytes N
+                                 | --max-latency-ratio R)
              [--backend litert|xla|both] [--out rules.yaml]
   odmlq inspect model.tflite
   odmlq ops                              what each op kind becomes on LiteRT, per schema
@@ -169,7 +170,8 @@ def _cmd_tune(args) -> int:
     from odmlq.report.tune import TuneTarget, autotune, parse_candidates
 
     target = TuneTarget(min_sqnr_db=args.min_sqnr, min_cosine=args.min_cosine,
-                        max_bits_per_weight=args.max_bits_per_weight, max_bytes=args.max_bytes)
+                        max_bits_per_weight=args.max_bits_per_weight, max_bytes=args.max_bytes,
+                        max_latency_ratio=args.max_latency_ratio, max_latency_ms=args.max_latency_ms)
     writable(args.out)
     data = load_batches(args.data, args.batch_size, "--data")
     evaluation = load_batches(args.eval_data, args.batch_size, "--eval-data") if args.eval_data else None

@@ -19,6 +19,7 @@ from odmlq.report.tune import _search
 from odmlq.report.tune._candidates import Candidate, default_candidates, parse_candidates
 from odmlq.report.tune._checks import check_rules
 from odmlq.report.tune._converts import Converts, refused_group
+from odmlq.report.tune._latency import Timer
 from odmlq.report.tune._model import BACKENDS, TunedModel, rules_for
 from odmlq.report.tune._result import Trial, TuneResult
 from odmlq.report.tune._sensitivity import energies, group_noise, output_errors
@@ -108,7 +109,7 @@ def autotune(model: Any, variables: Any = None, rep_dataset: Iterable | Callable
     trial = search.trials[search.index_of(best)]
     checks = check_rules(tuned, rules, best, say) if check else {}
     sensitivity = {path: {c.name: _alone_db(tables, ci, g) for ci, c in enumerate(candidates)
-                          if tables.legal[ci, g] and not c.is_float}
+                          if tuned.legal[ci, g] and not c.is_float}
                    for g, path in enumerate(tuned.groups)}
     return TuneResult(rules=rules, choices={p: candidates[c].name for p, c in zip(tuned.groups, best)},
                       trials=list(search.trials), measured=trial.measured, met=trial.met, misses=trial.misses,
@@ -142,7 +143,8 @@ def _tables(tuned: TunedModel, progress: bool | None) -> _search.Tables:
                                    on_group=bar.tick)
     noise = np.where(np.isfinite(noise), noise, 1e30)  # a run that overflowed: the worst noise
     signal = np.concatenate([energies(ref) for ref in tuned.reference], axis=1)
-    return _search.Tables(noise=noise, signal=signal, legal=tuned.legal, **tuned.costs())
+    # The search's own copy: it withdraws candidates it finds it cannot get.
+    return _search.Tables(noise=noise, signal=signal, legal=tuned.legal.copy(), **tuned.costs())
 
 
 def _alone_db(tables: _search.Tables, c: int, g: int) -> float:
@@ -164,6 +166,23 @@ class _Search:
         self.margin_db = 0.0
         self._checks: dict[bytes, tuple] = {}
         self.converts = Converts(tuned)
+        self.timer = Timer(tuned, self.converts) if target.has_latency else None
+        if self.timer is not None and tuned.backend != "xla":
+            self._gate_placement()
+
+    def _gate_placement(self) -> None:
+        """Latency-gated placement, before the search: a group is not offered a
+        quantized candidate at which XNNPACK leaves one of its ops to LiteRT's
+        reference kernels (slower than float there, and a split of the graph)."""
+        self.say("exporting each candidate to see which groups XNNPACK runs")
+        off = self.timer.off_delegate_by_candidate() & self.tables.legal
+        for c, g in zip(*np.nonzero(off)):
+            if self.tables.legal[:, g].sum() < 2:
+                continue
+            self.tables.legal[c, g] = False
+            self.tuned.notes.append(f"{self.tuned.groups[g]}: XNNPACK does not run it at "
+                                    f"{self.tuned.candidates[c].name!r}; not offered (latency target: it would "
+                                    "run on LiteRT's reference kernels)")
 
     def slack_db(self, config) -> float:
         """How far (dB of noise) the predicted accuracy clears the floors."""
@@ -190,14 +209,23 @@ class _Search:
                     if self.enough(config) else config
             self.measure(config)
             return self.last
-        config = _search.cheapest(tables)
+        base = _search.cheapest(tables)
+        config = base
         if not self.target.needs_metric:
             config = _search.trim(tables, badness, _search.upgrade(tables, badness, config, self.enough),
                                   self.enough)
         for _ in range(max_trials):
+            requested = config
             trial = self.measure(config)
             config = self.last  # as made legal
+            self._withdraw_overridden(base, requested, config)
+            base = config
             if trial.met:
+                return config
+            if len(trial.misses) == len(trial.measured.latency_misses(self.target)):
+                # Accuracy and size hold: upgrading further only slows it down.
+                self.say("the latency budget is missed by the cheapest configuration found that keeps "
+                         "the accuracy")
                 return config
             if self.target.needs_metric and self.target.min_sqnr_db is None and self.target.min_cosine is None:
                 goal = badness[config, np.arange(tables.groups)].sum() / 2
@@ -217,6 +245,21 @@ class _Search:
             config = step
         return self.last
 
+    def _withdraw_overridden(self, base, requested, legalized) -> None:
+        """Withdraws each move of the last step (group g from `base[g]` to
+        `requested[g]`) that making the configuration legal overrode: the
+        search predicted and costed the move, LiteRT got another candidate,
+        and offering the move again would spend the next trials on it."""
+        for g in np.flatnonzero((requested != base) & (legalized != requested)):
+            c = requested[g]
+            if not self.tables.legal[c, g] or self.tables.legal[:, g].sum() < 2:
+                continue
+            self.tables.legal[c, g] = False
+            name, got = self.tuned.candidates[c].name, self.tuned.candidates[legalized[g]].name
+            self.tuned.notes.append(f"{self.tuned.groups[g]}: chosen at {name!r}, LiteRT runs it only at "
+                                    f"{got!r} next to its neighbours' precisions; not offered again")
+            self.say(f"{self.tuned.groups[g]}: {name} withdrawn (made {got} to agree with its neighbours)")
+
     def _shortfall_db(self, config, trial: Trial) -> float:
         """How much the prediction was optimistic, in dB of noise."""
         t, m = self.target, trial.measured
@@ -235,8 +278,10 @@ class _Search:
         ways: the producer's or the reader's group in float (a float op is
         the converter's one legal separator), or both on one candidate legal
         for both. Each way is checked; the ones that raise a conflict of their
-        own groups at once are taken last. Then the ways that add no
-        predicted noise, then the cheapest.
+        own groups at once are taken last, then the ones that store more
+        bits of parameters (floating a group with weights quadruples them:
+        the search chose their precision for its size). Then the ways that
+        add no predicted noise, then the cheapest.
 
         Groups joined on one candidate form clusters that only grow and stay
         together, and a cluster put in float is never in a conflict again, so
@@ -268,8 +313,9 @@ class _Search:
                 held = _summed(self.badness, config)
                 added = _summed(self.badness, trial) - held
                 noisier = added > 1e-9 * max(held, 1e-300)
+                grows = _summed(self.tables.param_bits, trial) > _summed(self.tables.param_bits, config)
                 extra = _summed(self.tables.cost, trial) - _summed(self.tables.cost, config)
-                key = (cascades, noisier, added if noisier else 0.0, extra)
+                key = (cascades, grows, noisier, added if noisier else 0.0, extra)
                 if best is None or key < best[0]:
                     best = (key, label, members, trial, trial_plan, trial_error)
             if best is None:
@@ -329,7 +375,7 @@ class _Search:
                                  "cannot be found; add 'float' to candidates.")
             g = refused_group(config, floats, self._plan_of, self.converts)
             name = tuned.candidates[config[g]].name
-            self.tables.legal[config[g], g] = False
+            self.tables.legal[config[g], g] = tuned.legal[config[g], g] = False
             tuned.notes.append(f"{tuned.groups[g]}: litert-converter refuses it at {name!r} (the model "
                                "converts with it and the groups after it in float, not with it quantized "
                                "too); not offered")
@@ -338,6 +384,35 @@ class _Search:
             config[g] = min(np.flatnonzero(self.tables.legal[:, g]), key=lambda c: self.badness[c, g])
             config, plan = self.legalize(config)
         raise OdmlqError("autotune: litert-converter kept refusing the chosen rules; tune with fewer "
+                         "candidates (candidates=['int8', 'float']).")
+
+    def delegated(self, config, plan) -> tuple[np.ndarray, Any]:
+        """Latency-gated placement on LiteRT: `config` and its plan with each
+        group that has a quantized op XNNPACK does not run (`Timer.off_delegate`:
+        it would run on LiteRT's reference kernels and split the graph) moved
+        to its least noisy other candidate; that candidate is not offered to
+        the group again. A group with no other candidate stays."""
+        tuned, legal, stays = self.tuned, self.tables.legal, set()
+        for _ in range(legal.size):
+            outside = [g for g in self.timer.off_delegate(config) if g not in stays]
+            if not outside:
+                return config, plan
+            config = config.copy()
+            for g in outside:
+                name = tuned.candidates[config[g]].name
+                if legal[:, g].sum() < 2:
+                    stays.add(g)
+                    tuned.notes.append(f"{tuned.groups[g]}: XNNPACK does not run it at {name!r}, and no other "
+                                       "candidate is offered to it; it stays (latency target)")
+                    continue
+                legal[config[g], g] = False
+                config[g] = min(np.flatnonzero(legal[:, g]), key=lambda c: self.badness[c, g])
+                tuned.notes.append(f"{tuned.groups[g]}: XNNPACK does not run it at {name!r}; not offered "
+                                   f"(latency target: it would run on LiteRT's reference kernels)")
+                self.say(f"{tuned.groups[g]}: {name} is off XNNPACK; now {tuned.candidates[config[g]].name}")
+            config, plan = self.legalize(config)
+            config, plan = self.convertible(config, plan)
+        raise OdmlqError("autotune: could not place every quantized group on XNNPACK; tune with fewer "
                          "candidates (candidates=['int8', 'float']).")
 
     def _plan_of(self, config):
@@ -351,6 +426,8 @@ class _Search:
         config, plan = self.legalize(config)
         if tuned.backend != "xla":
             config, plan = self.convertible(config, plan)
+            if self.timer is not None:
+                config, plan = self.delegated(config, plan)
         scales = tuned.scales(plan)
         simulator = tuned.simulator(plan, scales)
         errors, cosines = [], []
@@ -362,8 +439,9 @@ class _Search:
         sqnr, _ = accuracy_of(errors, self.tables.signal)
         metric = float(self.eval_fn(simulator)) if self.eval_fn is not None else None
         size, bits = tuned.size(plan)
+        ms, float_ms = self.timer(config) if self.timer is not None else (None, None)
         measured = Measured(sqnr_db=sqnr, cosine=float(np.mean(np.concatenate(cosines))), metric=metric,
-                            bytes=size, bits_per_weight=bits)
+                            bytes=size, bits_per_weight=bits, latency_ms=ms, float_latency_ms=float_ms)
         predicted = self.tables.predicted(config)
         counts = Counter(tuned.candidates[c].name for c in config)
         trial = Trial(counts=dict(counts), predicted_sqnr_db=predicted[0], predicted_cosine=predicted[1],
@@ -373,7 +451,9 @@ class _Search:
         self.last = config
         self.say(f"trial {len(self.trials)}: {dict(counts)}: SQNR {sqnr:.2f} dB, cosine {measured.cosine:.5f}"
                  + (f", metric {metric:.4g}" if metric is not None else "")
-                 + f", {bits:.2f} bits/weight" + (" (met)" if trial.met else ""))
+                 + f", {bits:.2f} bits/weight"
+                 + (f", {ms:.3f} ms ({ms / float_ms:.2f}x float)" if ms is not None else "")
+                 + (" (met)" if trial.met else ""))
         return trial
 
     def index_of(self, config) -> int:

@@ -28,25 +28,40 @@ class Converts:
     def __init__(self, tuned):
         self.tuned = tuned
         self._seen: dict[bytes, bool] = {}
+        self._last: tuple[bytes, object] | None = None  # the last configuration converted, its Export
 
     def __call__(self, config: np.ndarray) -> bool:
         key = config.tobytes()
         if key not in self._seen:
-            from odmlq.litert import ConversionError, export_tflite
-            from odmlq.report.tune._model import rules_for
+            from odmlq.litert import ConversionError
 
-            tuned = self.tuned
             try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    rules = rules_for(tuned, config)
-                    export_tflite(tuned.model, rules, tuned.batches, variables=tuned.variables,
-                                  calibration=tuned.calibration_for(tuned.base.replan(rules)), verify=False,
-                                  allow_float_ops=True, progress=False)
+                self._export(config)
                 self._seen[key] = True
             except ConversionError:
                 self._seen[key] = False
         return self._seen[key]
+
+    def export_of(self, config: np.ndarray):
+        """The configuration's unverified `Export` (batch 1), converted again
+        unless it was the last one converted."""
+        if self._last is not None and self._last[0] == config.tobytes():
+            return self._last[1]
+        return self._export(config)
+
+    def _export(self, config: np.ndarray):
+        from odmlq.litert import export_tflite
+        from odmlq.report.tune._model import rules_for
+
+        tuned = self.tuned
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            rules = rules_for(tuned, config)
+            export = export_tflite(tuned.model, rules, tuned.batches, variables=tuned.variables,
+                                   calibration=tuned.calibration_for(tuned.base.replan(rules)), verify=False,
+                                   allow_float_ops=True, progress=False)
+        self._last = (config.tobytes(), export)
+        return export
 
 
 def refused_group(config: np.ndarray, floats: int, plan_of: Callable[[np.ndarray], object],

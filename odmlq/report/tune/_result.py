@@ -82,14 +82,19 @@ class TuneResult:
         if self.float_metric is not None:
             lines.append(f"  float model's metric: {self.float_metric:.4g}")
         lines.append("")
+        timed = any(t.measured.latency_ms is not None for t in self.trials)
         lines.append("trial  choices                                  predicted     measured SQNR  cosine    "
-                     "metric    bits/w   bytes")
+                     "metric    bits/w   bytes" + ("      ms  vs float" if timed else ""))
         for i, t in enumerate(self.trials):
             counts = ", ".join(f"{n} {k}" for k, n in sorted(t.counts.items(), key=lambda kv: -kv[1]))
             m = t.measured
             metric = "-" if m.metric is None else f"{m.metric:.4g}"
+            latency = ""
+            if timed:
+                latency = "        -        -" if m.latency_ms is None else \
+                    f"  {m.latency_ms:7.3f}  {m.latency_ratio:6.2f}x"
             lines.append(f"{i:>5}  {counts[:40]:<40} {t.predicted_sqnr_db:7.2f} dB  {m.sqnr_db:8.2f} dB  "
-                         f"{m.cosine:.5f}  {metric:>8}  {m.bits_per_weight:6.2f}  {m.bytes:>7}"
+                         f"{m.cosine:.5f}  {metric:>8}  {m.bits_per_weight:6.2f}  {m.bytes:>7}" + latency
                          + ("  met" if t.met else ""))
         for name, check in self.checks.items():
             lines.append(f"{name}: {check}")

@@ -1,4 +1,4 @@
-"""What autotune must reach: an accuracy floor, a size budget, or both (internal)."""
+"""What autotune must reach: an accuracy floor, a size or latency budget (internal)."""
 
 from __future__ import annotations
 
@@ -30,10 +30,19 @@ class TuneTarget:
         ops read) at most this.
       max_bytes: every parameter's storage (weights, scales, biases) at most
         this many bytes.
+      max_latency_ratio: the tuned model's latency at most this many times
+        the float model's, both timed on the backend in the same interleaved
+        rounds (LiteRT: the exported .tflite at batch 1, one thread, XNNPACK;
+        XLA: the jitted quantized model on the first evaluation batch). On
+        LiteRT a latency budget also gates placement: a group stays
+        quantized only where XNNPACK runs every one of its ops.
+      max_latency_ms: the tuned model's latency (as above) at most this many
+        milliseconds on this machine.
 
     Example:
       >>> odmlq.TuneTarget(min_cosine=0.995)
       >>> odmlq.TuneTarget(max_bits_per_weight=3, max_metric_drop=0.01)
+      >>> odmlq.TuneTarget(min_cosine=0.99, max_latency_ratio=0.8)
     """
 
     min_sqnr_db: float | None = None
@@ -42,12 +51,15 @@ class TuneTarget:
     max_metric_drop: float | None = None
     max_bits_per_weight: float | None = None
     max_bytes: int | None = None
+    max_latency_ratio: float | None = None
+    max_latency_ms: float | None = None
 
     def __post_init__(self):
         values = dataclasses.asdict(self)
         if all(v is None for v in values.values()):
             raise RuleError("TuneTarget needs a floor or a budget: min_sqnr_db, min_cosine, min_metric, "
-                            "max_metric_drop, max_bits_per_weight or max_bytes.")
+                            "max_metric_drop, max_bits_per_weight, max_bytes, max_latency_ratio or "
+                            "max_latency_ms.")
         for name, value in values.items():
             if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value)):
                 raise RuleError(f"TuneTarget {name}={value!r} must be a finite number.")
@@ -56,6 +68,9 @@ class TuneTarget:
         for name in ("max_bits_per_weight", "max_bytes", "max_metric_drop"):
             if values[name] is not None and values[name] < 0:
                 raise RuleError(f"TuneTarget {name}={values[name]} must not be negative.")
+        for name in ("max_latency_ratio", "max_latency_ms"):
+            if values[name] is not None and values[name] <= 0:
+                raise RuleError(f"TuneTarget {name}={values[name]} must be positive.")
 
     @property
     def needs_metric(self) -> bool:
@@ -69,11 +84,16 @@ class TuneTarget:
     def has_size(self) -> bool:
         return self.max_bits_per_weight is not None or self.max_bytes is not None
 
+    @property
+    def has_latency(self) -> bool:
+        return self.max_latency_ratio is not None or self.max_latency_ms is not None
+
     def describe(self) -> str:
         parts = []
         for name, text in (("min_sqnr_db", "SQNR >= {} dB"), ("min_cosine", "mean cosine >= {}"),
                            ("min_metric", "metric >= {}"), ("max_metric_drop", "metric drop <= {}"),
-                           ("max_bits_per_weight", "<= {} bits per weight"), ("max_bytes", "<= {} bytes")):
+                           ("max_bits_per_weight", "<= {} bits per weight"), ("max_bytes", "<= {} bytes"),
+                           ("max_latency_ratio", "latency <= {}x float"), ("max_latency_ms", "latency <= {} ms")):
             value = getattr(self, name)
             if value is not None:
                 parts.append(text.format(f"{value:g}"))
@@ -82,13 +102,22 @@ class TuneTarget:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Measured:
-    """One configuration's accuracy and size, measured (not predicted)."""
+    """One configuration's accuracy and size (and latency, when the target
+    has a latency budget), measured (not predicted)."""
 
     sqnr_db: float
     cosine: float
     metric: float | None
     bytes: int
     bits_per_weight: float
+    latency_ms: float | None = None
+    float_latency_ms: float | None = None
+
+    @property
+    def latency_ratio(self) -> float | None:
+        if self.latency_ms is None or not self.float_latency_ms:
+            return None
+        return self.latency_ms / self.float_latency_ms
 
     def misses(self, target: TuneTarget, float_metric: float | None) -> list[str]:
         """What `target` asks that this does not reach (empty: met)."""
@@ -106,6 +135,17 @@ class Measured:
             out.append(f"{self.bits_per_weight:.2f} bits per weight > {target.max_bits_per_weight:g}")
         if target.max_bytes is not None and self.bytes > target.max_bytes:
             out.append(f"{self.bytes} bytes > {target.max_bytes}")
+        return out + self.latency_misses(target)
+
+    def latency_misses(self, target: TuneTarget) -> list[str]:
+        """The latency budgets of `target` this does not meet."""
+        out = []
+        ratio, ms = self.latency_ratio, self.latency_ms
+        if target.max_latency_ratio is not None and not (ratio is not None and ratio <= target.max_latency_ratio):
+            out.append(f"latency {'unmeasured' if ratio is None else f'{ratio:.2f}x'} float "
+                       f"> {target.max_latency_ratio:g}x")
+        if target.max_latency_ms is not None and not (ms is not None and ms <= target.max_latency_ms):
+            out.append(f"latency {'unmeasured' if ms is None else f'{ms:.3f}'} ms > {target.max_latency_ms:g} ms")
         return out
 
 

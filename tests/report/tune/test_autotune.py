@@ -140,6 +140,7 @@ def test_bad_arguments_are_named_before_any_work(sensitive, kwargs, match):
     ({"min_cosine": 1.5}, r"\[-1, 1\]"),
     ({"max_bytes": -1}, "must not be negative"),
     ({"min_sqnr_db": float("nan")}, "finite"),
+    ({"max_latency_ratio": 0.0}, "must be positive"),
 ])
 def test_bad_targets_are_named(kwargs, match):
     with pytest.raises(RuleError, match=match):
@@ -224,3 +225,96 @@ def test_a_converter_refusal_is_traced_to_one_group_by_bisection():
     config[culprit] = float_index
     assert converts(config)
     assert len(calls) <= 2 + int(np.ceil(np.log2(9)))  # a bisection, not one conversion per group
+
+
+def test_a_latency_budget_keeps_quantized_only_the_groups_xnnpack_runs(sensitive):
+    """Without a latency budget the floor is met with int16x8 matmuls, which
+    XNNPACK does not run (they fall to LiteRT's reference kernels). With
+    one, no group is offered a candidate XNNPACK leaves any of its ops at
+    (int16x8 anywhere; int8 for `a`, whose int8 EXP it has no kernel for):
+    the chosen rules export with every op on XNNPACK in one partition, still
+    meet the floor, and the latency is measured against float's. (The
+    budget is loose, 5x float: what is asserted is the placement, not a
+    timing of a model this small.)"""
+    model, variables, batches, int8 = sensitive
+    floor = int8.measured.sqnr_db + 6.0
+    free = odmlq.autotune(model, variables, batches, target=odmlq.TuneTarget(min_sqnr_db=floor), check=False)
+    plain = odmlq.export_tflite(model, free.rules, batches, variables=variables, verify=False,
+                                allow_float_ops=True)
+    assert plain.delegation.outside, str(free)  # what the budget changes
+
+    result = odmlq.autotune(model, variables, batches,
+                            target=odmlq.TuneTarget(min_sqnr_db=floor, max_latency_ratio=5.0))
+    assert result.met and result.measured.sqnr_db >= floor, str(result)
+    assert "int16x8" not in result.choices.values() and result.choices["a"] == "float", str(result)
+    assert result.measured.latency_ms > 0 and result.measured.latency_ratio > 0
+    assert "vs float" in str(result) and any("XNNPACK does not run it" in n for n in result.notes)
+    gated = odmlq.export_tflite(model, result.rules, batches, variables=variables, allow_float_ops=True)
+    assert not gated.delegation.outside and gated.delegation.partitions == 1, str(gated.delegation)
+    assert gated.verification.passed
+
+
+def test_a_missed_latency_budget_stops_the_search_once_accuracy_holds(sensitive):
+    """A budget no model meets (1 ns) is reported as missed, with the
+    measured latency, after the first configuration that holds the floor:
+    upgrading further could only make it slower."""
+    model, variables, batches, _ = sensitive
+    result = odmlq.autotune(model, variables, batches, backend="xla", check=False,
+                            target=odmlq.TuneTarget(min_sqnr_db=0.0, max_latency_ms=1e-6))
+    assert not result.met and len(result.trials) == 1, str(result)
+    assert result.misses == tuple(result.measured.latency_misses(result.target))
+    assert result.misses[0].startswith("latency ") and result.measured.latency_ms > 1e-6
+
+
+class _Attention(nn.Module):
+    """Matmuls with weights around ops of the attention module itself (its
+    reshapes, einsums, softmax and a float gain): where one group is raised
+    to int16x8, LiteRT needs its neighbours to agree."""
+
+    @nn.compact
+    def __call__(self, x):
+        q = nn.Dense(16, name="query")(x).reshape(x.shape[0], 4, 4)
+        v = nn.Dense(16, name="value")(x).reshape(x.shape[0], 4, 4)
+        p = jax.nn.softmax(jnp.einsum("bij,bkj->bik", q, q), axis=-1)
+        o = jnp.einsum("bik,bkj->bij", p, v).reshape(x.shape[0], 16)
+        o = o * self.param("gain", nn.initializers.ones, (16,))
+        return nn.Dense(8, name="out")(o)
+
+
+class _WithAttention(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return _Attention(name="att")(x)
+
+
+def test_making_precisions_agree_never_floats_a_groups_weights():
+    """Each group raised alone to int16x8 (the rest int8) conflicts on
+    LiteRT with the attention module's own ops. Making them agree by putting
+    a group in float would remove noise but store its weights in float32 (4x
+    the bytes the search chose): the agreement found stores no more bits of
+    parameters than the configuration asked for. (Before this rule, raising
+    `att/out` floated it: 10656 bits instead of 7840.)"""
+    from odmlq.report.tune._autotune import _Search, _tables
+    from odmlq.report.tune._candidates import parse_candidates
+    from odmlq.report.tune._model import TunedModel
+
+    model = _WithAttention()
+    x = np.random.default_rng(0).standard_normal((64, 16)).astype(np.float32)
+    variables = model.init(jax.random.key(0), x[:1])
+    batches = [(x[i:i + 16],) for i in range(0, 64, 16)]
+    candidates = parse_candidates(["int8", "int16x8", "float"])
+    tuned = TunedModel(model, variables, batches, batches, candidates, "litert", None, batches[0])
+    tables = _tables(tuned, False)
+    search = _Search(tuned, tables, odmlq.TuneTarget(min_sqnr_db=10.0), None, None, lambda text: None)
+    groups = np.arange(len(tuned.groups))
+    weighted = [g for g in groups if tables.param_bits[2, g] > tables.param_bits[0, g]]
+    assert {tuned.groups[g] for g in weighted} >= {"att/query", "att/value", "att/out"}
+    changed = 0
+    for g in groups:
+        asked = np.zeros(len(groups), int)
+        asked[g] = 1
+        agreed, _ = search.legalize(asked)
+        changed += not np.array_equal(agreed, asked)
+        assert tables.param_bits[agreed, groups].sum() <= tables.param_bits[asked, groups].sum(), \
+            (tuned.groups[g], [candidates[c].name for c in agreed])
+    assert changed >= 3  # the conflicts are there to resolve
