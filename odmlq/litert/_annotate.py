@@ -224,7 +224,9 @@ def annotated_function(graph, plan, scales: Scales, params: Any,
             new[p] = fake_quant_bias(jnp.asarray(values[p]), s)
         qparams = replace_params(params, new)
 
-        return PlanHooks(plan, scales, Annotation(scales, plan.graph, keep_float)).evaluate(graph, qparams, *inputs)
+        # The graph evaluated may be a re-trace of the plan's at other input shapes:
+        # full-shape int16 operands take its shapes.
+        return PlanHooks(plan, scales, Annotation(scales, graph, keep_float)).evaluate(graph, qparams, *inputs)
 
     return Annotated(fn, payloads, list(placeholders.values()))
 

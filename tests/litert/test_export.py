@@ -270,6 +270,27 @@ def test_a_plan_traced_at_another_batch_size_exports(small_cnn, digits):
     assert result.batch_size == 1 and result.verification.output_max_lsb <= 1.0
 
 
+class _Int16Offset(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(8, name="dense")(x) + 0.5
+
+
+def test_an_int16_plan_traced_at_another_batch_size_exports():
+    """An int16 ADD stores its constant broadcast to the output's shape: the
+    exported graph's (batch 1), not the plan's (batch 16). Taken from the
+    plan, it made the converter refuse this ADD (`tfl.add` failed to
+    verify) and, on MiniLM, the annotation fail with a bare TypeError."""
+    model = _Int16Offset()
+    x = np.random.default_rng(0).standard_normal((64, 4)).astype(np.float32)
+    variables = model.init(jax.random.key(0), x[:1])
+    plan = odmlq.plan(model, [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int16")], x[:16],
+                      variables=variables)
+    result = odmlq.export_tflite(model, plan, [x[i:i + 16] for i in range(0, 64, 16)], variables=variables,
+                                 progress=False)
+    assert result.batch_size == 1 and result.verification.passed
+
+
 class _TwoMethods(nn.Module):
     @nn.compact
     def __call__(self, x):
