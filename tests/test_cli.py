@@ -128,6 +128,18 @@ def test_tune_writes_rules_that_plan_again(tmp_path, capsys):
     assert rules and rules[-1].module_path == ".*"
 
 
+def test_tune_takes_a_latency_budget_and_shows_the_latency(tmp_path, capsys):
+    import numpy as np
+
+    data = tmp_path / "data.npz"
+    np.savez(data, x=np.random.default_rng(0).random((64, 8, 8, 1), dtype=np.float32))
+    # 50x float: a budget any placement meets; what is checked is that it is measured and shown.
+    assert cli.main(["tune", "cnn", "--data", str(data), "--min-sqnr", "20", "--max-latency-ratio", "50",
+                     "--quiet", "--no-check"]) == 0
+    printed = capsys.readouterr().out
+    assert "latency <= 50x float" in printed and "vs float" in printed, printed
+
+
 def test_tune_says_when_the_target_is_not_met(tmp_path, capsys):
     import numpy as np
 
@@ -142,6 +154,7 @@ def test_tune_says_when_the_target_is_not_met(tmp_path, capsys):
     ([], "needs a floor or a budget"),
     (["--min-cosine", "0.99", "--out", "/nonexistent/dir/rules.yaml"], "nonexistent"),
     (["--min-cosine", "0.99", "--candidates", "int3"], "Unknown candidate"),
+    (["--max-latency-ratio", "0"], "must be positive"),
 ])
 def test_tune_bad_arguments_fail_before_work(tmp_path, capsys, args, match):
     import numpy as np
