@@ -17,7 +17,6 @@ Run: ``python bench/xla_ptq.py [--rounds 30]`` (about 4 minutes on 2 cores).
 from __future__ import annotations
 
 import argparse
-import time
 
 import flax.linen as nn
 import jax
@@ -27,6 +26,7 @@ from jax import lax
 
 import odmlq
 from odmlq import PerBlock, PerChannel, Rule
+from odmlq.timing import interleaved_ms
 from samples.digits import batches, load_digits_splits, train
 
 
@@ -56,18 +56,9 @@ def schemas(block: int, conv: bool) -> dict[str, list[Rule]]:
 
 
 def interleaved(candidates: dict, rounds: int) -> dict[str, float]:
-    """Median ms per candidate ``name: (fn, args)``; each round runs all, in rotating order."""
-    for fn, args in candidates.values():
-        jax.block_until_ready(fn(*args))
-    names = list(candidates)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            fn, args = candidates[name]
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times[name].append(time.perf_counter() - start)
-    return {n: 1e3 * float(np.median(t)) for n, t in times.items()}
+    """Median ms per candidate ``name: (fn, args)``, one call each per round, in rotating order."""
+    return interleaved_ms({n: (lambda fn=fn, args=args: fn(*args)) for n, (fn, args) in candidates.items()},
+                          rounds=rounds, repeats=1)
 
 
 def sqnr_db(reference, other) -> float:

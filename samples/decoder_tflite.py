@@ -30,12 +30,12 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import time
 
 import jax
 import numpy as np
 
 import odmlq
+from odmlq.timing import interleaved_ms
 from samples.decoder_lm import corpus
 
 PROMPT, GENERATED, PROMPTS = 64, 64, 10
@@ -150,16 +150,7 @@ def decode_inputs(model, position: int = PROMPT) -> tuple:
 
 def xla_decode_ms(steps: list, inputs: tuple, rounds: int = 15, calls: int = 20) -> list[float]:
     """Median ms per call of each jitted decode step, timed in the same interleaved rounds."""
-    for step in steps:
-        jax.block_until_ready(step(*inputs))  # compiled
-    spent: list[list[float]] = [[] for _ in steps]
-    for _ in range(rounds):
-        for step, times in zip(steps, spent):
-            start = time.perf_counter()
-            for _ in range(calls):
-                jax.block_until_ready(step(*inputs))
-            times.append(1e3 * (time.perf_counter() - start) / calls)
-    return [float(np.median(t)) for t in spent]
+    return interleaved_ms([lambda step=step: step(*inputs) for step in steps], rounds=rounds, repeats=calls)
 
 
 def main(checkpoint: str = "out/decoder.safetensors", out_dir: str = "out", schemas=tuple(SCHEMAS),

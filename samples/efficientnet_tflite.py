@@ -29,12 +29,12 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from collections.abc import Callable
 
 import jax
 import numpy as np
 
 import odmlq
+from odmlq.timing import interleaved_ms
 from converters.efficientnet_lite import load_efficientnet_lite0
 from samples.efficientnet_model import preprocess
 from samples.photos import crops, load_photographs
@@ -81,21 +81,6 @@ def tflite_logits(interpreter, images: np.ndarray) -> np.ndarray:
     return np.stack(rows)
 
 
-def interleaved_ms(calls: dict[str, Callable[[], object]], rounds: int = 7,
-                   invokes: int = 10) -> dict[str, float]:
-    """Median ms per call of each warmed-up call, all timed in the same interleaved rounds."""
-    for call in calls.values():
-        call()
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, call in calls.items():
-            start = time.perf_counter()
-            for _ in range(invokes):
-                call()
-            times[name].append((time.perf_counter() - start) / invokes * 1e3)
-    return {name: float(np.median(t)) for name, t in times.items()}
-
-
 def main(out_dir: str = "out", evaluation_crops: int = EVALUATION_CROPS) -> dict:
     os.makedirs(out_dir, exist_ok=True)
     model, variables = load_efficientnet_lite0()
@@ -134,7 +119,7 @@ def main(out_dir: str = "out", evaluation_crops: int = EVALUATION_CROPS) -> dict
                    ops=dict(export.summary.op_histogram))
         results["litert"][name] = row
     # The last image each interpreter ran stays set: every invoke reruns it.
-    latency = interleaved_ms({name: interpreter.invoke for name, interpreter in interpreters.items()})
+    latency = interleaved_ms({name: interpreter.invoke for name, interpreter in interpreters.items()}, repeats=10)
     for name, row in results["litert"].items():
         row.update(ms=latency[name], vs_float=latency[name] / latency["float"])
 
@@ -150,7 +135,7 @@ def main(out_dir: str = "out", evaluation_crops: int = EVALUATION_CROPS) -> dict
                                  for i in range(0, len(evaluation), 16)])
         results["xla"][name] = agreement(reference, logits)
     x = jax.numpy.asarray(evaluation[:1])
-    xla_ms = interleaved_ms({name: (lambda f=f: jax.block_until_ready(f(x))) for name, f in functions.items()})
+    xla_ms = interleaved_ms({name: (lambda f=f: f(x)) for name, f in functions.items()}, repeats=10)
     for name in XLA_SCHEMAS:
         results["xla"][name].update(ms=xla_ms[name], vs_float=xla_ms[name] / xla_ms["float"])
     results["xla"]["float"] = {"ms": xla_ms["float"]}

@@ -21,7 +21,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import time
 import warnings
 from collections.abc import Sequence
 
@@ -30,6 +29,7 @@ import numpy as np
 from odmlq.errors import OdmlqError
 from odmlq.litert._runtime import interpreter
 from odmlq.litert.inspect import ModelSummary, OpInfo
+from odmlq.timing import interleaved_ms
 
 __all__ = ["COMPUTE_OPS", "Delegation", "DelegateError", "Latency", "check_delegation", "delegation",
            "interleaved_latency"]
@@ -152,12 +152,4 @@ def interleaved_latency(models: Sequence[bytes], inputs: Sequence[np.ndarray] = 
             same_kind = (x.dtype.kind == "f") == (np.dtype(detail["dtype"]).kind == "f")
             if tuple(x.shape) == tuple(detail["shape"]) and same_kind:
                 runner.set_tensor(detail["index"], x.astype(detail["dtype"]))
-        runner.invoke()
-    times: list[list[float]] = [[] for _ in runners]
-    for _ in range(rounds):
-        for runner, spent in zip(runners, times):
-            start = time.perf_counter()
-            for _ in range(invokes):
-                runner.invoke()
-            spent.append((time.perf_counter() - start) / invokes * 1e3)
-    return [float(np.median(t)) for t in times]
+    return interleaved_ms([runner.invoke for runner in runners], rounds=rounds, repeats=invokes)

@@ -32,6 +32,12 @@ __all__ = ["autotune"]
 _MIN_STEP_DB = 0.5
 
 
+def _off_delegate(name: str) -> str:
+    """The note for a candidate withdrawn because XNNPACK leaves an op of it to LiteRT."""
+    return (f"XNNPACK does not run it at {name!r}; not offered (latency target: it would run on LiteRT's "
+            "reference kernels)")
+
+
 def autotune(model: Any, variables: Any = None, rep_dataset: Iterable | Callable | None = None, *,
              target: TuneTarget, eval_fn: Callable[[Callable], float] | None = None,
              eval_inputs: Iterable | None = None, candidates: Sequence[Candidate | str] | None = None,
@@ -177,12 +183,8 @@ class _Search:
         self.say("exporting each candidate to see which groups XNNPACK runs")
         off = self.timer.off_delegate_by_candidate() & self.tables.legal
         for c, g in zip(*np.nonzero(off)):
-            if self.tables.legal[:, g].sum() < 2:
-                continue
-            self.tables.legal[c, g] = False
-            self.tuned.notes.append(f"{self.tuned.groups[g]}: XNNPACK does not run it at "
-                                    f"{self.tuned.candidates[c].name!r}; not offered (latency target: it would "
-                                    "run on LiteRT's reference kernels)")
+            if self.tables.legal[:, g].sum() >= 2:
+                self._withdraw(c, g, _off_delegate(self.tuned.candidates[c].name))
 
     def slack_db(self, config) -> float:
         """How far (dB of noise) the predicted accuracy clears the floors."""
@@ -254,11 +256,19 @@ class _Search:
             c = requested[g]
             if not self.tables.legal[c, g] or self.tables.legal[:, g].sum() < 2:
                 continue
-            self.tables.legal[c, g] = False
             name, got = self.tuned.candidates[c].name, self.tuned.candidates[legalized[g]].name
-            self.tuned.notes.append(f"{self.tuned.groups[g]}: chosen at {name!r}, LiteRT runs it only at "
-                                    f"{got!r} next to its neighbours' precisions; not offered again")
+            self._withdraw(c, g, f"chosen at {name!r}, LiteRT runs it only at {got!r} next to its "
+                                 "neighbours' precisions; not offered again")
             self.say(f"{self.tuned.groups[g]}: {name} withdrawn (made {got} to agree with its neighbours)")
+
+    def _withdraw(self, c: int, g: int, why: str, everywhere: bool = False) -> None:
+        """Candidate c is not offered to group g again, with a note saying
+        `why`. `everywhere`: the backend cannot run it at all (the reported
+        sensitivities drop it too), not only this search."""
+        self.tables.legal[c, g] = False
+        if everywhere:
+            self.tuned.legal[c, g] = False
+        self.tuned.notes.append(f"{self.tuned.groups[g]}: {why}")
 
     def _shortfall_db(self, config, trial: Trial) -> float:
         """How much the prediction was optimistic, in dB of noise."""
@@ -314,7 +324,7 @@ class _Search:
                 added = _summed(self.badness, trial) - held
                 noisier = added > 1e-9 * max(held, 1e-300)
                 grows = _summed(self.tables.param_bits, trial) > _summed(self.tables.param_bits, config)
-                extra = _summed(self.tables.cost, trial) - _summed(self.tables.cost, config)
+                extra = self.tables.total_cost(trial) - self.tables.total_cost(config)
                 key = (cascades, grows, noisier, added if noisier else 0.0, extra)
                 if best is None or key < best[0]:
                     best = (key, label, members, trial, trial_plan, trial_error)
@@ -375,10 +385,9 @@ class _Search:
                                  "cannot be found; add 'float' to candidates.")
             g = refused_group(config, floats, self._plan_of, self.converts)
             name = tuned.candidates[config[g]].name
-            self.tables.legal[config[g], g] = tuned.legal[config[g], g] = False
-            tuned.notes.append(f"{tuned.groups[g]}: litert-converter refuses it at {name!r} (the model "
-                               "converts with it and the groups after it in float, not with it quantized "
-                               "too); not offered")
+            self._withdraw(config[g], g, f"litert-converter refuses it at {name!r} (the model converts with it "
+                           "and the groups after it in float, not with it quantized too); not offered",
+                           everywhere=True)
             self.say(f"litert-converter refuses {tuned.groups[g]} at {name}; not offered")
             config = config.copy()
             config[g] = min(np.flatnonzero(self.tables.legal[:, g]), key=lambda c: self.badness[c, g])
@@ -405,10 +414,8 @@ class _Search:
                     tuned.notes.append(f"{tuned.groups[g]}: XNNPACK does not run it at {name!r}, and no other "
                                        "candidate is offered to it; it stays (latency target)")
                     continue
-                legal[config[g], g] = False
+                self._withdraw(config[g], g, _off_delegate(name))
                 config[g] = min(np.flatnonzero(legal[:, g]), key=lambda c: self.badness[c, g])
-                tuned.notes.append(f"{tuned.groups[g]}: XNNPACK does not run it at {name!r}; not offered "
-                                   f"(latency target: it would run on LiteRT's reference kernels)")
                 self.say(f"{tuned.groups[g]}: {name} is off XNNPACK; now {tuned.candidates[config[g]].name}")
             config, plan = self.legalize(config)
             config, plan = self.convertible(config, plan)
@@ -464,7 +471,7 @@ class _Search:
         met = [i for i, t in enumerate(self.trials) if t.met]
         if not met:
             return last
-        return min((self.configs[i] for i in met), key=lambda c: _summed(self.tables.cost, c))
+        return min((self.configs[i] for i in met), key=self.tables.total_cost)
 
 
 def _summed(table: np.ndarray, config: np.ndarray) -> float:

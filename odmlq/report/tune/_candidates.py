@@ -84,6 +84,15 @@ class Candidate:
         name = fields.get("act_qtype")
         return 32.0 if name is None else float(lookup_qtype(name).bits)
 
+    @property
+    def edge_qtype(self) -> str | None:
+        """The qtype its ops' output edges hold between ops (None: float, also
+        for weight-only and dynamic candidates, whose edges stay float)."""
+        fields = dict(self.fields)
+        if fields.get("skip") or fields.get("act_dynamic"):
+            return None
+        return fields.get("act_qtype")
+
     def __repr__(self) -> str:
         inner = ", ".join(f"{k}={v!r}" for k, v in self.fields)
         return f"Candidate({self.name!r}{', ' if inner else ''}{inner})"

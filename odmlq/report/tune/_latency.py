@@ -18,12 +18,12 @@ quantized ops XNNPACK does not run, for autotune's latency-gated placement.
 
 from __future__ import annotations
 
-import time
 import warnings
 
 import numpy as np
 
 from odmlq.report.tune._converts import Converts
+from odmlq.timing import interleaved_ms
 from odmlq.report.tune._model import BACKENDS, TunedModel, rules_for
 
 __all__ = ["Timer"]
@@ -93,8 +93,6 @@ class Timer:
         return ms, float_ms
 
     def _xla(self, config) -> tuple[float, float]:
-        import jax
-
         from odmlq import xla
 
         tuned = self.tuned
@@ -107,21 +105,8 @@ class Timer:
                 self._float = xla.ptq(tuned.model, [], tuned.params, None, example_inputs=batch, target=target)
             quantized = xla.ptq(tuned.model, rules, tuned.params, tuned.calibration_for(tuned.base.replan(rules)),
                                 example_inputs=batch, target=target)
-        runs = [self._float, quantized]
-        for run in runs:
-            jax.block_until_ready(run(*batch))  # compiled
-        start = time.perf_counter()
-        jax.block_until_ready(self._float(*batch))
-        calls = max(1, int(_ROUND_MS / max((time.perf_counter() - start) * 1e3, 1e-3)))
-        times: list[list[float]] = [[], []]
-        for r in range(_ROUNDS):
-            for i in (r % 2, 1 - r % 2):
-                start = time.perf_counter()
-                for _ in range(calls):
-                    out = runs[i](*batch)
-                jax.block_until_ready(out)
-                times[i].append((time.perf_counter() - start) * 1e3 / calls)
-        float_ms, ms = (float(np.median(t)) for t in times)
+        float_ms, ms = interleaved_ms([lambda: self._float(*batch), lambda: quantized(*batch)], rounds=_ROUNDS,
+                                      round_ms=_ROUND_MS)
         return ms, float_ms
 
 

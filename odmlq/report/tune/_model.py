@@ -18,8 +18,10 @@ from odmlq.graph import flat_params, params_for
 from odmlq.plan import plan as make_plan
 from odmlq.rules import Rule, UnmatchedRuleWarning
 from odmlq.scales import compute_scales
+from odmlq.qtypes import qtype as lookup_qtype
 from odmlq.simulate import Simulator
 from odmlq.report.tune._candidates import Candidate, group_pattern
+from odmlq.report.tune._search import Boundaries
 
 __all__ = ["TunedModel", "BACKENDS", "rules_for"]
 
@@ -183,10 +185,33 @@ class TunedModel:
         act_bits = np.array([c.act_bits for c in self.candidates])[:, None]
         return {"cost": param_bits + elements[None, :] * act_bits, "weight_bits": weight_bits,
                 "param_bits": param_bits,
+                "boundaries": self.boundaries() if self.backend != "xla" else None,
                 "weight_elements": float(sum(math.prod(np.shape(flat[p])) for p, r in everything.items()
                                              if r == "weight")),
                 "fixed_bits": float(sum(32.0 * math.prod(np.shape(flat[p])) for p in everything
                                         if p not in owner))}
+
+    def boundaries(self) -> Boundaries:
+        """Where groups meet on LiteRT (`_search.Boundaries`): each edge one
+        group writes and another group, an op no candidate quantizes or the
+        model's caller reads (or the other way round). XLA has no
+        conversions to count: its quantized ops read float edges and
+        quantize them in the op."""
+        names = list(dict.fromkeys(c.edge_qtype for c in self.candidates if c.edge_qtype is not None))
+        domain = np.array([0 if c.edge_qtype is None else 1 + names.index(c.edge_qtype)
+                           for c in self.candidates])
+        bits = np.array([32.0] + [float(lookup_qtype(n).bits) for n in names])
+        shared = []
+        for edge in self.graph.edges.values():
+            if edge.alias is not None or not edge.is_float:
+                continue
+            producer = self.op_group.get(edge.producer, -1) if edge.producer is not None else -1
+            readers = {self.op_group.get(op_id, -1) for op_id in edge.consumers}
+            readers |= {-1} if edge.is_output else set()
+            if len(readers | {producer}) > 1:
+                shared.append((float(math.prod(edge.shape[1:]) if edge.shape else 1), producer,
+                               tuple(sorted(readers))))
+        return Boundaries(domain=domain, domain_bits=bits, edges=tuple(shared))
 
     def size(self, plan) -> tuple[int, float]:
         """(bytes of every parameter the graph reads, average bits per weight)."""

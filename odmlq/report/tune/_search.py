@@ -15,28 +15,106 @@ marginal value, as a knapsack with one item per group is solved well:
 
 Cost is what a group moves per inference: its weights' storage bits plus its
 output activations' bits (a memory-traffic proxy for latency that also ranks
-float islands last).
+float islands last), plus, on LiteRT, the conversions where it meets a
+neighbour of another activation qtype (`Boundaries`: a QUANTIZE or DEQUANTIZE reads and
+writes the edge, and is one more op and tensor in the file). That last term
+is pairwise: a move's cost depends on the neighbours' candidates, so every
+move is costed against the configuration it is taken from.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import numpy as np
 
 from odmlq.report.tune._target import TuneTarget, accuracy_of
 
-__all__ = ["Tables", "cheapest", "downgrade", "least_noisy", "trim", "upgrade"]
+__all__ = ["Boundaries", "Tables", "cheapest", "downgrade", "least_noisy", "trim", "upgrade"]
+
+# What a conversion stores beside moving its edge: one op and one tensor in a
+# .tflite (MiniLM: 2,576 bytes for 17 more conversion ops and 20 tensors).
+CONVERSION_OVERHEAD_BITS = 8 * 150.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Boundaries:
+    """Where groups meet: the edges that one group writes and another reads
+    (or an op no candidate quantizes, or the model's caller: float).
+
+    Each edge is read in each reader's activation qtype; an edge read in a
+    qtype other than its producer's needs one conversion per qtype read (one
+    QUANTIZE shared by every reader of that qtype, as `Plan.conversions`
+    makes them; a DEQUANTIZE for a float reader), which reads the edge and
+    writes it again: `elements x (source bits + converted bits)` plus
+    `CONVERSION_OVERHEAD_BITS`.
+
+    Attributes:
+      domain: (candidates,) the index into `domain_bits` of the qtype a
+        candidate's output edges hold (0: float, also for weight-only and
+        dynamic candidates, whose edges stay float).
+      domain_bits: (domains,) bits per element of each (32 for float).
+      edges: (elements per sample, producer group or -1, reader groups
+        (-1 for a float reader)) per edge where groups meet.
+    """
+
+    domain: np.ndarray
+    domain_bits: np.ndarray
+    edges: tuple[tuple[float, int, tuple[int, ...]], ...]
+
+    @functools.cached_property
+    def _by_group(self) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for i, (_, producer, readers) in enumerate(self.edges):
+            for g in {producer, *readers} - {-1}:
+                out.setdefault(g, []).append(i)
+        return out
+
+    def edge_cost(self, i: int, config: np.ndarray) -> float:
+        """The conversions' cost at edge i under `config`."""
+        elements, producer, readers = self.edges[i]
+        source = 0 if producer < 0 else self.domain[config[producer]]
+        read = {0 if g < 0 else self.domain[config[g]] for g in readers} - {source}
+        bits = self.domain_bits
+        return sum(elements * (bits[source] + bits[d]) + CONVERSION_OVERHEAD_BITS for d in read)
+
+    def conversions(self, config: np.ndarray) -> int:
+        """How many conversion ops `config` needs."""
+        count = 0
+        for _, producer, readers in self.edges:
+            source = 0 if producer < 0 else self.domain[config[producer]]
+            count += len({0 if g < 0 else self.domain[config[g]] for g in readers} - {source})
+        return count
+
+    def cost(self, config: np.ndarray) -> float:
+        """Bits the conversions of `config` move and store."""
+        return float(sum(self.edge_cost(i, config) for i in range(len(self.edges))))
+
+    def moves(self, config: np.ndarray) -> np.ndarray:
+        """(candidates, groups): how much the conversions' cost changes when
+        group g alone takes candidate c."""
+        delta = np.zeros((len(self.domain), len(config)))
+        for g, edges in self._by_group.items():
+            held = sum(self.edge_cost(i, config) for i in edges)
+            trial = config.copy()
+            for c in range(len(self.domain)):
+                if self.domain[c] == self.domain[config[g]]:
+                    continue
+                trial[g] = c
+                delta[c, g] = sum(self.edge_cost(i, trial) for i in edges) - held
+        return delta
 
 
 @dataclasses.dataclass(frozen=True)
 class Tables:
     """Per candidate c and group g: `noise[c]` (groups, outputs, samples),
-    `cost[c, g]`, `weight_bits[c, g]` and `param_bits[c, g]` (stored bits of
-    the group's weights, of all its parameters), `legal[c, g]`; `signal`
-    (outputs, samples); `weight_elements` (all weights' elements) and
-    `fixed_bits` (parameters no group owns)."""
+    `cost[c, g]` (what the group moves), `weight_bits[c, g]` and `param_bits[c, g]`
+    (stored bits of the group's weights, of all its parameters),
+    `legal[c, g]`; `signal` (outputs, samples); `weight_elements` (all
+    weights' elements), `fixed_bits` (parameters no group owns) and
+    `boundaries` (the conversions between groups)."""
 
     noise: np.ndarray
     signal: np.ndarray
@@ -46,10 +124,21 @@ class Tables:
     legal: np.ndarray
     weight_elements: float
     fixed_bits: float
+    boundaries: Boundaries | None = None
 
     @property
     def groups(self) -> int:
         return self.cost.shape[1]
+
+    def total_cost(self, config: np.ndarray) -> float:
+        """What `config` moves per inference: every group's cost, and the conversions between groups."""
+        own = float(self.cost[config, np.arange(self.groups)].sum())
+        return own + (self.boundaries.cost(config) if self.boundaries is not None else 0.0)
+
+    def moves(self, config: np.ndarray) -> np.ndarray:
+        """(candidates, groups): the change of `total_cost` when group g alone takes candidate c."""
+        own = self.cost - self.cost[config, np.arange(self.groups)][None, :]
+        return own + (self.boundaries.moves(config) if self.boundaries is not None else 0.0)
 
     def errors(self, config: np.ndarray) -> np.ndarray:
         return self.noise[config, np.arange(self.groups)].sum(axis=0)
@@ -80,9 +169,10 @@ class Tables:
 
 
 def cheapest(tables: Tables) -> np.ndarray:
-    """Each group's legal candidate of least cost (the earlier one on a tie)."""
+    """Each group's legal candidate of least cost (the earlier one on a tie),
+    then any move that makes the whole cheaper (fewer conversions)."""
     cost = np.where(tables.legal, tables.cost, np.inf)
-    return np.argmin(cost, axis=0)
+    return trim(tables, np.zeros_like(tables.cost), np.argmin(cost, axis=0), lambda config: True)
 
 
 def least_noisy(tables: Tables, badness: np.ndarray) -> np.ndarray:
@@ -112,9 +202,8 @@ def upgrade(tables: Tables, badness: np.ndarray, config: np.ndarray,
 
     def ratio_of(config):
         gain = badness[config, groups][None, :] - badness
-        extra = tables.cost - tables.cost[config, groups][None, :]
-        useful = tables.legal & (gain > 0) & (extra >= 0)
-        return np.where(useful, gain / np.maximum(extra, 1e-9), -np.inf)
+        extra = tables.moves(config)  # a move that also saves cost comes first
+        return np.where(tables.legal & (gain > 0), gain / np.maximum(extra, 1e-9), -np.inf)
 
     return _greedy(config, enough, ratio_of)
 
@@ -139,7 +228,7 @@ def trim(tables: Tables, badness: np.ndarray, config: np.ndarray,
     config = config.copy()
     groups = np.arange(tables.groups)
     while True:
-        saved = tables.cost[config, groups][None, :] - tables.cost
+        saved = -tables.moves(config)
         added = badness - badness[config, groups][None, :]
         ratio = np.where(tables.legal & (saved > 0), saved / np.maximum(added, 1e-30), -np.inf)
         moved = False

@@ -318,3 +318,59 @@ def test_making_precisions_agree_never_floats_a_groups_weights():
         assert tables.param_bits[agreed, groups].sum() <= tables.param_bits[asked, groups].sum(), \
             (tuned.groups[g], [candidates[c].name for c in agreed])
     assert changed >= 3  # the conflicts are there to resolve
+
+
+def test_the_conversions_the_search_costs_are_the_ones_the_export_holds(sensitive):
+    """Between groups of other activation qtypes LiteRT needs a QUANTIZE or
+    DEQUANTIZE (also at the model's float input and output), and the search
+    costs each one (`_search.Boundaries`). For every configuration LiteRT
+    takes of this toy, it counts exactly the conversion ops the exported
+    .tflite holds."""
+    from ai_edge_litert.interpreter import Interpreter
+
+    from odmlq.report.tune._autotune import _Search, _tables
+    from odmlq.report.tune._candidates import parse_candidates
+    from odmlq.report.tune._model import TunedModel, rules_for
+
+    model, variables, batches, _ = sensitive
+    batches = [(b,) for b in batches]
+    candidates = parse_candidates(["int8", "int16x8", "float"])
+    tuned = TunedModel(model, variables, batches, batches, candidates, "litert", None, batches[0])
+    tables = _tables(tuned, False)
+    search = _Search(tuned, tables, odmlq.TuneTarget(min_sqnr_db=10.0), None, None, lambda text: None)
+    legal = {}
+    for asked in np.stack(np.meshgrid(*[np.arange(3)] * len(tuned.groups)), -1).reshape(-1, len(tuned.groups)):
+        config, _ = search.legalize(asked)
+        legal[config.tobytes()] = config
+    assert len(legal) >= 8
+    for config in legal.values():
+        export = odmlq.export_tflite(model, rules_for(tuned, config), batches, variables=variables,
+                                     allow_float_ops=True, verify=False)
+        ops = [op["op_name"] for op in Interpreter(model_content=export.tflite)._get_ops_details()]
+        held = sum(op in ("QUANTIZE", "DEQUANTIZE") for op in ops)
+        assert tables.boundaries.conversions(config) == held, ([candidates[c].name for c in config], ops)
+
+
+def test_a_move_that_removes_conversions_is_preferred_to_one_that_adds_them():
+    """Two groups whose upgrade to int16 removes the same noise at the same
+    cost of their own: one sits between int8 neighbours (raised, it needs a
+    conversion on each side), the other between int16 neighbours (raised, it
+    removes two). The search raises the second, though the first comes
+    first in op order (where a tie went before conversions were costed)."""
+    from odmlq.report.tune import _search
+
+    # Groups: 0 -> 1 -> 2 (int8 around the first candidate), 3 -> 4 -> 5 (int16 around the second).
+    domain, bits = np.array([1, 2]), np.array([32.0, 8.0, 16.0])  # candidate 0: int8, 1: int16
+    edges = tuple((64.0, p, (p + 1,)) for p in (0, 1, 3, 4))
+    boundaries = _search.Boundaries(domain=domain, domain_bits=bits, edges=edges)
+    cost = np.array([[100.0] * 6, [200.0] * 6])
+    noise = np.zeros((2, 6, 1, 1))
+    noise[0, [1, 4]] = 1.0  # groups 1 and 4 are as noisy at int8 as each other, and quiet at int16
+    tables = _search.Tables(noise=noise, signal=np.full((1, 1), 100.0), cost=cost, weight_bits=cost,
+                            param_bits=cost, legal=np.ones((2, 6), bool), weight_elements=1.0, fixed_bits=0.0,
+                            boundaries=boundaries)
+    config = np.array([0, 0, 0, 1, 0, 1])
+    assert boundaries.conversions(config) == 2
+    badness = tables.badness(odmlq.TuneTarget(min_sqnr_db=20.0))
+    one_step = _search.upgrade(tables, badness, config, lambda c: badness[c, np.arange(6)].sum() < 0.015)
+    assert list(one_step) == [0, 0, 0, 1, 1, 1] and boundaries.conversions(one_step) == 0

@@ -1,0 +1,35 @@
+"""odmlq.timing.interleaved_ms: the helper every latency ratio is measured with."""
+
+import time
+
+import jax
+import jax.numpy as jnp
+
+from odmlq.timing import interleaved_ms
+
+
+def test_each_call_gets_its_own_median_in_the_order_given():
+    calls = {"sleeps 3 ms": lambda: time.sleep(0.003), "returns": lambda: None}
+    ms = interleaved_ms(calls, rounds=3, repeats=2)
+    assert list(ms) == list(calls)
+    assert ms["sleeps 3 ms"] >= 3.0  # time.sleep waits at least that long
+    assert ms["returns"] < ms["sleeps 3 ms"]
+    assert interleaved_ms([calls["returns"], calls["sleeps 3 ms"]], rounds=1, repeats=1)[1] >= 3.0
+
+
+def test_a_jitted_call_is_compiled_before_timing_and_waited_for():
+    """The first call (compilation, seconds) is made before the rounds, so no
+    round includes it; each result is waited for (block_until_ready)."""
+    seen = []
+
+    @jax.jit
+    def f(x):
+        return jnp.sin(x) @ x.T
+
+    x = jnp.ones((64, 64))
+    ms = interleaved_ms([lambda: seen.append(1) or f(x)], rounds=2, repeats=3)
+    assert len(seen) == 1 + 2 * 3  # the warm-up, then 2 rounds of 3
+    assert ms[0] > 0
+    seen.clear()
+    interleaved_ms([lambda: seen.append(1) or f(x)], rounds=2, round_ms=0.0)
+    assert len(seen) == 1 + 1 + 2 * 1  # warm-up, one call that sizes a round (0 ms: 1 call), 2 rounds
