@@ -260,6 +260,30 @@ def test_float_ops_warning_groups_them_by_module():
     assert f"MUL x{mul}" in message and message.count("(module ") <= 4, message
 
 
+def test_a_float_gelu_between_quantized_ops_runs_whole_on_xnnpack():
+    """A GELU kept in float between int8 ops is written x/2 (1 + erf(x/sqrt 2)):
+    litert-converter lowers that erf to a clamped polynomial XNNPACK runs.
+    jax.nn.gelu's own erfc form became LESS / SELECT ops XNNPACK does not run
+    (8 here, and 4 partitions; on MiniLM 48 ops off the delegate). The two
+    forms agree within 1.1e-6 for every float32 input (their float32
+    roundings), far below any quantized reader's LSB; verified op by op."""
+    from odmlq.litert._annotate import _gelu_erf
+
+    x = np.linspace(-12, 12, 2_000_001, dtype=np.float32)
+    assert np.max(np.abs(np.asarray(_gelu_erf(x), np.float64) - jax.nn.gelu(x, approximate=False))) < 1.1e-6
+    model = _ErfGelu()
+    x = np.random.default_rng(0).standard_normal((64, 4)).astype(np.float32)
+    variables = model.init(jax.random.key(0), x[:1])
+    rules = [odmlq.Rule(".*", op="gelu", skip=True), *INT8]
+    with pytest.warns(UserWarning, match="float ops"):
+        result = odmlq.export_tflite(model, rules, [x[i:i + 16] for i in range(0, 64, 16)], variables=variables,
+                                     allow_float_ops=True, progress=False)
+    names = [op.name for op in result.summary.ops]
+    assert "LESS" not in names and "SELECT" not in names and "FULLY_CONNECTED" in names
+    assert not result.delegation.outside and result.delegation.partitions == 1
+    assert result.verification.passed
+
+
 def test_a_plan_traced_at_another_batch_size_exports(small_cnn, digits):
     # The plan's graph has batch 32 (its reshape too); the file has batch 1.
     model, variables = small_cnn
