@@ -16,8 +16,8 @@ marginal value, as a knapsack with one item per group is solved well:
 Cost is what a group moves per inference: its weights' storage bits plus its
 output activations' bits (a memory-traffic proxy for latency that also ranks
 float islands last), plus, on LiteRT, the conversions where it meets a
-neighbour of another activation qtype (`Boundaries`: a QUANTIZE or DEQUANTIZE reads and
-writes the edge, and is one more op and tensor in the file). That last term
+neighbour of another activation qtype (`Boundaries`: a QUANTIZE or DEQUANTIZE writes
+the edge again, and is one more op and tensor in the file). That last term
 is pairwise: a move's cost depends on the neighbours' candidates, so every
 move is costed against the configuration it is taken from.
 """
@@ -47,9 +47,9 @@ class Boundaries:
     Each edge is read in each reader's activation qtype; an edge read in a
     qtype other than its producer's needs one conversion per qtype read (one
     QUANTIZE shared by every reader of that qtype, as `Plan.conversions`
-    makes them; a DEQUANTIZE for a float reader), which reads the edge and
-    writes it again: `elements x (source bits + converted bits)` plus
-    `CONVERSION_OVERHEAD_BITS`.
+    makes them; a DEQUANTIZE for a float reader), which writes the edge
+    again: `elements x converted bits` (counted as a group's cost counts its
+    output activations, by what is written) plus `CONVERSION_OVERHEAD_BITS`.
 
     Attributes:
       domain: (candidates,) the index into `domain_bits` of the qtype a
@@ -72,21 +72,20 @@ class Boundaries:
                 out.setdefault(g, []).append(i)
         return out
 
+    def _converted(self, i: int, config: np.ndarray) -> set[int]:
+        """The domains edge i is converted to under `config` (those its readers read it in, but its producer's)."""
+        _, producer, readers = self.edges[i]
+        source = 0 if producer < 0 else self.domain[config[producer]]
+        return {0 if g < 0 else self.domain[config[g]] for g in readers} - {source}
+
     def edge_cost(self, i: int, config: np.ndarray) -> float:
         """The conversions' cost at edge i under `config`."""
-        elements, producer, readers = self.edges[i]
-        source = 0 if producer < 0 else self.domain[config[producer]]
-        read = {0 if g < 0 else self.domain[config[g]] for g in readers} - {source}
-        bits = self.domain_bits
-        return sum(elements * (bits[source] + bits[d]) + CONVERSION_OVERHEAD_BITS for d in read)
+        elements = self.edges[i][0]
+        return sum(elements * self.domain_bits[d] + CONVERSION_OVERHEAD_BITS for d in self._converted(i, config))
 
     def conversions(self, config: np.ndarray) -> int:
         """How many conversion ops `config` needs."""
-        count = 0
-        for _, producer, readers in self.edges:
-            source = 0 if producer < 0 else self.domain[config[producer]]
-            count += len({0 if g < 0 else self.domain[config[g]] for g in readers} - {source})
-        return count
+        return sum(len(self._converted(i, config)) for i in range(len(self.edges)))
 
     def cost(self, config: np.ndarray) -> float:
         """Bits the conversions of `config` move and store."""
