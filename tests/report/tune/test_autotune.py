@@ -326,8 +326,6 @@ def test_the_conversions_the_search_costs_are_the_ones_the_export_holds(sensitiv
     costs each one (`_search.Boundaries`). For every configuration LiteRT
     takes of this toy, it counts exactly the conversion ops the exported
     .tflite holds."""
-    from ai_edge_litert.interpreter import Interpreter
-
     from odmlq.report.tune._autotune import _Search, _tables
     from odmlq.report.tune._candidates import parse_candidates
     from odmlq.report.tune._model import TunedModel, rules_for
@@ -346,7 +344,7 @@ def test_the_conversions_the_search_costs_are_the_ones_the_export_holds(sensitiv
     for config in legal.values():
         export = odmlq.export_tflite(model, rules_for(tuned, config), batches, variables=variables,
                                      allow_float_ops=True, verify=False)
-        ops = [op["op_name"] for op in Interpreter(model_content=export.tflite)._get_ops_details()]
+        ops = [op.name for op in export.summary.ops]
         held = sum(op in ("QUANTIZE", "DEQUANTIZE") for op in ops)
         assert tables.boundaries.conversions(config) == held, ([candidates[c].name for c in config], ops)
 
