@@ -168,7 +168,7 @@ def minilm() -> Bench | None:
     return Bench("minilm", model, variables, (ids[:1], mask[:1]),
                  [(cal_ids[i:i + 16], cal_mask[i:i + 16]) for i in range(0, len(cal_ids), 16)],
                  [(ids[i:i + 32], mask[i:i + 32]) for i in range(0, len(ids), 32)],
-                 ("mean cosine", cosine), int8_rules=SAMPLE_SCHEMAS["int8"],
+                 ("mean cosine", cosine), int8_rules=SAMPLE_SCHEMAS["int8+int16"],
                  float_modules=r".*(embeddings|layer_norm).*")
 
 

@@ -4,7 +4,8 @@ For the digits CNN (trained, as bench/accuracy.py trains it), the 25M-parameter
 MLP (1024-4096-4096-1024) and MiniLM (when its wheel is installed), each
 schema is exported by odmlq at batch 1 and at batch 32:
 
-- float; int8 (full integer; MiniLM: the sample's mixed rules); int16x8;
+- float; int8 (full integer; MiniLM: the sample's int8 rules, int8 matmuls
+  with the rest float on XNNPACK, and its int8+int16 rules); int16x8;
   dynamic int8 (int8 weights, inputs quantized by the kernels);
 - int4 weights per channel, weight-only and with dynamic int8 inputs;
 - int4 in blocks of 128 (32 on the digits CNN, whose head has 64 inputs)
@@ -49,7 +50,8 @@ def schemas(bench) -> dict[str, list]:
     if bench.name == "minilm":
         from samples.minilm_tflite import SCHEMAS as SAMPLE
 
-        fixed = {"int8": SAMPLE["int8"], "int16x8": SAMPLE["int16x8"], "dynamic int8": SAMPLE["dynamic"]}
+        fixed = {"int8": SAMPLE["int8"], "int8+int16": SAMPLE["int8+int16"], "int16x8": SAMPLE["int16x8"],
+                 "dynamic int8": SAMPLE["dynamic"]}
     else:
         fixed = {"int8": [R(".*", weight_qtype="int8", act_qtype="int8")],
                  "int16x8": [R(".*", weight_qtype="int8", act_qtype="int16")],

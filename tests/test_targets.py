@@ -129,7 +129,7 @@ def test_minilm_int8_ptq_matches_the_litert_export_on_every_static_edge():
     model = type(float_model)(dataclasses.replace(config, mask_bias=MASK_BIAS))
     ids, mask = tokenize(tokenizer, load_sentences("calibration_sentences.txt"), seq_len=SEQ_LEN)
     batches_ = [(ids[i:i + 16], mask[i:i + 16]) for i in range(0, len(ids), 16)]
-    rules = SCHEMAS["int8"]
+    rules = SCHEMAS["int8+int16"]
     export = odmlq.export_tflite(model, rules, batches_, variables=variables, verify=False,
                                  allow_float_ops=True)
     qmodel = odmlq.ptq(model, rules, variables, export.calibration, example_inputs=(ids[:1], mask[:1]))

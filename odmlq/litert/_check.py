@@ -29,6 +29,11 @@ class FloatOpsError(OdmlqError, ValueError):
     """A full-integer export would run some ops in float."""
 
 
+def _static_output(plan: Plan, op) -> bool:
+    """Whether one of `op`'s outputs is statically quantized."""
+    return any(plan.edges[e].spec is not None and not plan.edges[e].spec.dynamic for e in op.outputs)
+
+
 def check_plan(plan: Plan, *, allow_float_ops: bool = False) -> list[str]:
     """LiteRT's check of a plan, before any work: what it cannot honour.
 
@@ -62,6 +67,11 @@ def check_plan(plan: Plan, *, allow_float_ops: bool = False) -> list[str]:
                     raise PlanError(f"{where}: weight {w.param!r} has {spec.describe()}; LiteRT takes block "
                                     f"scales only {BLOCKWISE_KERNEL}, and {why}. Use PerChannel() (or "
                                     "PerTensor()) here.")
+            elif op.kind == "gather" and spec.scale_axes and _static_output(plan, op):
+                raise PlanError(f"{where}: table {w.param!r} has {spec.describe()}; LiteRT's GATHER_ND "
+                                "writes its rows at the table's one scale, so a table gathered into a "
+                                "quantized edge is quantized per tensor. Use weight_granularity=PerTensor() "
+                                "for this module.")
             elif len(spec.scale_axes) > 1:
                 raise PlanError(f"{where}: weight {w.param!r} has {spec.describe()}; LiteRT takes one "
                                 "scale per tensor or per output channel. Use PerChannel() or PerTensor().")

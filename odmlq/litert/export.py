@@ -301,11 +301,19 @@ def _check_summary(schema: str, summary: ModelSummary, allow_float_ops: bool, fl
             f"(STABLEHLO_COMPOSITE ops) in the model: {_float_op_listing(composites)}. They would run "
             "their float decomposition outside XNNPACK, not the quantization the plan says. Keep those "
             f"ops in float, e.g. Rule({first!r}, skip=True) before your other rules; nothing was written.")
-    slow = summary.weight_dequantize_or_transpose_at_run_time
+    slow = summary.weight_work_at_run_time
     if schema == "weight_only":  # dequantizing the weights is what weight-only means
-        slow = tuple(o for o in slow if o.name == "TRANSPOSE")
+        slow = tuple(o for o in slow if o.name != "DEQUANTIZE")
     if slow:
         first = slow[0].module_path or ""
+        if all(o.name == "QUANTIZE" for o in slow):
+            raise FloatOpsError(
+                "The converted model would requantize weights at every invocation: "
+                + ", ".join(f"QUANTIZE (module {o.module_path or ''!r})" for o in slow) + ". The op reading "
+                "each weight takes another scale than the weight's own (a gathered table keeps its "
+                "table's), which litert-converter meets by requantizing the whole weight at run time. Quantize "
+                f"that weight per tensor, or keep the op in float, e.g. Rule({first!r}, skip=True) before "
+                "your other rules, with allow_float_ops=True.")
         raise FloatOpsError(
             "The converted model would dequantize or transpose weights at every invocation: "
             + ", ".join(f"{o.name} (module {o.module_path or ''!r})" for o in slow) + ". A float op reads "

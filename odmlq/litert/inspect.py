@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import os
 import re
 import struct
@@ -113,15 +114,24 @@ class ModelSummary:
     file_bytes: int
 
     @property
-    def weight_dequantize_or_transpose_at_run_time(self) -> tuple[OpInfo, ...]:
-        """DEQUANTIZE or TRANSPOSE ops whose data input is computed from constants only.
+    def weight_work_at_run_time(self) -> tuple[OpInfo, ...]:
+        """DEQUANTIZE or TRANSPOSE ops whose data input is computed from
+        constants only, and QUANTIZE ops of such an input larger than every
+        activation tensor.
 
-        Such an op redoes the same work on a weight at every invocation; a
-        weight stored in the kernel's own layout and type needs neither.
+        Such an op redoes the same work on a weight at every invocation (a
+        QUANTIZE requantizes a whole table to the scale of the op reading
+        it); a weight stored in the kernel's own layout, type and scale needs
+        none. A small constant requantized where a shared-scale op reads it
+        (a class token concatenated with the patches) costs less than any
+        activation op, and is not counted.
         """
         derived = _constant_derived(self.ops, self.tensors)
-        return tuple(op for op in self.ops
-                     if op.name in ("DEQUANTIZE", "TRANSPOSE") and op.inputs[0] in derived)
+        largest = max((math.prod(t.shape) for t in self.tensors
+                       if not t.is_constant and t.index not in derived), default=0)
+        return tuple(op for op in self.ops if op.inputs[0] in derived and (
+            op.name in ("DEQUANTIZE", "TRANSPOSE")
+            or op.name == "QUANTIZE" and math.prod(self.tensors[op.inputs[0]].shape) > largest))
 
     def why_float(self, op: OpInfo) -> str | None:
         """Why `op` is a float island (see `inspect`), or None when it is not one."""
@@ -234,9 +244,9 @@ def format_summary(summary: ModelSummary) -> str:
     else:
         out += ["", f"Float islands: none counted: a {_SCHEMA_WORDS[summary.schema]} model computes in float "
                     "by design"]
-    out += _section("Weights dequantized or transposed at run time", ["#", "op", "module", "weight"], [
+    out += _section("Weights requantized, dequantized or transposed at run time", ["#", "op", "module", "weight"], [
         [str(op.index), op.name, _module(op.module_path), _describe(t, op.inputs[0])]
-        for op in summary.weight_dequantize_or_transpose_at_run_time])
+        for op in summary.weight_work_at_run_time])
     islands = f"; {len(summary.float_islands)} float islands" if summary.schema == "static" else ""
     out += ["", f"Weights: {summary.weight_bytes} bytes in {sum(x.is_constant for x in t)} constant "
                 f"tensors{islands}; file: {summary.file_bytes} bytes"]

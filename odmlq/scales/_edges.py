@@ -21,9 +21,11 @@ from odmlq.qtypes import qtype as lookup_qtype
 from odmlq.scales._tensor import TensorScale, reshaped, tensor_scale
 
 
-def edge_scales(plan, calibration, conversions, balanced=None) -> dict[str, TensorScale]:
+def edge_scales(plan, calibration, conversions, balanced=None, weights=None) -> dict[str, TensorScale]:
     """Every static edge's scale; `balanced`: edge id -> its range once the
-    plan's balanced sums shift it (`odmlq.scales._balance`)."""
+    plan's balanced sums shift it (`odmlq.scales._balance`); `weights`:
+    parameter path -> its scale, for the outputs that keep a weight's scale
+    (a table's gathered rows)."""
     graph = plan.graph
     balanced = balanced or {}
     out: dict[str, TensorScale] = {}
@@ -39,7 +41,7 @@ def edge_scales(plan, calibration, conversions, balanced=None) -> dict[str, Tens
                                        zero_point=np.full(shape, constraint.zero_point, np.int32))
             continue
         if isinstance(constraint, SameAsInput):
-            same = _read_input_scale(plan, edge, spec, constraint, out, calibration, conversions)
+            same = _read_input_scale(plan, edge, spec, constraint, out, calibration, conversions, weights or {})
             if same is not None:
                 out[edge_id] = same
                 continue
@@ -95,18 +97,27 @@ def check_edge_scales(plan, edges: Mapping[str, TensorScale], conversions) -> No
             "act_calibration=odmlq.FixedRange(lo, hi).")
 
 
-def _read_input_scale(plan, edge, spec, constraint, out, calibration, conversions) -> TensorScale | None:
-    """The scale of the producer's first quantized input, as the op reads it
-    (None: no per-tensor input of the same qtype; the edge is calibrated)."""
+def _read_input_scale(plan, edge, spec, constraint, out, calibration, conversions, weights) -> TensorScale | None:
+    """The scale of the producer's first quantized input, as the op reads it,
+    or, where it reads no quantized activation, of its first quantized weight:
+    an embedding table's gathered rows keep the table's grid, which LiteRT's
+    GATHER_ND requires (any other output scale makes litert-converter
+    requantize the whole table at every invoke). None: no per-tensor input
+    of the same qtype; the edge is calibrated."""
     graph = plan.graph
     producer = graph.op(edge.producer)
     source = next((e for e in producer.inputs if graph.resolve(e) in out), None)
-    if source is None:
-        return None
-    key = (graph.resolve(source), spec.qtype)
-    base = (_conversion_scale(plan, key, out, calibration, conversions)
-            if key in plan.conversions else out[key[0]])
-    if base.qtype != spec.qtype or base.scale_axes:
+    if source is not None:
+        key = (graph.resolve(source), spec.qtype)
+        base = (_conversion_scale(plan, key, out, calibration, conversions)
+                if key in plan.conversions else out[key[0]])
+    else:
+        table = next((w.param for w in plan.ops[producer.id].weights
+                      if w.spec is not None and w.read_as is None and w.param in weights), None)
+        if table is None:
+            return None
+        base = weights[table]
+    if base.qtype != spec.qtype or base.scale_axes or base.block_size is not None:
         return None
     shape = (1,) * len(edge.shape)
     return dataclasses.replace(

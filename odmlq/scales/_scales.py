@@ -108,13 +108,15 @@ def compute_scales(plan, calibration: Calibration | None, params: Any, *,
     """
     conversions: dict[tuple[str, str], TensorScale] = {}
     shifts, balanced = balance_shifts(plan, calibration)
-    edges = edge_scales(plan, calibration, conversions, balanced)
+    if weight_scales is None:
+        folded = flat_params(fold_params(plan.graph, params, plan.weight_specs()))
+        searched = clip_searched(plan, _weight_scales(plan, folded), folded, calibration)
+    edges = edge_scales(plan, calibration, conversions, balanced,
+                        searched if weight_scales is None else weight_scales)
     check_edge_scales(plan, edges, conversions)
     scales = Scales(edges=edges, weights={}, biases={}, constants={}, conversions=conversions)
     weight_values: dict[str, np.ndarray] = {}
     if weight_scales is None:
-        folded = flat_params(fold_params(plan.graph, params, plan.weight_specs()))
-        searched = clip_searched(plan, _weight_scales(plan, folded), folded, calibration)
         weights = bias_room(plan, scales, searched, folded, params)
         weight_values = rounded_weights(plan, folded, weights, calibration,
                                         lambda op, edge: scales.input_scale(plan, op, edge))

@@ -34,7 +34,7 @@ def test_full_integer_no_float_islands(exported):
     name, _, _, result = exported
     summary = result.summary
     assert summary.float_islands == ()
-    assert summary.weight_dequantize_or_transpose_at_run_time == ()
+    assert summary.weight_work_at_run_time == ()
     ops = [op.name for op in summary.ops]
     assert ops[0] == "QUANTIZE" and ops[-1] == "DEQUANTIZE"
     assert ops.count("QUANTIZE") == 1 and ops.count("DEQUANTIZE") == 1

@@ -20,6 +20,7 @@ from litert_converter.mlir.passmanager import PassManager
 
 from odmlq.errors import OdmlqError
 from odmlq.litert import format_summary, inspect
+from odmlq.litert.export import FloatOpsError, _check_summary
 from odmlq.litert.inspect import ModelFileError, module_path_from_tensor_name
 
 _RANGES = {"i4": (-8, 7), "i8": (-128, 127), "i16": (-32768, 32767)}
@@ -28,6 +29,7 @@ W = _rng.normal(size=(8, 16)).astype(np.float32)  # (out, in): FULLY_CONNECTED's
 B = _rng.normal(size=(8,)).astype(np.float32)
 K = _rng.normal(size=(4, 3, 3, 2)).astype(np.float32)  # OHWI: CONV_2D's own layout
 X = np.linspace(-1, 1, 16, dtype=np.float32)[None]
+T = _rng.normal(size=(30, 8)).astype(np.float32)  # an embedding table
 
 
 def _fake_quant_impl(x, *, dtype, scale, zero_point=None, quantization_dimension=None,
@@ -111,6 +113,16 @@ def _dynamic(x):
         return x @ W.T
 
 
+def _requantized_table(ids):
+    """An int8 table gathered into an edge of another scale: litert-converter
+    requantizes the whole table (a QUANTIZE of the constant) at every invoke."""
+    table = _fake_quant(jnp.asarray(T), dtype="i8", scale=np.array([np.abs(T).max() / 127], np.float32),
+                        zero_point=np.array([0], np.int64), narrow_range=np.bool_(True))
+    with jax.named_scope("embed/gather"):
+        rows = jnp.take(table, ids, axis=0, mode="clip")
+    return _activation(rows, 0.05)
+
+
 _MODELS = {
     "int8_dense": (_int8_dense, X),
     "int8_weight_only": (_weight_only("i8"), X),
@@ -118,6 +130,7 @@ _MODELS = {
     "int4_weight_only": (_weight_only("i4"), X),
     "int4_weight_only_conv": (_int4_conv, np.zeros((1, 8, 8, 2), np.float32)),
     "dynamic_composite": (_dynamic, X),
+    "int8_table_requantized": (_requantized_table, np.arange(5, dtype=np.int32)[None]),
 }
 # What litert-converter 0.5.0 really emits for each model.
 _OPS = {
@@ -127,6 +140,7 @@ _OPS = {
     "int4_weight_only": ["DEQUANTIZE", "FULLY_CONNECTED"],
     "int4_weight_only_conv": ["DEQUANTIZE", "CONV_2D"],
     "dynamic_composite": ["STABLEHLO_COMPOSITE", "FULLY_CONNECTED"],
+    "int8_table_requantized": ["QUANTIZE", "RESHAPE", "GATHER_ND", "DEQUANTIZE"],
 }
 
 
@@ -203,7 +217,7 @@ def test_matches_the_interpreters_reading(models, name):
 
 def test_int8_dense_is_full_integer(models):
     summary = inspect(models["int8_dense"])
-    assert summary.float_islands == () and summary.weight_dequantize_or_transpose_at_run_time == ()
+    assert summary.float_islands == () and summary.weight_work_at_run_time == ()
     quantize, fully_connected, dequantize = summary.ops
     x, kernel, bias = (summary.tensors[i] for i in fully_connected.inputs)
     assert (x.dtype, kernel.dtype, bias.dtype) == ("int8", "int8", "int32")
@@ -232,7 +246,7 @@ def test_weight_only_models_compute_in_float_by_design(models, name, run_time, m
     # an integer graph, but the weight work is redone at every invocation.
     assert summary.schema == "weight_only" and summary.float_islands == ()
     assert _names(summary.ops) == _OPS[name]
-    assert _names(summary.weight_dequantize_or_transpose_at_run_time) == run_time
+    assert _names(summary.weight_work_at_run_time) == run_time
     # The float op's output was renamed as the graph output; its weights keep the scope.
     assert [op.module_path for op in summary.ops] == [module_path] * len(_OPS[name])
     assert "Float islands: none counted: a weight-only model computes in float by design" in str(summary)
@@ -244,6 +258,15 @@ def test_int4_weights_are_stored_packed(models, name, elements):
     summary = inspect(models[name])
     (weight,) = [t for t in summary.tensors if t.dtype == "int4"]
     assert weight.is_constant and weight.nbytes == elements // 2
+
+
+def test_a_weight_requantized_at_every_invoke_is_found_and_refused(models):
+    summary = inspect(models["int8_table_requantized"])
+    assert _names(summary.weight_work_at_run_time) == ["QUANTIZE"]
+    table = summary.tensors[summary.weight_work_at_run_time[0].inputs[0]]
+    assert table.is_constant and table.dtype == "int8"
+    with pytest.raises(FloatOpsError, match="requantize weights at every invocation: QUANTIZE"):
+        _check_summary("static", summary, allow_float_ops=True, float_ops=[])
 
 
 def test_unlowered_composite_is_a_float_island(models):
@@ -271,7 +294,7 @@ def test_format_summary_shows_ops_modules_and_islands(models):
     assert str(summary) == text
     for expected in ["LiteRT model (weight-only)", "DEQUANTIZE", "TRANSPOSE", "FULLY_CONNECTED",
                      "dense1/dot_general", "Float islands: none counted",
-                     "Weights dequantized or transposed at run time (2)",
+                     "Weights requantized, dequantized or transposed at run time (2)",
                      "int8", "s=[8] axis=1 zp=0", f"file: {len(models['int8_weight_only_in_out'])} bytes"]:
         assert expected in text, text
     assert "float islands;" not in text, text

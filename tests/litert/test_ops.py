@@ -374,6 +374,25 @@ def test_embedding_lookup_is_an_int8_gather():
     assert result.verification.passed and not result.verification.unmapped_edges, str(result.verification)
     table = [t for t in result.summary.tensors if t.is_constant and "table" in t.name]
     assert table and all(t.dtype == "int8" for t in table)
+    # The gathered rows keep the table's scale: given their own calibrated
+    # scale, litert-converter requantized the whole table (a QUANTIZE of the
+    # constant) at every invoke.
+    assert "QUANTIZE" not in ops, ops
+    rows = result.scales.edges[next(o for o in result.plan.graph.ops if o.kind == "gather").outputs[0]]
+    np.testing.assert_array_equal(rows.scale.reshape(-1), result.scales.weights["table"].scale.reshape(-1))
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_a_table_gathered_per_channel_into_a_quantized_edge_is_refused_before_work(axis):
+    """GATHER_ND writes its rows at the table's one scale; a per-channel table
+    used to crash in the annotation (a bare ValueError)."""
+    model = _Embedding()
+    batches = [np.random.default_rng(0).integers(0, 30, size=(8, 5)).astype(np.int32)]
+    variables = model.init(jax.random.key(0), batches[0][:1])
+    rules = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8", weight_granularity=odmlq.PerChannel(axis))]
+    with pytest.raises(odmlq.PlanError, match=r"table 'table' has int8 per-channel.*Use weight_granularity="
+                                              r"PerTensor\(\) for this module"):
+        odmlq.export_tflite(model, rules, batches, variables=variables)
 
 
 def test_int16_softmax_is_within_its_kernel_tolerance():
@@ -485,7 +504,7 @@ def test_an_int16_transformer_block_with_float_ops_allowed_exports_and_verifies(
     assert result.verification.passed, str(result.verification)
     computing = {o.name for o in result.summary.float_islands} - {"QUANTIZE", "DEQUANTIZE"}
     assert computing == {"CONCATENATION"}, computing  # RSQRT and DIV are int16 kernels
-    assert result.summary.weight_dequantize_or_transpose_at_run_time == ()
+    assert result.summary.weight_work_at_run_time == ()
     reference = np.asarray(model.apply(variables, batches[-1]))
     simulated = np.asarray(odmlq.simulate(model, result.plan, result.scales, batches[-1], variables=variables))
     assert 10 * np.log10(np.sum(reference ** 2) / np.sum((reference - simulated) ** 2)) >= 40.0  # int16 activations
