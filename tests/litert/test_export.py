@@ -210,6 +210,30 @@ def test_op_without_integer_kernel_is_refused_before_work():
         odmlq.export_tflite(model, INT8, [x], variables=variables)
 
 
+class _TwoConvs(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Conv(8, (3, 3), name="conv2")(jnp.tanh(nn.Conv(8, (3, 3), name="conv1")(x)))
+
+
+def test_a_convolution_after_float_ops_at_the_input_is_refused_with_the_converters_reason():
+    """litert-converter 0.5.0 leaves such a convolution float, its filter
+    dequantized at every invoke, although the plan quantizes its input and
+    output (a FULLY_CONNECTED there is fused): refused, saying why and what to
+    do. The same convolution after a float op in the middle of the graph
+    exports as an integer kernel."""
+    model, x = _TwoConvs(), np.random.default_rng(0).normal(size=(4, 6, 6, 3)).astype(np.float32)
+    variables = model.init(jax.random.key(0), x[:1])
+    rules = [odmlq.Rule("conv1", skip=True), odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
+    with pytest.raises(FloatOpsError, match=r"DEQUANTIZE \(module 'conv2/kernel'\).* convolutions after float ops "
+                                            r"that read the model's float input"):
+        odmlq.export_tflite(model, rules, [x], variables=variables, allow_float_ops=True)
+    rules = [odmlq.Rule(".*", op="tanh", skip=True), odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
+    result = odmlq.export_tflite(model, rules, [x], variables=variables, allow_float_ops=True)
+    assert result.summary.op_histogram["CONV_2D"] == 2 and result.summary.weight_work_at_run_time == ()
+    assert result.verification.passed, str(result.verification)
+
+
 class _Spectrum(nn.Module):
     @nn.compact
     def __call__(self, x):
