@@ -155,6 +155,13 @@ class Target:
     # FULLY_CONNECTED and XNNPACK's qd8 kernels), where a rule asks for one
     # range per tensor.
     dynamic_inputs_per_row: bool = False
+    # The qtype a float model input is carried in where only float ops read
+    # it and a statically quantized convolution lies downstream of them:
+    # litert-converter 0.5.0 fuses such a convolution into an integer kernel
+    # only when the float ops before it read a quantized model input (else it
+    # keeps the convolution float, its filter dequantized at every invoke).
+    # None: the input stays float.
+    float_input_carrier: str | None = None
 
     def constraints_of(self, kind: str) -> OpConstraints | None:
         return self.ops.get(kind)

@@ -212,7 +212,7 @@ def build(model: Any, prepared: Prepared, path: str | os.PathLike | None = None,
             tflite = _external.externalized(held, placeholders)
     summary = inspect(tflite)
     graph = plan.graph
-    float_at_input = any(graph.edges[e].is_input and graph.edges[e].is_float
+    float_at_input = any(graph.edges[e].is_input and graph.edges[e].is_float and plan.edges[e].spec is None
                          for op_id in {*plan.float_ops, *prepared.float_ops} for e in graph.op(op_id).inputs)
     _check_summary(schema, summary, allow_float_ops, prepared.float_ops, float_at_input=float_at_input)
     # Never write (or load here) a file that crashes LiteRT: a child process tries it first.

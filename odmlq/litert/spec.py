@@ -334,4 +334,5 @@ WITHOUT_KERNEL: dict[str, str] = {
 # scales by default.
 TARGET = Target(name="litert", ops={kind: spec.constraints for kind, spec in OP_SPEC.items()},
                 weight_channel_axes=1, dynamic_inputs_need_weight=True,
-                block_scale_dtype="bfloat16", dynamic_depthwise_float=True, dynamic_inputs_per_row=True)
+                block_scale_dtype="bfloat16", dynamic_depthwise_float=True, dynamic_inputs_per_row=True,
+                float_input_carrier="int16")

@@ -216,22 +216,26 @@ class _TwoConvs(nn.Module):
         return nn.Conv(8, (3, 3), name="conv2")(jnp.tanh(nn.Conv(8, (3, 3), name="conv1")(x)))
 
 
-def test_a_convolution_after_float_ops_at_the_input_is_refused_with_the_converters_reason():
-    """litert-converter 0.5.0 leaves such a convolution float, its filter
-    dequantized at every invoke, although the plan quantizes its input and
-    output (a FULLY_CONNECTED there is fused): refused, saying why and what to
-    do. The same convolution after a float op in the middle of the graph
-    exports as an integer kernel."""
+def test_a_convolution_after_float_ops_at_the_input_is_an_integer_kernel():
+    """litert-converter 0.5.0 fuses a convolution into an integer kernel only
+    when the float ops before it read a quantized model input (else it keeps
+    the convolution float, its filter dequantized at every invoke, although
+    its input and output are quantized). The plan carries such an input in
+    int16 for LiteRT; the float ops read it dequantized."""
     model, x = _TwoConvs(), np.random.default_rng(0).normal(size=(4, 6, 6, 3)).astype(np.float32)
     variables = model.init(jax.random.key(0), x[:1])
     rules = [odmlq.Rule("conv1", skip=True), odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
-    with pytest.raises(FloatOpsError, match=r"DEQUANTIZE \(module 'conv2/kernel'\).* convolutions after float ops "
-                                            r"that read the model's float input"):
-        odmlq.export_tflite(model, rules, [x], variables=variables, allow_float_ops=True)
-    rules = [odmlq.Rule(".*", op="tanh", skip=True), odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
     result = odmlq.export_tflite(model, rules, [x], variables=variables, allow_float_ops=True)
-    assert result.summary.op_histogram["CONV_2D"] == 2 and result.summary.weight_work_at_run_time == ()
+    carried = result.plan.edges["input_0"]
+    assert carried.spec.qtype == "int16" and carried.reason.startswith("carried in int16 for conv2/conv")
+    assert result.summary.weight_work_at_run_time == ()
+    tensors = result.summary.tensors
+    conv2 = next(o for o in result.summary.ops if o.module_path == "conv2/conv")
+    assert conv2.name == "CONV_2D" and tensors[conv2.inputs[0]].dtype == "int8", conv2
+    assert tensors[result.summary.ops[0].outputs[0]].dtype == "int16"  # the input's QUANTIZE
     assert result.verification.passed, str(result.verification)
+    # A plan for XLA alone does not carry it: XLA's quantized ops read float edges.
+    assert odmlq.plan(model, rules, x[:1], variables=variables, target="xla").edges["input_0"].spec is None
 
 
 class _Spectrum(nn.Module):
