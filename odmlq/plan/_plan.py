@@ -433,6 +433,11 @@ def _weight_plans(op: Op, rule: Rule | None, index: int | None,
     return tuple(out)
 
 
+# Op kinds LiteRT runs as convolutions (an int8 average pool is a depthwise
+# convolution), which litert-converter fuses only after a quantized input.
+_CONVOLUTION_KERNELS = ("conv", "avg_pool")
+
+
 def _carry_float_inputs(graph: Graph, by_edge: dict[str, EdgePlan], qtype: str) -> None:
     """A float model input that only float ops read, with a statically
     quantized convolution downstream of them, is carried in `qtype`
@@ -448,7 +453,7 @@ def _carry_float_inputs(graph: Graph, by_edge: dict[str, EdgePlan], qtype: str) 
             seen.add(op.id)
             out = by_edge.get(graph.resolve(op.outputs[0])) if len(op.outputs) == 1 else None
             static = out is not None and (out.spec is not None or out.fused) and not (out.spec and out.spec.dynamic)
-            if op.kind == "conv" and static:
+            if op.kind in _CONVOLUTION_KERNELS and static:
                 by_edge[edge.id] = EdgePlan(
                     edge=edge.id, spec=QuantSpec(qtype=qtype, symmetric=True, narrow_range=False,
                                                  calibration=Rule(".*", act_qtype=qtype).resolved("act_calibration")),

@@ -238,6 +238,30 @@ def test_a_convolution_after_float_ops_at_the_input_is_an_integer_kernel():
     assert odmlq.plan(model, rules, x[:1], variables=variables, target="xla").edges["input_0"].spec is None
 
 
+class _ConvPool(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.avg_pool(nn.relu(nn.Conv(8, (3, 3), name="conv1")(x)), (2, 2), (2, 2))
+        return nn.Dense(4, name="head")(x.reshape(x.shape[0], -1))
+
+
+def test_an_int8_average_pool_after_a_float_convolution_is_carried_too():
+    """An int8 average pool is a DEPTHWISE_CONV_2D in the file, which
+    litert-converter fuses only as it does a convolution; before the carrier
+    the whole graph after it stayed float."""
+    model, x = _ConvPool(), np.random.default_rng(0).normal(size=(4, 6, 6, 3)).astype(np.float32)
+    variables = model.init(jax.random.key(0), x[:1])
+    rules = [odmlq.Rule(".*", op="conv", skip=True), odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
+    result = odmlq.export_tflite(model, rules, [x], variables=variables, allow_float_ops=True)
+    assert result.plan.edges["input_0"].spec.qtype == "int16"
+    assert result.summary.weight_work_at_run_time == ()
+    tensors = result.summary.tensors
+    fused = [o for o in result.summary.ops if o.name in ("DEPTHWISE_CONV_2D", "FULLY_CONNECTED")
+             and tensors[o.inputs[0]].dtype == "int8"]
+    assert len(fused) == 2, [(o.name, tensors[o.inputs[0]].dtype) for o in result.summary.ops]
+    assert result.verification.passed, str(result.verification)
+
+
 class _Spectrum(nn.Module):
     @nn.compact
     def __call__(self, x):
