@@ -219,7 +219,11 @@ def check_io_dtype(plan: Plan, io_dtype: str) -> None:
                 raise PlanError(
                     f"io_dtype={io_dtype!r}, but the model's {kind} {edge_id!r} is {have} in the plan; "
                     f"integer inputs and outputs take their edge's type. Use io_dtype={have!r}"
-                    + ("" if spec is None else f", or give that edge act_qtype={io_dtype!r}") + ".")
+                    + ("" if spec is None else
+                       f" or 'float': the plan carries it in {have} for a convolution after the float ops "
+                       "that read it (see plan.edges); or quantize the first op reading it"
+                       if plan.edges[edge_id].reason.startswith("carried") else
+                       f", or give that edge act_qtype={io_dtype!r}") + ".")
 
 
 def blockwise_weights(plan: Plan) -> dict[str, tuple[str, int, int]]:

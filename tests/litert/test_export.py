@@ -236,6 +236,8 @@ def test_a_convolution_after_float_ops_at_the_input_is_an_integer_kernel():
     assert result.verification.passed, str(result.verification)
     # A plan for XLA alone does not carry it: XLA's quantized ops read float edges.
     assert odmlq.plan(model, rules, x[:1], variables=variables, target="xla").edges["input_0"].spec is None
+    with pytest.raises(odmlq.PlanError, match=r"input 'input_0' is int16 .* carries it in int16 for a convolution"):
+        odmlq.export_tflite(model, rules, [x], variables=variables, allow_float_ops=True, io_dtype="int8")
 
 
 class _ConvPool(nn.Module):
