@@ -64,7 +64,7 @@ def test_uniform_data_loses_little(rows, bound_db):
 
 def test_headroom_is_at_most_a_quarter_of_the_range():
     x = np.random.default_rng(4).standard_normal(50) ** 2  # a heavy tail, few values
-    (lo, hi), (_, plain_hi) = _range(HEADROOM, x), _range(MinMax(), x)
+    (_, hi), (_, plain_hi) = _range(HEADROOM, x), _range(MinMax(), x)
     np.testing.assert_allclose(hi, plain_hi * 1.25, rtol=1e-6)
 
 
