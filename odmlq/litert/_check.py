@@ -12,7 +12,7 @@ from __future__ import annotations
 from odmlq.constraints import SharedWithInputs
 from odmlq.errors import OdmlqError, PlanError
 from odmlq.litert.spec import OP_SPEC, SAME_AS_INPUT, TARGET, WITHOUT_KERNEL, pool_as_depthwise
-from odmlq.plan import Plan
+from odmlq.plan import Plan, op_qtype
 
 __all__ = ["BLOCKWISE_KERNEL", "FloatOpsError", "blockwise_weights", "check_io_dtype", "check_plan"]
 
@@ -27,11 +27,6 @@ _LITERT_ACT_QTYPES = ("int8", "int16")
 
 class FloatOpsError(OdmlqError, ValueError):
     """A full-integer export would run some ops in float."""
-
-
-def _static_output(plan: Plan, op) -> bool:
-    """Whether one of `op`'s outputs is statically quantized."""
-    return any(plan.edges[e].spec is not None and not plan.edges[e].spec.dynamic for e in op.outputs)
 
 
 def check_plan(plan: Plan, *, allow_float_ops: bool = False) -> list[str]:
@@ -67,7 +62,7 @@ def check_plan(plan: Plan, *, allow_float_ops: bool = False) -> list[str]:
                     raise PlanError(f"{where}: weight {w.param!r} has {spec.describe()}; LiteRT takes block "
                                     f"scales only {BLOCKWISE_KERNEL}, and {why}. Use PerChannel() (or "
                                     "PerTensor()) here.")
-            elif op.kind == "gather" and spec.scale_axes and _static_output(plan, op):
+            elif op.kind == "gather" and spec.scale_axes and op_qtype(plan, op) is not None:
                 raise PlanError(f"{where}: table {w.param!r} has {spec.describe()}; LiteRT's GATHER_ND "
                                 "writes its rows at the table's one scale, so a table gathered into a "
                                 "quantized edge is quantized per tensor. Use weight_granularity=PerTensor() "

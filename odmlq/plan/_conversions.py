@@ -63,12 +63,17 @@ def conversion_name(edge: str, qtype: str) -> str:
 def op_qtype(plan, op) -> QuantSpec | None:
     """The static activation spec an op computes in (its output's, or that of
     the activation fused into it), or None (float, dynamic, no output)."""
+    return computed_qtype(plan.graph, plan.edges, op)
+
+
+def computed_qtype(graph, edges, op) -> QuantSpec | None:
+    """`op_qtype` from the graph and its edge plans (while a plan is made)."""
     if op.kind == "scan" or len(op.outputs) != 1:
         return None
-    edge = plan.graph.edges[op.outputs[0]]
-    spec = plan.edges[edge.id].spec
-    if spec is None and plan.edges[edge.id].fused:
-        spec = plan.edges[plan.graph.op(edge.consumers[0]).outputs[0]].spec
+    edge = graph.edges[graph.resolve(op.outputs[0])]
+    spec = edges[edge.id].spec
+    if spec is None and edges[edge.id].fused:
+        spec = edges[graph.resolve(graph.op(edge.consumers[0]).outputs[0])].spec
     if spec is None or spec.dynamic or spec.scale_axes:
         return None
     return spec

@@ -8,6 +8,9 @@
   every backend, so a dynamic edge that feeds anything else stays float.
 - Each quantized edge gets the constraint its producer's kernel puts on its
   scale (`EdgePlan.constraint`), from the targets' tables.
+- A float model input that only float ops read is carried in a target's
+  `float_input_carrier` qtype where its converter needs a quantized input
+  to fuse a later convolution.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ import numpy as np
 from odmlq.calibration import MASK_SENTINEL, Capped, Masked, RelativeMSE
 from odmlq.constraints import SameAsInput
 from odmlq.graph import MATMUL_KINDS, Graph
+from odmlq.plan._conversions import computed_qtype
+from odmlq.plan._spec import QuantSpec
+from odmlq.rules import Rule
 # Ops through which a mask's sentinel reaches the scores a softmax reads.
 _MASK_CARRIERS = frozenset({"select_n", "add", "sub", "max", "min", "broadcast_in_dim", "reshape",
                             "transpose", "squeeze", "convert_element_type"})
@@ -187,3 +193,32 @@ def dynamic_per_row(graph: Graph, by_edge: dict) -> None:
             by_edge[edge.id] = dataclasses.replace(
                 plan, spec=dataclasses.replace(plan.spec, scale_axes=rows.pop()),
                 reason=plan.reason + "; per row, as the hybrid matmul kernel quantizes it")
+
+
+# Op kinds LiteRT runs as convolutions (an int8 average pool is a depthwise
+# convolution), which litert-converter fuses only after a quantized input.
+_CONVOLUTION_KERNELS = ("conv", "avg_pool")
+
+
+def carry_float_inputs(graph: Graph, by_edge: dict, qtype: str) -> None:
+    """A float model input that only float ops read, with a statically
+    quantized convolution downstream of them, is carried in `qtype`
+    (`Target.float_input_carrier`): the float ops read it dequantized."""
+    for edge in graph.edges.values():
+        if not (edge.is_input and edge.is_float and edge.consumers) or by_edge[edge.id].spec is not None:
+            continue
+        seen, frontier = set(), list(edge.consumers)
+        while frontier:
+            op = graph.op(frontier.pop())
+            if op.id in seen:
+                continue
+            seen.add(op.id)
+            if op.kind in _CONVOLUTION_KERNELS and computed_qtype(graph, by_edge, op) is not None:
+                spec = QuantSpec(qtype=qtype, symmetric=True, narrow_range=False,
+                                 calibration=Rule(".*", act_qtype=qtype).resolved("act_calibration"))
+                by_edge[edge.id] = dataclasses.replace(
+                    by_edge[edge.id], spec=spec, rule=None,
+                    reason=f"carried in {qtype} for {op.id}: a float input only float ops read "
+                           "(litert-converter fuses a later convolution only so)")
+                break
+            frontier += [c for e in op.outputs for c in graph.edges[e].consumers]

@@ -27,6 +27,7 @@ from odmlq.graph import MATMUL_KINDS, Graph, Op, trace
 from odmlq.plan._passes import (
     calibrate_masks,
     calibrate_norms,
+    carry_float_inputs,
     dynamic_only_into_kernels,
     dynamic_per_row,
     fuse_activations,
@@ -433,36 +434,6 @@ def _weight_plans(op: Op, rule: Rule | None, index: int | None,
     return tuple(out)
 
 
-# Op kinds LiteRT runs as convolutions (an int8 average pool is a depthwise
-# convolution), which litert-converter fuses only after a quantized input.
-_CONVOLUTION_KERNELS = ("conv", "avg_pool")
-
-
-def _carry_float_inputs(graph: Graph, by_edge: dict[str, EdgePlan], qtype: str) -> None:
-    """A float model input that only float ops read, with a statically
-    quantized convolution downstream of them, is carried in `qtype`
-    (`Target.float_input_carrier`): the float ops read it dequantized."""
-    for edge in graph.edges.values():
-        if not (edge.is_input and edge.is_float and edge.consumers) or by_edge[edge.id].spec is not None:
-            continue
-        seen, frontier = set(), list(edge.consumers)
-        while frontier:
-            op = graph.op(frontier.pop())
-            if op.id in seen:
-                continue
-            seen.add(op.id)
-            out = by_edge.get(graph.resolve(op.outputs[0])) if len(op.outputs) == 1 else None
-            static = out is not None and (out.spec is not None or out.fused) and not (out.spec and out.spec.dynamic)
-            if op.kind in _CONVOLUTION_KERNELS and static:
-                by_edge[edge.id] = EdgePlan(
-                    edge=edge.id, spec=QuantSpec(qtype=qtype, symmetric=True, narrow_range=False,
-                                                 calibration=Rule(".*", act_qtype=qtype).resolved("act_calibration")),
-                    rule=None, reason=f"carried in {qtype} for {op.id}: a float input only float ops read "
-                                      "(litert-converter fuses a later convolution only so)")
-                break
-            frontier += [c for e in op.outputs for c in graph.edges[e].consumers]
-
-
 def _edge_plans(graph: Graph, rules, op_plans, constraints, *, rows: bool = False,
                 carrier: str | None = None) -> dict[str, EdgePlan]:
     by_edge: dict[str, EdgePlan] = {}
@@ -499,7 +470,7 @@ def _edge_plans(graph: Graph, rules, op_plans, constraints, *, rows: bool = Fals
     resolve_output_constraints(graph, by_edge, constraints)
     share_scale_of_activations_beside_others(graph, by_edge, constraints)
     if carrier is not None:
-        _carry_float_inputs(graph, by_edge, carrier)
+        carry_float_inputs(graph, by_edge, carrier)
     for edge in graph.edges.values():
         if edge.alias is not None:
             target = graph.resolve(edge.id)
