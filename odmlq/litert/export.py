@@ -211,10 +211,7 @@ def build(model: Any, prepared: Prepared, path: str | os.PathLike | None = None,
             held, tflite = [tflite], None
             tflite = _external.externalized(held, placeholders)
     summary = inspect(tflite)
-    graph = plan.graph
-    float_at_input = any(graph.edges[e].is_input and graph.edges[e].is_float and plan.edges[e].spec is None
-                         for op_id in {*plan.float_ops, *prepared.float_ops} for e in graph.op(op_id).inputs)
-    _check_summary(schema, summary, allow_float_ops, prepared.float_ops, float_at_input=float_at_input)
+    _check_summary(schema, summary, allow_float_ops, prepared.float_ops)
     # Never write (or load here) a file that crashes LiteRT: a child process tries it first.
     try:
         probe(tflite, f"the model exported for {os.fspath(path)!r}" if path is not None else "the exported model")
@@ -294,8 +291,7 @@ def _integer_interface(tflite: bytes, io_dtype: str) -> bytes:
             return f.read()
 
 
-def _check_summary(schema: str, summary: ModelSummary, allow_float_ops: bool, float_ops, *,
-                   float_at_input: bool = False) -> None:
+def _check_summary(schema: str, summary: ModelSummary, allow_float_ops: bool, float_ops) -> None:
     static = schema == "static"
     composites = [o for o in summary.ops if o.name == "STABLEHLO_COMPOSITE"]
     if composites:
@@ -318,21 +314,12 @@ def _check_summary(schema: str, summary: ModelSummary, allow_float_ops: bool, fl
                 "table's), which litert-converter meets by requantizing the whole weight at run time. Quantize "
                 f"that weight per tensor, or keep the op in float, e.g. Rule({first!r}, skip=True) before "
                 "your other rules, with allow_float_ops=True.")
-        # Measured (litert-converter 0.5.0): a convolution after float ops that
-        # read the model's float input stays float with its filter dequantized,
-        # although its input and output are quantized; a FULLY_CONNECTED is
-        # fused, and so is a convolution after a float island in the middle.
-        converter = (" If those ops have an activation qtype, they are convolutions after float ops that "
-                     "read the model's float input, which litert-converter 0.5.0 does not fuse into "
-                     "integer kernels: quantize the ops at the model input too (int16x8 keeps them close "
-                     "to float), or keep those convolutions in float."
-                     if static and float_at_input else "")
         raise FloatOpsError(
             "The converted model would dequantize or transpose weights at every invocation: "
             + ", ".join(f"{o.name} (module {o.module_path or ''!r})" for o in slow) + ". A float op reads "
             "a weight the plan stores quantized, which runs slower than float. Give those ops an "
             f"activation qtype so an integer kernel reads the weight, or keep them in float, e.g. "
-            f"Rule({first!r}, skip=True) before your other rules, with allow_float_ops=True." + converter
+            f"Rule({first!r}, skip=True) before your other rules, with allow_float_ops=True."
         )
     if static and summary.float_islands:
         listing = _float_op_listing(summary.float_islands)
