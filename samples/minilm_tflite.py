@@ -141,13 +141,14 @@ SCHEMAS: dict[str, list] = {
     "float": [],
 }
 
+_MASK_CAST = (r"encoder/convert_element_type", "the int32 attention mask cast to float (CAST: an integer "
+                                              "input; pass a float32 mask to drop it)")
 # Why ops stay in float, by the op path LiteRT's tensor names give them:
 # in the int8 schema, by design; in the others, for want of a kernel.
 INT8_FLOAT_REASONS = (
     (r"encoder/layer_\d+/(attention/)?output(/.*)?", "attention and FFN output matmuls: dynamic (float "
                                                      "output into the residual stream and its outlier channel)"),
-    (r"encoder/convert_element_type", "the int32 attention mask cast to float (CAST: an integer "
-                                      "input; pass a float32 mask to drop it)"),
+    _MASK_CAST,
     (r".*", "float by the rules: XNNPACK has no int8 SOFTMAX, GELU or RSQRT and no int16 op, so "
             "LayerNorm, GELU, attention, the adds and the pooling run in float on it (one partition)"),
 )
@@ -161,8 +162,7 @@ FLOAT_REASONS = (
     (r"encoder/layer_\d+/attention/(mul|add|softmax)",
      "attention scaling, mask add and softmax: int16 ADD of two shapes refused by "
      "litert-converter; int16 SOFTMAX approximates (~1/256)"),
-    (r"encoder/convert_element_type", "the int32 attention mask cast to float (CAST: an integer "
-                                      "input; pass a float32 mask to drop it)"),
+    _MASK_CAST,
 )
 BOUNDARY = "DEQUANTIZE into / QUANTIZE out of the float ops above"
 STATIC = ("int8", "int8+int16", "int16x8")  # schemas whose float ops are listed, with why
