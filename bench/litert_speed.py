@@ -89,16 +89,17 @@ def sqnr_db(bench, tflite: bytes, batch: int) -> float:
 
 
 def export_all(bench, batch: int) -> dict[str, object]:
-    """Schema -> Export, or the refusal's message."""
+    """Schema -> (Export, what its warnings said), or the refusal's message."""
     out: dict[str, object] = {}
     for name, rules in schemas(bench).items():
         start = time.perf_counter()
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                out[name] = odmlq.export_tflite(bench.model, rules, bench.calibration, variables=bench.variables,
-                                                example_inputs=example(bench, batch), verify=False,
-                                                allow_float_ops=True, progress=False)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                export = odmlq.export_tflite(bench.model, rules, bench.calibration, variables=bench.variables,
+                                             example_inputs=example(bench, batch), verify=False,
+                                             allow_float_ops=True, progress=False)
+            out[name] = (export, said(export, [str(w.message) for w in caught]))
         except odmlq.OdmlqError as error:
             out[name] = str(error).split("; ")[0].split(". ")[0]
         print(f"# {bench.name} batch {batch} {name}: {time.perf_counter() - start:.0f} s", file=sys.stderr,
@@ -106,28 +107,44 @@ def export_all(bench, batch: int) -> dict[str, object]:
     return out
 
 
+def said(export, messages: list[str]) -> str:
+    """What the export told its user about speed: a warning that it is (or may
+    be) slower than float, and its own measurement where it timed itself."""
+    words = []
+    if any("slower than its float twin on this machine" in m for m in messages):
+        words.append("warned: measured slower")
+    if any("run outside XNNPACK" in m for m in messages):
+        words.append("warned: ops off XNNPACK")
+    if export.latencies:
+        words.append("measured " + "/".join(f"{x.vs_float:.2f}x" for x in export.latencies))
+    return "; ".join(words) or "-"
+
+
 def main(models: list[str], rounds: int) -> None:
     makers = {"cnn": lambda: digits("cnn"), "mlp25m": mlp25m, "minilm": minilm}
     print("| model | schema | batch | bytes | SQNR dB vs float | XNNPACK partitions | ops outside XNNPACK | "
-          "ms, 1 thread | vs float | ms, 2 threads | vs float |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "ms, 1 thread | vs float | ms, 2 threads | vs float | the export says |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    unwarned = []
     for key in models:
         bench = makers[key]()
         if bench is None:
-            print(f"| {key} | not installed (see README) | | | | | | | | | |")
+            print(f"| {key} | not installed (see README) | | | | | | | | | | |")
             continue
         for batch in BATCHES:
             exports = export_all(bench, batch)
-            made = {n: e for n, e in exports.items() if not isinstance(e, str)}
+            made = {n: e[0] for n, e in exports.items() if not isinstance(e, str)}
             inputs = [x for x in example(bench, batch)]
-            invokes = 10 if batch == 1 else 3
+            # Microsecond models: as many invokes as take 20 ms a round (interleaved_latency's default).
+            invokes = None if bench.name.startswith("digits") else 10 if batch == 1 else 3
             ms = {threads: dict(zip(made, odmlq.litert.interleaved_latency(
                 [e.tflite for e in made.values()], inputs, rounds=rounds, invokes=invokes, num_threads=threads)))
                 for threads in THREADS}
             for name, e in exports.items():
                 if isinstance(e, str):
-                    print(f"| {bench.name} | {name} | {batch} | refused: {e} | | | | | | | |")
+                    print(f"| {bench.name} | {name} | {batch} | refused: {e} | | | | | | | | |")
                     continue
+                e, words = e
                 outside = e.delegation.outside
                 kinds = sorted({op.name for op in outside})
                 listing = f"{len(outside)}" + (f" ({', '.join(kinds[:4])}{', ...' if len(kinds) > 4 else ''})"
@@ -135,7 +152,12 @@ def main(models: list[str], rounds: int) -> None:
                 cells = [f"{ms[t][name]:.3f} | {ms[t][name] / ms[t]['float']:.2f}" for t in THREADS]
                 sqnr = "-" if name == "float" else f"{sqnr_db(bench, e.tflite, batch):.1f}"
                 print(f"| {bench.name} | {name} | {batch} | {len(e.tflite):,} | {sqnr} | {e.delegation.partitions} | "
-                      f"{listing} | {' | '.join(cells)} |", flush=True)
+                      f"{listing} | {' | '.join(cells)} | {words} |", flush=True)
+                slower = [t for t in THREADS if ms[t][name] > ms[t]["float"]]
+                if name != "float" and slower and not words.startswith("warned"):
+                    unwarned.append(f"{bench.name} {name} batch {batch} ({', '.join(f'{t} thread' for t in slower)})")
+    print(f"\nRows slower than float here without a warning from the export: {len(unwarned)}"
+          + (": " + "; ".join(unwarned) if unwarned else ""))
 
 
 if __name__ == "__main__":

@@ -296,7 +296,7 @@ def _export_now(model, plan, data, calibration, variables, example_inputs) -> by
     with warnings_on_stderr():
         return export_tflite(model, plan, data, None, variables=variables, calibration=calibration,
                              example_inputs=tuple(np.asarray(x)[:1] for x in example_inputs),
-                             verify=False).tflite
+                             verify=False, benchmark=False).tflite
 
 
 def _cmd_diff(args) -> int:

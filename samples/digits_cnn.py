@@ -66,6 +66,8 @@ def main(out_dir: str = "out", seconds: float = 5.0) -> dict:
     print("ops (int8):  " + ", ".join(f"{k} x{v}" for k, v in int8_export.summary.op_histogram.items()))
     print("ops (float): " + ", ".join(f"{k} x{v}" for k, v in float_export.summary.op_histogram.items()))
     print("float islands (int8): " + (", ".join(o.name for o in int8_export.summary.float_islands) or "none"))
+    for line in (int8_export.delegation, *int8_export.latencies):  # the export times small models against float
+        print(f"int8 {line}")
     print()
     print(f"{'model':<14}{'test accuracy':>15}{'file bytes':>12}")
     print(f"{'float (JAX)':<14}{results['float_jax']:>15.4f}{'':>12}")

@@ -21,7 +21,8 @@ from odmlq.litert._check import FloatOpsError, check_plan
 from odmlq.litert._prepare import Prepared, prepare
 from odmlq.litert._probe import LiteRTCrashError, probe
 from odmlq.litert.inspect import ModelSummary, inspect
-from odmlq.litert.speed import Delegation, Latency, check_delegation, delegation as delegation_of, interleaved_latency
+from odmlq.litert.speed import (AUTO_BENCHMARK_BYTES, Delegation, Latency, benchmark_threads, check_delegation,
+                                delegation as delegation_of, interleaved_latency, slower_than_float)
 from odmlq.progress import Stage
 from odmlq.litert.verify import VerificationReport, verification_samples, verify as verify_model
 from odmlq.plan import Plan
@@ -42,17 +43,19 @@ class Export:
     summary: ModelSummary
     verification: VerificationReport | None
     batch_size: int = 1
-    # Which ops XNNPACK runs (partitions, ops on reference kernels), and with
-    # benchmark=True the measured latency against the float twin.
+    # Which ops XNNPACK runs (partitions, ops on reference kernels), and when
+    # benchmarked the measured latency against the float twin: `latency` on
+    # one thread, `latencies` on each thread count timed (one thread first).
     delegation: Delegation | None = None
     latency: Latency | None = None
+    latencies: tuple[Latency, ...] = ()
 
     def __str__(self) -> str:
         lines = [f"{self.path or '<bytes>'}: {len(self.tflite)} bytes, batch size {self.batch_size}, ops: "
                  + ", ".join(f"{k} x{v}" for k, v in self.summary.op_histogram.items()),
                  "float islands: " + (", ".join(f"{o.name} ({o.module_path})" for o in
                                                 self.summary.float_islands) or "none")]
-        lines += [str(x) for x in (self.delegation, self.latency) if x is not None]
+        lines += [str(x) for x in (self.delegation, *(self.latencies or [self.latency])) if x is not None]
         if self.verification is not None:
             lines.append(str(self.verification))
         return "\n".join(lines)
@@ -68,7 +71,7 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
                   io_dtype: str = "float",
                   batch_size: int = 1,
                   require_delegate: bool = False,
-                  benchmark: bool = False,
+                  benchmark: bool | None = None,
                   method: str | Callable | None = None,
                   external_weights: bool | None = None,
                   progress: bool | None = None) -> Export:
@@ -101,8 +104,14 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
         outside XNNPACK (the model may be slower than float); either way
         `Export.delegation` lists the partitions and the ops outside.
       benchmark: also convert the float twin (the same model, no rules) and
-        time both at the exported batch size on one thread in interleaved
-        rounds (`Export.latency`); warn when the export is slower.
+        time both at the exported batch size in interleaved rounds, on one
+        thread and on two where the machine has two cores
+        (`Export.latency`, `Export.latencies`); warn when the export is
+        slower. None (default): when the model's float weights are at most
+        `speed.AUTO_BENCHMARK_BYTES` (32 MiB; the twin converts in about a
+        second), where a quantized model is most often slower than float with
+        every op on XNNPACK; a twin that fails to convert then only warns.
+        False: never.
       external_weights: store the quantized weights after the flatbuffer
         (``Buffer.offset``/``size``: the file may pass flatbuffers' 2 GB) and
         hand them to the converter as placeholders, writing each one's
@@ -193,7 +202,7 @@ def finished(tflite: bytes, prepared: Prepared, blockwise, subgraph: int = 0) ->
 
 def build(model: Any, prepared: Prepared, path: str | os.PathLike | None = None, *, variables: Any = None,
           verify: bool = True, verify_samples: int = 32, allow_float_ops: bool = False,
-          require_delegate: bool = False, benchmark: bool = False, progress: bool | None = None,
+          require_delegate: bool = False, benchmark: bool | None = False, progress: bool | None = None,
           external_weights: bool | None = None) -> Export:
     """Converts, checks, verifies and writes a prepared export (see `export_tflite`)."""
     plan, schema = prepared.plan, prepared.schema
@@ -219,10 +228,16 @@ def build(model: Any, prepared: Prepared, path: str | os.PathLike | None = None,
         raise LiteRTCrashError(f"{error}\nNothing was written.") from None
     delegation = delegation_of(tflite, summary)
     check_delegation(delegation, schema, require_delegate)
-    latency = None
+    latencies = ()
+    if benchmark is None:
+        benchmark = schema != "float" and _float_bytes(model, variables) <= AUTO_BENCHMARK_BYTES
+        strict = False
+    else:
+        strict = True
     if benchmark:
-        latency = _benchmark(model, tflite, prepared.example_inputs, variables=variables, progress=progress,
-                             names=(prepared.input_names, prepared.output_names), io_dtype=prepared.io_dtype)
+        latencies = _benchmark(model, tflite, prepared.example_inputs, variables=variables, progress=progress,
+                               names=(prepared.input_names, prepared.output_names), io_dtype=prepared.io_dtype,
+                               method=plan.graph.method, strict=strict)
     report = None
     if verify:
         samples = verification_samples(prepared.held_back, verify_samples)
@@ -230,24 +245,44 @@ def build(model: Any, prepared: Prepared, path: str | os.PathLike | None = None,
                               min_output_sqnr_db=_MIN_SQNR_DB.get(schema), progress=progress)
     written = write_atomically(path, tflite) if path is not None else None
     return Export(tflite=tflite, path=written, plan=plan, calibration=prepared.calibration, scales=prepared.scales,
-                  summary=summary, verification=report, delegation=delegation, latency=latency,
+                  summary=summary, verification=report, delegation=delegation,
+                  latency=latencies[0] if latencies else None, latencies=latencies,
                   batch_size=int(np.shape(jax.tree_util.tree_leaves(prepared.example_inputs)[0])[0]))
 
 
-def _benchmark(model, tflite: bytes, example_inputs, *, variables, progress, names, io_dtype: str) -> Latency:
-    """The export's latency against its float twin's (`speed.interleaved_latency`);
-    warns when the export is the slower one."""
+def _benchmark(model, tflite: bytes, example_inputs, *, variables, progress, names, io_dtype: str, method,
+               strict: bool) -> tuple[Latency, ...]:
+    """The export's latency against its float twin's on each of `benchmark_threads()`
+    (`speed.interleaved_latency`); warns when the export is the slower one.
+    Not `strict` (the default benchmark): a twin that does not convert warns
+    and nothing is timed."""
     with Stage("benchmarking", progress=progress):
-        twin = export_tflite(model, [], None, variables=variables, example_inputs=example_inputs, verify=False,
-                             input_names=names[0], output_names=names[1], progress=False).tflite
+        try:
+            twin = export_tflite(model, [], None, variables=variables, example_inputs=example_inputs, verify=False,
+                                 input_names=names[0], output_names=names[1], method=method, benchmark=False,
+                                 progress=False).tflite
+        except OdmlqError as error:
+            if strict:
+                raise
+            warnings.warn(f"Not timed against float (benchmark=None): the float twin did not convert: "
+                          f"{str(error).splitlines()[0]}", stacklevel=4)
+            return ()
         # Float inputs where the export reads float; an integer interface reads zeros.
         inputs = [np.asarray(x) for x in example_inputs] if io_dtype == "float" else []
-        ms, float_ms = interleaved_latency([tflite, twin], inputs)
-    latency = Latency(ms=ms, float_ms=float_ms)
-    if latency.vs_float > 1.0:
-        warnings.warn(f"The quantized model runs slower than its float twin here: {latency}. "
-                      "Export.delegation lists the ops outside XNNPACK.", stacklevel=3)
-    return latency
+        latencies = []
+        for threads in benchmark_threads():
+            ms, float_ms = interleaved_latency([tflite, twin], inputs, num_threads=threads)
+            latencies.append(Latency(ms=ms, float_ms=float_ms, threads=threads))
+    message = slower_than_float(latencies)
+    if message is not None:
+        warnings.warn(message, stacklevel=4)
+    return tuple(latencies)
+
+
+def _float_bytes(model: Any, variables: Any) -> int:
+    """Bytes of the model's parameters in float32."""
+    flat = flat_params(params_for(model, variables, "export_tflite"))
+    return sum(4 * int(np.prod(np.shape(x), dtype=np.int64)) for x in flat.values())
 
 
 # Models with float activations are checked end to end: LiteRT's float kernels

@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 from collections.abc import Sequence
 
@@ -31,8 +32,8 @@ from odmlq.litert._runtime import interpreter
 from odmlq.litert.inspect import ModelSummary, OpInfo
 from odmlq.timing import interleaved_ms
 
-__all__ = ["COMPUTE_OPS", "Delegation", "DelegateError", "Latency", "check_delegation", "delegation",
-           "interleaved_latency"]
+__all__ = ["AUTO_BENCHMARK_BYTES", "COMPUTE_OPS", "Delegation", "DelegateError", "Latency", "benchmark_threads",
+           "check_delegation", "delegation", "interleaved_latency", "slower_than_float"]
 
 # The ops that carry a model's arithmetic: off the delegate, they decide its speed.
 COMPUTE_OPS = frozenset({"CONV_2D", "DEPTHWISE_CONV_2D", "TRANSPOSE_CONV", "CONV_3D", "FULLY_CONNECTED",
@@ -76,17 +77,49 @@ class Delegation:
 
 @dataclasses.dataclass(frozen=True)
 class Latency:
-    """Median ms per invoke of the export and of its float twin (same rounds, 1 thread)."""
+    """Median ms per invoke of the export and of its float twin, timed in the
+    same interleaved rounds on `threads` threads."""
 
     ms: float
     float_ms: float
+    threads: int = 1
 
     @property
     def vs_float(self) -> float:
         return self.ms / self.float_ms
 
     def __str__(self) -> str:
-        return f"latency: {self.ms:.3f} ms, float {self.float_ms:.3f} ms ({self.vs_float:.2f}x float)"
+        threads = f", {self.threads} threads" if self.threads != 1 else ""
+        return (f"latency{threads}: {self.ms:.3f} ms, float {self.float_ms:.3f} ms "
+                f"({self.vs_float:.2f}x float)")
+
+
+# An export is timed against its float twin by default when the model's
+# float weights are at most this many bytes: there the twin converts in about
+# a second and the timing takes less, and there a quantized model is most
+# often slower than float with every op on XNNPACK (per-op fixed costs, and
+# int8 kernels for convolutions of few input channels: the digits CNN's int8
+# file ran 1.2-1.5x float on one host and 0.55x on another). Larger models'
+# speed is their matmuls', which the delegation check speaks for.
+AUTO_BENCHMARK_BYTES = 32 << 20
+
+
+def benchmark_threads() -> tuple[int, ...]:
+    """The thread counts an export's benchmark times: 1, and 2 where the machine has two cores."""
+    return (1, 2) if (os.cpu_count() or 1) >= 2 else (1,)
+
+
+def slower_than_float(latencies: Sequence[Latency]) -> str | None:
+    """The warning for the `latencies` where the export is slower than float, or None."""
+    slower = [latency for latency in latencies if latency.vs_float > 1.0]
+    if not slower:
+        return None
+    listing = "; ".join(f"{latency.threads} thread{'s' * (latency.threads != 1)}: {latency.ms:.3f} ms against "
+                        f"{latency.float_ms:.3f} ms ({latency.vs_float:.2f}x)" for latency in slower)
+    return (f"The quantized model runs slower than its float twin on this machine ({listing}). "
+            "Export.delegation lists the ops outside XNNPACK; odmlq.autotune(..., "
+            "target=odmlq.TuneTarget(max_latency_ratio=1.0, ...)) times each module's precision and keeps "
+            "float the ones that cost time; benchmark=False skips this timing.")
 
 
 def delegation(tflite: bytes, summary: ModelSummary) -> Delegation:
@@ -140,11 +173,14 @@ def check_delegation(found: Delegation, schema: str, require_delegate: bool, sta
 
 
 def interleaved_latency(models: Sequence[bytes], inputs: Sequence[np.ndarray] = (), *, rounds: int = 7,
-                        invokes: int = 10, num_threads: int = 1) -> list[float]:
+                        invokes: int | None = None, num_threads: int = 1) -> list[float]:
     """Median ms per invoke of each model, all timed in the same interleaved
-    rounds after a warm-up. `inputs` are set, in the input's dtype, where
-    their shapes match the model's inputs and their kinds (float or integer)
-    agree; other inputs stay zero."""
+    rounds after a warm-up. `invokes` per model per round; default: as many
+    as take 20 ms for the slowest model (a model of microseconds is timed
+    over thousands of invokes, not over its thread hand-overs' noise).
+    `inputs` are set, in the input's dtype, where their shapes match the
+    model's inputs and their kinds (float or integer) agree; other inputs
+    stay zero."""
     runners = [interpreter(m, num_threads=num_threads) for m in models]
     for runner in runners:
         for detail, x in zip(runner.get_input_details(), inputs):

@@ -121,7 +121,8 @@ class FixTrials:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             result = export_tflite(self.model, plan, None, variables=self.variables, example_inputs=examples,
-                                   calibration=calibration, verify=False, allow_float_ops=allow_float_ops)
+                                   calibration=calibration, verify=False, allow_float_ops=allow_float_ops,
+                                   benchmark=False)
         run = litert_run(result.tflite, plan, result.scales, self.inputs)
         return len(result.tflite), output_sqnr(self.float_outputs, run.outputs)
 

@@ -33,7 +33,8 @@ def check_rules(tuned: TunedModel, rules: list[Rule], config, say) -> dict[str, 
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 result = export_tflite(tuned.model, rules, tuned.batches, variables=tuned.variables,
-                                       calibration=calibration, allow_float_ops=float_islands, progress=False)
+                                       calibration=calibration, allow_float_ops=float_islands, benchmark=False,
+                                       progress=False)
             checks["litert"] = (f"exported {len(result.tflite)} bytes, "
                                 + ("verified op by op" if result.verification is not None
                                    and result.verification.passed else "not verified"))

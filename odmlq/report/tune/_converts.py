@@ -59,7 +59,7 @@ class Converts:
             rules = rules_for(tuned, config)
             export = export_tflite(tuned.model, rules, tuned.batches, variables=tuned.variables,
                                    calibration=tuned.calibration_for(tuned.base.replan(rules)), verify=False,
-                                   allow_float_ops=True, progress=False)
+                                   allow_float_ops=True, benchmark=False, progress=False)
         self._last = (config.tobytes(), export)
         return export
 

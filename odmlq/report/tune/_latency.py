@@ -70,7 +70,7 @@ class Timer:
                     warnings.simplefilter("ignore")
                     export = export_tflite(tuned.model, plan, tuned.batches, variables=tuned.variables,
                                            calibration=tuned.calibration_for(plan), verify=False,
-                                           allow_float_ops=True, progress=False)
+                                           allow_float_ops=True, benchmark=False, progress=False)
             except OdmlqError:
                 continue
             off[c, sorted(_groups_outside(export, tuned.op_group))] = True
