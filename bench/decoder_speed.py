@@ -63,7 +63,7 @@ XLA = {
 def measure(name: str, model, variables) -> list[dict]:
     inputs = decode_inputs(model)
     files = {schema: odmlq.export_tflite(model, rules, [inputs], variables=variables, method="decode",
-                                         verify=False, progress=False).tflite for schema, rules in LITERT.items()}
+                                         verify=False, benchmark=False, progress=False).tflite for schema, rules in LITERT.items()}
     litert_ms = dict(zip(files, odmlq.litert.interleaved_latency(list(files.values()), inputs, rounds=15,
                                                                  invokes=20)))
     float_step = jax.jit(lambda *x: model.apply(variables, *x, method="decode"))
