@@ -111,12 +111,15 @@ def said(export, messages: list[str]) -> str:
     """What the export told its user about speed: a warning that it is (or may
     be) slower than float, and its own measurement where it timed itself."""
     words = []
-    if any("slower than its float twin on this machine" in m for m in messages):
+    if any("runs slower than its float twin on this machine" in m for m in messages):
         words.append("warned: measured slower")
+    elif any("not reliably faster than its float twin" in m for m in messages):
+        words.append("warned: not reliably faster")
     if any("run outside XNNPACK" in m for m in messages):
         words.append("warned: ops off XNNPACK")
     if export.latencies:
-        words.append("measured " + "/".join(f"{x.vs_float:.2f}x" for x in export.latencies))
+        words.append("measured " + "/".join(f"{x.vs_float:.2f}x ({x.slower_rounds}/{x.rounds})"
+                                            for x in export.latencies))
     return "; ".join(words) or "-"
 
 

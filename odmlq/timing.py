@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["interleaved_ms"]
+__all__ = ["interleaved_ms", "interleaved_rounds"]
 
 
 def interleaved_ms(calls: Mapping[str, Callable[[], Any]] | Sequence[Callable[[], Any]], *, rounds: int = 7,
@@ -37,10 +37,20 @@ def interleaved_ms(calls: Mapping[str, Callable[[], Any]] | Sequence[Callable[[]
     Returns:
       ``name: ms`` for a mapping, a list of ms for a list.
     """
+    names = list(calls) if isinstance(calls, Mapping) else list(range(len(calls)))
+    times = interleaved_rounds([calls[n] for n in names], rounds=rounds, repeats=repeats, round_ms=round_ms)
+    medians = [float(np.median(t)) for t in times]
+    return dict(zip(names, medians)) if isinstance(calls, Mapping) else medians
+
+
+def interleaved_rounds(calls: Sequence[Callable[[], Any]], *, rounds: int = 7, repeats: int | None = None,
+                       round_ms: float = 20.0) -> list[list[float]]:
+    """Milliseconds per call of each call in each round (`interleaved_ms`'s
+    timings before the median): ``times[i][r]`` is call i in round r, so two
+    calls' round-r times are a pair taken under the same load."""
     import jax
 
-    names = list(calls) if isinstance(calls, Mapping) else list(range(len(calls)))
-    fns = [calls[n] for n in names]
+    fns = list(calls)
     for fn in fns:
         jax.block_until_ready(fn())
     if repeats is None:
@@ -57,5 +67,4 @@ def interleaved_ms(calls: Mapping[str, Callable[[], Any]] | Sequence[Callable[[]
             for _ in range(repeats):
                 jax.block_until_ready(fns[i]())
             times[i].append((time.perf_counter() - start) * 1e3 / repeats)
-    medians = [float(np.median(t)) for t in times]
-    return dict(zip(names, medians)) if isinstance(calls, Mapping) else medians
+    return times

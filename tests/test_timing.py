@@ -33,3 +33,14 @@ def test_a_jitted_call_is_compiled_before_timing_and_waited_for():
     seen.clear()
     interleaved_ms([lambda: seen.append(1) or f(x)], rounds=2, round_ms=0.0)
     assert len(seen) == 1 + 1 + 2 * 1  # warm-up, one call that sizes a round (0 ms: 1 call), 2 rounds
+
+
+def test_rounds_are_kept_per_call_and_pair_up():
+    """interleaved_rounds gives each call's time in every round (the medians
+    of interleaved_ms are taken over them): the 3 ms sleep is the slower in
+    every one of its pairs."""
+    from odmlq.timing import interleaved_rounds
+
+    slow, fast = interleaved_rounds([lambda: time.sleep(0.003), lambda: None], rounds=5, repeats=2)
+    assert len(slow) == len(fast) == 5
+    assert all(s >= 3.0 and f < s for s, f in zip(slow, fast))

@@ -22,7 +22,7 @@ from odmlq.litert._prepare import Prepared, prepare
 from odmlq.litert._probe import LiteRTCrashError, probe
 from odmlq.litert.inspect import ModelSummary, inspect
 from odmlq.litert.speed import (AUTO_BENCHMARK_BYTES, Delegation, Latency, benchmark_threads, check_delegation,
-                                delegation as delegation_of, interleaved_latency, slower_than_float)
+                                delegation as delegation_of, slower_than_float, timed_against_float)
 from odmlq.progress import Stage
 from odmlq.litert.verify import VerificationReport, verification_samples, verify as verify_model
 from odmlq.plan import Plan
@@ -227,13 +227,11 @@ def build(model: Any, prepared: Prepared, path: str | os.PathLike | None = None,
     except LiteRTCrashError as error:
         raise LiteRTCrashError(f"{error}\nNothing was written.") from None
     delegation = delegation_of(tflite, summary)
-    check_delegation(delegation, schema, require_delegate)
-    latencies = ()
+    strict = benchmark is not None
     if benchmark is None:
         benchmark = schema != "float" and _float_bytes(model, variables) <= AUTO_BENCHMARK_BYTES
-        strict = False
-    else:
-        strict = True
+    check_delegation(delegation, schema, require_delegate, timed=bool(benchmark))
+    latencies = ()
     if benchmark:
         latencies = _benchmark(model, tflite, prepared.example_inputs, variables=variables, progress=progress,
                                names=(prepared.input_names, prepared.output_names), io_dtype=prepared.io_dtype,
@@ -253,7 +251,7 @@ def build(model: Any, prepared: Prepared, path: str | os.PathLike | None = None,
 def _benchmark(model, tflite: bytes, example_inputs, *, variables, progress, names, io_dtype: str, method,
                strict: bool) -> tuple[Latency, ...]:
     """The export's latency against its float twin's on each of `benchmark_threads()`
-    (`speed.interleaved_latency`); warns when the export is the slower one.
+    (`speed.timed_against_float`); warns when the export is, or may be, the slower one.
     Not `strict` (the default benchmark): a twin that does not convert warns
     and nothing is timed."""
     with Stage("benchmarking", progress=progress):
@@ -269,10 +267,7 @@ def _benchmark(model, tflite: bytes, example_inputs, *, variables, progress, nam
             return ()
         # Float inputs where the export reads float; an integer interface reads zeros.
         inputs = [np.asarray(x) for x in example_inputs] if io_dtype == "float" else []
-        latencies = []
-        for threads in benchmark_threads():
-            ms, float_ms = interleaved_latency([tflite, twin], inputs, num_threads=threads)
-            latencies.append(Latency(ms=ms, float_ms=float_ms, threads=threads))
+        latencies = [timed_against_float(tflite, twin, inputs, num_threads=threads) for threads in benchmark_threads()]
     message = slower_than_float(latencies)
     if message is not None:
         warnings.warn(message, stacklevel=4)
