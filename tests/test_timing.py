@@ -44,3 +44,20 @@ def test_rounds_are_kept_per_call_and_pair_up():
     slow, fast = interleaved_rounds([lambda: time.sleep(0.003), lambda: None], rounds=5, repeats=2)
     assert len(slow) == len(fast) == 5
     assert all(s >= 3.0 and f < s for s, f in zip(slow, fast))
+
+
+def test_every_call_follows_every_other_equally_often():
+    """A call that empties the caches (a large model) slows whichever call
+    runs next: over a cycle of rounds each call runs right after each other
+    one equally often, for even and odd counts (rotating one order does not:
+    with 4 calls, call 1 would follow call 0 in every round but one)."""
+    from collections import Counter
+
+    from odmlq.timing import balanced_orders
+
+    for n in range(1, 9):
+        orders = balanced_orders(n)
+        assert len(orders) == (n if n % 2 == 0 or n == 1 else 2 * n)
+        assert all(sorted(order) == list(range(n)) for order in orders)
+        follows = Counter((order[i], order[i + 1]) for order in orders for i in range(n - 1))
+        assert len(follows) == n * (n - 1) and len(set(follows.values())) <= 1, (n, follows)

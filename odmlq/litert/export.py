@@ -106,8 +106,9 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
       benchmark: also convert the float twin (the same model, no rules) and
         time both at the exported batch size in interleaved rounds, on one
         thread and on two where the machine has two cores
-        (`Export.latency`, `Export.latencies`); warn when the export is
-        slower. None (default): when the model's float weights are at most
+        (`Export.latency`, `Export.latencies`; 11 rounds each); warn when
+        the export is slower by the medians or in a third of the rounds or
+        more (not reliably faster). None (default): when the model's float weights are at most
         `speed.AUTO_BENCHMARK_BYTES` (32 MiB; the twin converts in about a
         second), where a quantized model is most often slower than float with
         every op on XNNPACK; a twin that fails to convert then only warns.

@@ -202,9 +202,11 @@ def check_delegation(found: Delegation, schema: str, require_delegate: bool, sta
 def interleaved_latency(models: Sequence[bytes], inputs: Sequence[np.ndarray] = (), *, rounds: int = 7,
                         invokes: int | None = None, num_threads: int = 1) -> list[float]:
     """Median ms per invoke of each model, all timed in the same interleaved
-    rounds after a warm-up. `invokes` per model per round; default: as many
-    as take 20 ms for the slowest model (a model of microseconds is timed
-    over thousands of invokes, not over its thread hand-overs' noise).
+    rounds after a warm-up (`odmlq.timing.interleaved_rounds`). `invokes` per
+    model per round; default: for each model, as many as take it 20 ms (a
+    model of microseconds is timed over thousands of invokes, not over its
+    thread hand-overs' noise, and a fast model next to a slow one is not
+    timed on one invoke after the slow one emptied the caches).
     `inputs` are set, in the input's dtype, where their shapes match the
     model's inputs and their kinds (float or integer) agree; other inputs
     stay zero."""
