@@ -37,6 +37,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import odmlq  # noqa: E402
+from odmlq.timing import balanced_orders  # noqa: E402
 from accuracy import digits, minilm, mlp25m  # noqa: E402  (bench/accuracy.py: the same models)
 
 R = odmlq.Rule
@@ -138,10 +139,14 @@ def main(models: list[str], rounds: int) -> None:
             exports = export_all(bench, batch)
             made = {n: e[0] for n, e in exports.items() if not isinstance(e, str)}
             inputs = [x for x in example(bench, batch)]
-            # Microsecond models: as many invokes as take 20 ms a round (interleaved_latency's default).
-            invokes = None if bench.name.startswith("digits") else 10 if batch == 1 else 3
+            # Microsecond models: as many invokes as take 20 ms a round (interleaved_latency's default),
+            # and at least a whole cycle of orders in which each file follows every other one equally
+            # often (another interpreter's threads still spinning slow the next one down).
+            tiny = bench.name.startswith("digits")
+            invokes = None if tiny else 10 if batch == 1 else 3
+            timed_rounds = max(rounds, len(balanced_orders(len(made)))) if tiny else rounds
             ms = {threads: dict(zip(made, odmlq.litert.interleaved_latency(
-                [e.tflite for e in made.values()], inputs, rounds=rounds, invokes=invokes, num_threads=threads)))
+                [e.tflite for e in made.values()], inputs, rounds=timed_rounds, invokes=invokes, num_threads=threads)))
                 for threads in THREADS}
             for name, e in exports.items():
                 if isinstance(e, str):
