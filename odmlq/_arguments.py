@@ -50,12 +50,9 @@ def _export_parser(sub) -> None:
                         "instead of refusing the export")
     e.add_argument("--require-delegate", action="store_true",
                    help="refuse the export when any op runs outside XNNPACK (named in the error)")
-    timing = e.add_mutually_exclusive_group()
-    timing.add_argument("--benchmark", dest="benchmark", action="store_true", default=None,
-                        help="also time the float twin (on 1 and 2 threads); warn when the export is slower "
-                             "(default: when the float weights are at most 32 MiB)")
-    timing.add_argument("--no-benchmark", dest="benchmark", action="store_false",
-                        help="never time the export against its float twin")
+    e.add_argument("--benchmark", action=argparse.BooleanOptionalAction, default=None,
+                   help="time the export against its float twin (on 1 and 2 threads) and warn when it is "
+                        "slower; default: when the float weights are at most 32 MiB")
     weights = e.add_mutually_exclusive_group()
     weights.add_argument("--external-weights", dest="external_weights", action="store_true", default=None,
                          help="store the quantized weights after the flatbuffer (files past 2 GB; "

@@ -329,3 +329,20 @@ def test_export_external_weights_writes_them_after_the_flatbuffer(tmp_path, caps
                          if model.Buffers(b).Offset() > 1]
         assert "of simulate: yes" in capsys.readouterr().out
     assert len(offsets["--external-weights"]) == 4 and not offsets["--inline-weights"]
+
+
+def test_export_times_a_small_model_against_float_unless_told_not_to(tmp_path, capsys):
+    """The digits CNN is 0.15 MB of float weights: `odmlq export` times it
+    against its float twin by default (the latency lines), and not with
+    --no-benchmark."""
+    data = _digits_like(tmp_path / "d.npz", rows=8)
+    out = tmp_path / "m.tflite"
+    assert cli.main(["export", "cnn", "--data", data, "--out", str(out), "--quiet", "--no-verify"]) == 0
+    printed = capsys.readouterr().out
+    from odmlq.litert.speed import benchmark_threads
+
+    assert "latency: " in printed and "x float" in printed
+    assert ("latency, 2 threads: " in printed) == (2 in benchmark_threads())
+    assert cli.main(["export", "cnn", "--data", data, "--out", str(out), "--quiet", "--no-verify",
+                     "--no-benchmark"]) == 0
+    assert "latency" not in capsys.readouterr().out
