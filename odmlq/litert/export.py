@@ -105,14 +105,14 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
         `Export.delegation` lists the partitions and the ops outside.
       benchmark: also convert the float twin (the same model, no rules) and
         time both at the exported batch size in interleaved rounds, on one
-        thread and on two where the machine has two cores
-        (`Export.latency`, `Export.latencies`; 11 rounds each); warn when
-        the export is slower by the medians or in a third of the rounds or
-        more (not reliably faster). None (default): when the model's float weights are at most
-        `speed.AUTO_BENCHMARK_BYTES` (32 MiB; the twin converts in about a
-        second), where a quantized model is most often slower than float with
-        every op on XNNPACK; a twin that fails to convert then only warns.
-        False: never.
+        thread and on two where the machine has two cores (`Export.latency`,
+        `Export.latencies`; 11 rounds each); warn when the export is slower
+        by the medians, or in a third of the rounds or more (not reliably
+        faster). None (default): when the model's float weights are at most
+        `speed.AUTO_BENCHMARK_BYTES` (32 MiB: the twin converts in under a
+        second), where a quantized model can be slower than float with every
+        op on XNNPACK; a twin that fails to convert then only warns. False:
+        never.
       external_weights: store the quantized weights after the flatbuffer
         (``Buffer.offset``/``size``: the file may pass flatbuffers' 2 GB) and
         hand them to the converter as placeholders, writing each one's
@@ -263,8 +263,9 @@ def _benchmark(model, tflite: bytes, example_inputs, *, variables, progress, nam
         except OdmlqError as error:
             if strict:
                 raise
-            warnings.warn(f"Not timed against float (benchmark=None): the float twin did not convert: "
-                          f"{str(error).splitlines()[0]}", stacklevel=4)
+            warnings.warn(f"Not timed against float (benchmark=None): the float twin (the same model, no "
+                          f"rules) did not convert: {str(error).splitlines()[0]} Export with benchmark=False "
+                          "to skip the timing, or export it with rules=[] to see the whole error.", stacklevel=4)
             return ()
         # Float inputs where the export reads float; an integer interface reads zeros.
         inputs = [np.asarray(x) for x in example_inputs] if io_dtype == "float" else []

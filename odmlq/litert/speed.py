@@ -106,9 +106,10 @@ class Latency:
 
 
 # An export is timed against its float twin by default when the model's
-# float weights are at most this many bytes: there the twin converts in about
-# a second and the timing takes less, and there a quantized model is most
-# often slower than float with every op on XNNPACK (per-op fixed costs, and
+# float weights are at most this many bytes: there the twin converts in under
+# a second and the timing takes under a second (2 thread counts x 11 rounds x
+# 2 files x 20 ms), and there a quantized model can be slower than float with
+# every op on XNNPACK (per-op fixed costs, and
 # int8 kernels for convolutions of few input channels: the digits CNN's int8
 # file ran 1.2-1.5x float on one host and 0.55x on another). Larger models'
 # speed is their matmuls', which the delegation check speaks for.
