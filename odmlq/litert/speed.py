@@ -109,10 +109,10 @@ class Latency:
 # float weights are at most this many bytes: there the twin converts in under
 # a second and the timing takes under a second (2 thread counts x 11 rounds x
 # 2 files x 20 ms), and there a quantized model can be slower than float with
-# every op on XNNPACK (per-op fixed costs, and
-# int8 kernels for convolutions of few input channels: the digits CNN's int8
-# file ran 1.2-1.5x float on one host and 0.55x on another). Larger models'
-# speed is their matmuls', which the delegation check speaks for.
+# every op on XNNPACK (per-op fixed costs, and int8 kernels for convolutions
+# of few input channels: the digits CNN's int8 file ran 1.2-1.5x float on one
+# host and 0.55x on another). Larger models' speed is their matmuls', which
+# the delegation check speaks for.
 AUTO_BENCHMARK_BYTES = 32 << 20
 
 
@@ -145,8 +145,8 @@ def slower_than_float(latencies: Sequence[Latency]) -> str | None:
             "Export.delegation lists the ops outside XNNPACK. Where XNNPACK runs every op, an int8 kernel "
             "can still lose to its float twin on a small model (measured: a 3x3 convolution over one input "
             "channel, 2.9x slower in int8 than in float on an Intel host with AMX): keep such a module in "
-            "float with "
-            "Rule(<module path>, skip=True) and export again to compare; benchmark=False skips this timing.")
+            "float with Rule(<module path>, skip=True) and export again to compare; benchmark=False skips "
+            "this timing.")
 
 
 def delegation(tflite: bytes, summary: ModelSummary) -> Delegation:
