@@ -44,18 +44,22 @@ class Export:
     verification: VerificationReport | None
     batch_size: int = 1
     # Which ops XNNPACK runs (partitions, ops on reference kernels), and when
-    # benchmarked the measured latency against the float twin: `latency` on
-    # one thread, `latencies` on each thread count timed (one thread first).
+    # benchmarked the measured latency against the float twin on each thread
+    # count timed (one thread first; `latency`: that one).
     delegation: Delegation | None = None
-    latency: Latency | None = None
     latencies: tuple[Latency, ...] = ()
+
+    @property
+    def latency(self) -> Latency | None:
+        """The one-thread latency against the float twin, when benchmarked."""
+        return self.latencies[0] if self.latencies else None
 
     def __str__(self) -> str:
         lines = [f"{self.path or '<bytes>'}: {len(self.tflite)} bytes, batch size {self.batch_size}, ops: "
                  + ", ".join(f"{k} x{v}" for k, v in self.summary.op_histogram.items()),
                  "float islands: " + (", ".join(f"{o.name} ({o.module_path})" for o in
                                                 self.summary.float_islands) or "none")]
-        lines += [str(x) for x in (self.delegation, *(self.latencies or [self.latency])) if x is not None]
+        lines += [str(x) for x in (self.delegation, *self.latencies) if x is not None]
         if self.verification is not None:
             lines.append(str(self.verification))
         return "\n".join(lines)
@@ -179,8 +183,7 @@ def uses_external_weights(scales: Scales, params: Any) -> bool:
     """Whether the quantized weights hold more float32 bytes than
     `_external.EXTERNAL_AUTO_BYTES`: their text alone would pass 2 GB."""
     flat = flat_params(params)
-    total = sum(4 * int(np.prod(np.shape(flat[p]), dtype=np.int64)) for p in scales.weights if p in flat)
-    return total > _external.EXTERNAL_AUTO_BYTES
+    return _float32_bytes(flat[p] for p in scales.weights if p in flat) > _external.EXTERNAL_AUTO_BYTES
 
 
 def finished(tflite: bytes, prepared: Prepared, blockwise, subgraph: int = 0) -> bytes:
@@ -244,8 +247,7 @@ def build(model: Any, prepared: Prepared, path: str | os.PathLike | None = None,
                               min_output_sqnr_db=_MIN_SQNR_DB.get(schema), progress=progress)
     written = write_atomically(path, tflite) if path is not None else None
     return Export(tflite=tflite, path=written, plan=plan, calibration=prepared.calibration, scales=prepared.scales,
-                  summary=summary, verification=report, delegation=delegation,
-                  latency=latencies[0] if latencies else None, latencies=latencies,
+                  summary=summary, verification=report, delegation=delegation, latencies=latencies,
                   batch_size=int(np.shape(jax.tree_util.tree_leaves(prepared.example_inputs)[0])[0]))
 
 
@@ -278,8 +280,12 @@ def _benchmark(model, tflite: bytes, example_inputs, *, variables, progress, nam
 
 def _float_bytes(model: Any, variables: Any) -> int:
     """Bytes of the model's parameters in float32."""
-    flat = flat_params(params_for(model, variables, "export_tflite"))
-    return sum(4 * int(np.prod(np.shape(x), dtype=np.int64)) for x in flat.values())
+    return _float32_bytes(flat_params(params_for(model, variables, "export_tflite")).values())
+
+
+def _float32_bytes(arrays: Iterable) -> int:
+    """Bytes of `arrays` in float32."""
+    return sum(4 * int(np.prod(np.shape(x), dtype=np.int64)) for x in arrays)
 
 
 # Models with float activations are checked end to end: LiteRT's float kernels
