@@ -180,7 +180,8 @@ class Lowerer:
         contraction = tuple(layout.w_perm[:len(layout.w_perm) - len(layout.w_free)])
         if operand.contraction_axes is not None and tuple(sorted(contraction)) != tuple(operand.contraction_axes):
             return "the weight is transposed before the op"
-        w = _matmul.matrix_weight(q, layout)
+        integer = read is not None and read.spec.qtype.kind == "int"
+        w = _matmul.matrix_weight(q, layout, decoded=not integer)
         if w is None:
             return "the weight scale varies along several contracted axes"
         blocks = f"{w.blocks} block{'s' if w.blocks > 1 else ''} of {w.rows} rows"

@@ -39,11 +39,16 @@ from odmlq.xla import _decode
 # weight, 256-row blocks beat 64 and 1024 at batch 32.
 BLOCK_ELEMENTS = 2**20
 # A matrix-vector product (a decode step: at most this many rows of input)
-# reads each weight once, and its block is best kept in this CPU's L2 cache:
-# 2^16 elements (256 KiB in float32) ran 1.2-1.7x float where 2^20 ran
-# 0.7-1.1x, weight-only and int8 alike (bench/README.md, "decode steps").
+# reads each weight once, and its block is best kept in this CPU's caches
+# between being decoded and being multiplied (bench/README.md, "decode
+# steps"). The integer kernel multiplies the int8 codes themselves: 2^16
+# elements ran 1.2-1.7x float where 2^20 ran 0.7-1.1x. A weight-only block is
+# decoded into float32 first, four bytes an element: 2^13 elements (32 KiB,
+# an L1 data cache) ran a whole decode step at 1.06-1.08x float where 2^16
+# ran 0.86-0.89x on a small decoder, and the same on a 38M one.
 VECTOR_ROWS = 4
 VECTOR_BLOCK_ELEMENTS = 2**16
+VECTOR_DECODED_BLOCK_ELEMENTS = 2**13
 _DOT = (((1,), (0,)), ((), ()))
 
 
@@ -148,10 +153,13 @@ class MatrixWeight:
         return 2 if self.packed else 1
 
 
-def matrix_weight(q: QArray, layout: DotLayout, block_elements: int | None = None) -> MatrixWeight | None:
+def matrix_weight(q: QArray, layout: DotLayout, block_elements: int | None = None,
+                  decoded: bool = True) -> MatrixWeight | None:
     """`q` as a (K, N) row-blocked matrix; None if its scale varies along
     several contraction axes (then it is not lowered). `block_elements`:
-    weight elements per block (default: by the rows the activation has)."""
+    weight elements per block (default: by the rows the activation has, and
+    whether the kernel multiplies float32 values `decoded` from the codes,
+    as `dot_float` does, or the int8 codes, as `dot_int` does)."""
     k, n = layout.k, layout.n
     nc = len(layout.w_perm) - len(layout.w_free)
     scale = _matrix_param(q.scale, layout, nc)
@@ -159,7 +167,7 @@ def matrix_weight(q: QArray, layout: DotLayout, block_elements: int | None = Non
         return None
     zero_point = _matrix_param(q.zero_point, layout, nc)
     rows_per_scale = 0 if scale.shape[0] == 1 else k // scale.shape[0]
-    rows = block_rows(k, n, max(rows_per_scale, 1), block_elements or default_block_elements(layout.m))
+    rows = block_rows(k, n, max(rows_per_scale, 1), block_elements or default_block_elements(layout.m, decoded))
     packed = q.qtype_info.values_per_byte == 2 and layout.w_identity and n % 2 == 0
     if packed:
         codes = q.qvalue.reshape(k // rows, rows, n // 2)
@@ -198,9 +206,12 @@ def _matrix_param(p, layout: DotLayout, nc: int):
     return jnp.broadcast_to(moved, contraction + layout.w_free).reshape(ks, layout.n)
 
 
-def default_block_elements(m: int) -> int:
-    """Weight elements per block for a matmul of `m` activation rows."""
-    return VECTOR_BLOCK_ELEMENTS if m <= VECTOR_ROWS else BLOCK_ELEMENTS
+def default_block_elements(m: int, decoded: bool) -> int:
+    """Weight elements per block for a matmul of `m` activation rows whose
+    blocks are `decoded` into float32 (weight-only) or multiplied as codes."""
+    if m > VECTOR_ROWS:
+        return BLOCK_ELEMENTS
+    return VECTOR_DECODED_BLOCK_ELEMENTS if decoded else VECTOR_BLOCK_ELEMENTS
 
 
 def block_rows(k: int, n: int, multiple: int, block_elements: int) -> int:
@@ -335,7 +346,7 @@ def dot_rows(x2: jax.Array, codes: jax.Array, scale: jax.Array, x_zero_point: ja
     n, k = codes.shape
     m = x2.shape[0]
     integer = jnp.issubdtype(x2.dtype, jnp.integer)
-    rows = block_rows(n, k, 1, block_elements or default_block_elements(m))
+    rows = block_rows(n, k, 1, block_elements or default_block_elements(m, not integer))
     if integer and x_zero_point is not None:
         x2 = jnp.concatenate([x2, jnp.ones((1, k), x2.dtype)])
     dims = (((1,), (1,)), ((), ()))
