@@ -145,8 +145,10 @@ def slower_than_float(latencies: Sequence[Latency]) -> str | None:
             "Export.delegation lists the ops outside XNNPACK. Where XNNPACK runs every op, an int8 kernel "
             "can still lose to its float twin on a small model (measured: a 3x3 convolution over one input "
             "channel, 2.9x slower in int8 than in float on an Intel host with AMX): keep such a module in "
-            "float with Rule(<module path>, skip=True) and export again to compare; benchmark=False skips "
-            "this timing.")
+            "float with Rule(<module path>, skip=True) and export again to compare, or let "
+            "odmlq.autotune(..., target=TuneTarget(max_latency_ratio=1.0, ...)) find the modules (it "
+            "tries quantized groups in float when only the latency misses); benchmark=False skips this "
+            "timing.")
 
 
 def delegation(tflite: bytes, summary: ModelSummary) -> Delegation:

@@ -35,7 +35,9 @@ class TuneTarget:
         rounds (LiteRT: the exported .tflite at batch 1, one thread, XNNPACK;
         XLA: the jitted quantized model on the first evaluation batch). On
         LiteRT a latency budget also gates placement: a group stays
-        quantized only where XNNPACK runs every one of its ops.
+        quantized only where XNNPACK runs every one of its ops. When the
+        latency alone misses, quantized groups are tried in float, one at
+        a time (an int8 kernel can lose to its float twin on the host).
       max_latency_ms: the tuned model's latency (as above) at most this many
         milliseconds on this machine.
 
