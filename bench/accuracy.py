@@ -77,23 +77,27 @@ def _rules(bench: Bench, schema: str, algorithm) -> list:
     return skip + [odmlq.Rule(".*", weight_qtype=qtype, weight_granularity=granularity, weight_algorithm=algorithm)]
 
 
-def measure(bench: Bench, schema: str, algorithm) -> dict:
+def measure(bench: Bench, schema: str, algorithm, awq: bool = False) -> dict:
     start = time.perf_counter()
+    rules = _rules(bench, schema, algorithm)
     try:
-        plan = odmlq.plan(bench.model, _rules(bench, schema, algorithm), *bench.example,
-                          variables=bench.variables)
+        plan = odmlq.plan(bench.model, rules, *bench.example, variables=bench.variables)
     except odmlq.GranularityError as e:
         return {"outcome": "n/a", "why": str(e).split(";")[0]}
+    variables, scaled = bench.variables, None
+    if awq:  # the same rules on the variables AWQ scaled
+        result = odmlq.awq(bench.model, rules, bench.calibration, variables=bench.variables)
+        variables, scaled = result.variables, len(result.scaled)
     needs_data = schema == "int8" or isinstance(algorithm, odmlq.GPTQ)
-    calibration = odmlq.calibrate(bench.model, plan, bench.calibration, variables=bench.variables,
+    calibration = odmlq.calibrate(bench.model, plan, bench.calibration, variables=variables,
                                   progress=False) if needs_data else None
-    params = odmlq.graph.params_for(bench.model, bench.variables, "bench")
+    params = odmlq.graph.params_for(bench.model, variables, "bench")
     scales = odmlq.compute_scales(plan, calibration, params)
     seconds = time.perf_counter() - start
-    simulator = odmlq.Simulator(bench.model, plan, scales, variables=bench.variables)
+    simulator = odmlq.Simulator(bench.model, plan, scales, variables=variables)
     outputs = np.concatenate([np.asarray(simulator(*x), np.float64) for x in bench.held_out])
     reference = np.concatenate([np.asarray(_float(bench, x), np.float64) for x in bench.held_out])
-    row = {"outcome": "ok", "sqnr_db": _sqnr_db(reference, outputs), "seconds": seconds}
+    row = {"outcome": "ok", "sqnr_db": _sqnr_db(reference, outputs), "seconds": seconds, "scaled": scaled}
     if bench.metric is not None:
         row["metric"] = bench.metric[1](outputs, reference)
     return row
@@ -199,7 +203,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--schemas", default=",".join(SCHEMAS))
+    parser.add_argument("--awq", action="store_true",
+                        help="compare odmlq.awq's scaling before rounding to nearest and before GPTQ instead")
     args = parser.parse_args()
+    if args.awq:
+        return _awq_table(args)
     print("| model | schema | SQNR, nearest | SQNR, GPTQ | GPTQ gain | SQNR, GPTQ + clip search | metric, nearest | "
           "metric, GPTQ | metric, GPTQ + clip search | seconds, nearest / GPTQ / + clip search |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -222,6 +230,27 @@ def main() -> None:
                 "" if clipped is None else f" / {clipped['seconds']:.1f}")
             print(f"| {bench.name} | {schema} | {nearest['sqnr_db']:.2f} dB | {gptq['sqnr_db']:.2f} dB | "
                   f"{gptq['sqnr_db'] - nearest['sqnr_db']:+.2f} dB | {sqnr} | {metric} | {seconds} |", flush=True)
+
+def _awq_table(args) -> None:
+    print("| model | schema | edges scaled | SQNR, nearest | SQNR, AWQ + nearest | SQNR, GPTQ | SQNR, AWQ + GPTQ | "
+          "metric: nearest / AWQ + nearest / GPTQ / AWQ + GPTQ | seconds: GPTQ / AWQ + GPTQ |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name in [m for m in args.models.split(",") if m]:
+        bench = MODELS[name]()
+        if bench is None:
+            print(f"| {name} | | skipped: not installed | | | | | | |", flush=True)
+            continue
+        for schema in [s for s in args.schemas.split(",") if s and s != "int8"]:
+            rows = [measure(bench, schema, algorithm, awq) for algorithm in (odmlq.Nearest(), odmlq.GPTQ())
+                    for awq in (False, True)]
+            if rows[0]["outcome"] != "ok":
+                print(f"| {bench.name} | {schema} | n/a: {rows[0]['why']} | | | | | | |", flush=True)
+                continue
+            sqnr = " | ".join(f"{r['sqnr_db']:.2f} dB" for r in rows)
+            metric = " / ".join(f"{r['metric']:.4f}" for r in rows) if "metric" in rows[0] else "-"
+            print(f"| {bench.name} | {schema} | {rows[1]['scaled']} | {sqnr} | {metric} | "
+                  f"{rows[2]['seconds']:.1f} / {rows[3]['seconds']:.1f} |", flush=True)
+
 
 if __name__ == "__main__":
     main()

@@ -8,7 +8,7 @@ and edge becomes before any backend runs:
   >>> print(p)
 """
 
-from odmlq.algorithms import GPTQ, Nearest
+from odmlq.algorithms import GPTQ, AWQResult, Nearest, awq
 from odmlq.calibration import (
     RMS,
     MSE,
@@ -51,7 +51,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AbsMax", "Calibration", "CalibrationError", "Edge", "EdgePlan", "Entropy", "FixedRange",
-    "GPTQ", "GranularityError", "Graph", "MSE", "MinMax", "MovingAverageMinMax", "Nearest", "OdmlqError", "Op",
+    "AWQResult", "GPTQ", "GranularityError", "Graph", "MSE", "MinMax", "MovingAverageMinMax", "Nearest", "OdmlqError",
+    "Op", "awq",
     "OpPlan", "Operand", "PerBlock", "PerChannel", "PerTensor", "Percentile", "Plan",
     "PlanError", "QArray", "QType", "QTypeError", "QuantSpec", "RMS", "Rule", "RuleError",
     "Statistics", "TraceError", "UnmatchedRuleWarning", "WeightPlan", "compute_scale",
