@@ -26,7 +26,8 @@ own (`_scalable`):
 - a product of two edges, one of them such an edge read by the product
   alone (a gated MLP's ``silu(gate) * up``: ``up``'s output channels).
 
-Each parameter changed must be read by one op only. The result is float
+Each parameter changed must be read by one op only (a tied embedding, also
+the table tokens are looked up in, is left as it is). The result is float
 parameters computing the same function (to float32 rounding), so every
 backend reads the same weights: quantize them as any model's (GPTQ then
 rounds the scaled weights against their own inputs).
@@ -137,9 +138,10 @@ def awq(model: Any, rules, rep_dataset: Iterable | Callable[[], Iterable], *, va
     specs = plan.weight_specs()
     new: dict[str, np.ndarray] = {}
     scaled, skipped = [], {}
+    uses = _uses(plan.graph)
     for edge, readers in _candidate_edges(plan, specs, calibration).items():
-        why = _unscalable_readers(plan, edge, readers, specs, calibration)
-        divided = None if why else _scalable(plan.graph, edge, _uses(plan.graph))
+        why = _unscalable_readers(plan, edge, readers, specs, calibration, uses)
+        divided = None if why else _scalable(plan.graph, edge, uses)
         if why or divided is None:
             skipped[edge] = why or "the op that makes it is not linear per channel in parameters of its own"
             continue
@@ -193,7 +195,7 @@ def _candidate_edges(plan, specs, calibration) -> dict[str, list]:
     return out
 
 
-def _unscalable_readers(plan, edge, readers, specs, calibration) -> str | None:
+def _unscalable_readers(plan, edge, readers, specs, calibration, uses) -> str | None:
     """Why the readers of `edge` cannot take its scale (None: they can)."""
     graph = plan.graph
     if edge in {graph.resolve(e) for e in graph.outputs}:
@@ -214,6 +216,8 @@ def _unscalable_readers(plan, edge, readers, specs, calibration) -> str | None:
             return f"{op.id} does not contract its last axis"
         if weight.derived or weight.stacked_axes or len(weight.contraction_axes or ()) != 1:
             return f"{op.id}'s weight is not one parameter with one contracted axis"
+        if uses[weight.param] != 1:
+            return f"{op.id}'s weight {weight.param!r} is read by other ops too (a tied embedding)"
         if weight.param not in calibration.grams or specs[weight.param].qtype.kind != "int":
             return f"{op.id}'s weight has no integer spec with observed inputs"
         gram = calibration.grams[weight.param]

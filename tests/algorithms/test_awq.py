@@ -33,6 +33,16 @@ class _PostNorm(nn.Module):
         return h + nn.Dense(32, name="ffn")(h)
 
 
+class _Tied(nn.Module):
+    """An RMSNorm before the output projection that reads the embedding table
+    the tokens were looked up in."""
+
+    @nn.compact
+    def __call__(self, tokens):
+        embed = nn.Embed(64, 32, name="embedding")
+        return embed.attend(nn.RMSNorm(name="norm")(embed(tokens)))
+
+
 @pytest.fixture(scope="module")
 def pre_norm():
     rng = np.random.default_rng(0)
@@ -93,6 +103,12 @@ def test_awq_leaves_edges_it_cannot_scale_and_says_why(pre_norm):
     result = odmlq.awq(post, [odmlq.Rule(".*", weight_qtype="int4")], calibration, variables=post_variables)
     assert not result.scaled and "not a matmul" in result.skipped["ln/add_1"], str(result)
     assert "not scaled" in str(result)
+
+    tied = _Tied()
+    tokens = np.random.default_rng(2).integers(0, 64, (8, 16)).astype(np.int32)
+    tied_variables = tied.init(jax.random.key(2), tokens[:1])
+    result = odmlq.awq(tied, [odmlq.Rule(".*", weight_qtype="int4")], [tokens], variables=tied_variables)
+    assert not result.scaled and any("tied embedding" in why for why in result.skipped.values()), str(result)
 
 
 def test_awq_scaled_weights_export_verified_and_run_alike_on_xla(pre_norm):
