@@ -66,14 +66,15 @@ def _sqnr_db(model, variables, rules, calibration, held_out, reference):
 
 
 def test_awq_keeps_the_float_function_and_lowers_the_rounding_error(pre_norm):
-    """Four input edges are scaled, each by the parameters of the op that
-    makes it; the float model computes the same outputs (float32 rounding);
-    int4 weights rounded to nearest gain (measured: 10.97 -> 13.91 dB; the
-    bound, 1.5 dB, leaves room for the search's grid), and each edge's
-    readers lose error on the calibration inputs."""
+    """With every gain taken (min_gain_db=0), four input edges are scaled,
+    each by the parameters of the op that makes it; the float model computes
+    the same outputs (float32 rounding); int4 weights rounded to nearest gain
+    (measured: 10.97 -> 13.91 dB; the bound, 1.5 dB, leaves room for the
+    search's grid), and each edge's readers lose error on the calibration
+    inputs. By default only the edges that gain 0.5 dB or more are scaled."""
     model, variables, calibration, held_out = pre_norm
     rules = [odmlq.Rule(".*", op="dot_general", weight_qtype="int4", weight_algorithm=odmlq.Nearest())]
-    result = odmlq.awq(model, rules, calibration, variables=variables)
+    result = odmlq.awq(model, rules, calibration, variables=variables, min_gain_db=0.0)
     divided = {s.edge: set(s.divided) for s in result.scaled}
     assert divided == {"ln/add_1": {"ln/scale", "ln/bias"}, "d0/relu": {"d0/kernel", "d0/bias"},
                        "gate/mul": {"up/kernel"}, "rms/mul_1": {"rms/scale"}}, str(result)
@@ -90,6 +91,10 @@ def test_awq_keeps_the_float_function_and_lowers_the_rounding_error(pre_norm):
     before = _sqnr_db(model, variables, rules, calibration, held_out, reference)
     after = _sqnr_db(model, result.variables, rules, calibration, held_out, reference)
     assert after >= before + 1.5, (before, after)
+
+    default = odmlq.awq(model, rules, calibration, variables=variables)
+    assert {s.edge for s in default.scaled} == {s.edge for s in result.scaled if s.error_db <= -0.5}, str(default)
+    assert all("dB only" in default.skipped[s.edge] for s in result.scaled if s.error_db > -0.5), str(default)
 
 
 def test_awq_leaves_edges_it_cannot_scale_and_says_why(pre_norm):
@@ -118,7 +123,9 @@ def test_awq_scaled_weights_export_verified_and_run_alike_on_xla(pre_norm):
     model, variables, calibration, held_out = pre_norm
     rules = [odmlq.Rule(".*", op="dot_general", weight_qtype="int4", weight_granularity=odmlq.PerBlock(32),
                         act_qtype="int8", act_dynamic=True)]
-    scaled = odmlq.awq(model, rules, calibration, variables=variables).variables
+    result = odmlq.awq(model, rules, calibration, variables=variables)
+    assert result.scaled, str(result)
+    scaled = result.variables
     export = odmlq.export_tflite(model, rules, calibration, variables=scaled, benchmark=False, progress=False)
     assert export.verification.passed, str(export.verification)
     qmodel = odmlq.ptq(model, rules, scaled, example_inputs=(held_out[:8],))
@@ -130,6 +137,9 @@ def test_awq_scaled_weights_export_verified_and_run_alike_on_xla(pre_norm):
 
 def test_bad_awq_inputs_are_named(pre_norm):
     model, variables, *_ = pre_norm
+    with pytest.raises(RuleError, match="min_gain_db"):
+        odmlq.awq(model, [odmlq.Rule(".*", weight_qtype="int4")], [np.ones((2, 32), np.float32)],
+                  variables=variables, min_gain_db=-1)
     with pytest.raises(RuleError, match="no batches"):
         odmlq.awq(model, [odmlq.Rule(".*", weight_qtype="int4")], [], variables=variables)
     from flax import nnx
