@@ -32,10 +32,12 @@ import jax.numpy as jnp
 from odmlq import _sums
 from odmlq.graph import folded_bias, folded_operands
 from odmlq.plan import QuantSpec, conversion_name, dynamic_kernel_inputs, input_conversion_scales
-from odmlq.qarray import compute_scale, fake_quant
+from odmlq.qarray import _kernels as qkernels
+from odmlq.qarray import compute_scale
+from odmlq.qtypes import qtype as lookup_qtype
 from odmlq.scales import Scales, TensorScale, fake_quant_bias
 
-__all__ = ["FakeQuant", "Materializer", "PlanHooks", "dynamic_fake_quant", "dynamic_scale"]
+__all__ = ["FakeQuant", "Materializer", "PlanHooks", "dynamic_fake_quant", "dynamic_quantize", "dynamic_scale"]
 
 
 class Materializer(Protocol):
@@ -201,18 +203,36 @@ class PlanHooks:
                               on_op=self.on_op)
 
 
-def dynamic_scale(x: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array | None]:
-    """Run-time range: the tensor's own min/max (per tensor or per channel),
-    as ``(scale, zero point)`` keepdims-shaped to `x`."""
+def dynamic_quantize(x: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """``(codes, scale, zero point)`` of `x` on its run-time range: the
+    tensor's own min/max (per tensor or per channel), keepdims-shaped to `x`.
+    Asymmetric integer grids are computed as XNNPACK's dynamic-range kernels
+    compute them (`odmlq.qarray._kernels.dynamic_asymmetric`: multiplied by
+    the reciprocal step, which rounds some values to the other neighbouring
+    code than dividing by the step does); others as `compute_scale` and
+    `quantize` do."""
     axes = tuple(a for a in range(x.ndim) if a not in spec.scale_axes)
     lo, hi = jnp.min(x, axis=axes, keepdims=True), jnp.max(x, axis=axes, keepdims=True)
-    return compute_scale(lo, hi, spec.qtype, symmetric=spec.symmetric)
+    qt = lookup_qtype(spec.qtype)
+    bounds = qkernels.qrange(qt, False)
+    if qt.is_integer and not spec.symmetric:
+        codes, scale, zero_point = qkernels.dynamic_asymmetric(x, lo, hi, bounds)
+        return codes.astype(qkernels.kernel_for(qt).storage), scale, zero_point
+    scale, zero_point = compute_scale(lo, hi, spec.qtype, symmetric=spec.symmetric)
+    return qkernels.quantize_values(x, scale, zero_point, bounds, qkernels.kernel_for(qt), None, None), scale, \
+        zero_point
+
+
+def dynamic_scale(x: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array | None]:
+    """``(scale, zero point)`` of `x`'s run-time range (`dynamic_quantize`)."""
+    return dynamic_quantize(x, spec)[1:]
 
 
 def dynamic_fake_quant(x: jax.Array, spec: QuantSpec) -> jax.Array:
-    """`x` on the grid of its run-time range (`dynamic_scale`)."""
-    scale, zero_point = dynamic_scale(x, spec)
-    return fake_quant(x, spec.qtype, scale=scale, zero_point=zero_point, scale_axes=spec.scale_axes)
+    """`x` on the grid of its run-time range (`dynamic_quantize`)."""
+    codes, scale, zero_point = dynamic_quantize(x, spec)
+    qt = lookup_qtype(spec.qtype)
+    return qkernels.dequantize_values(codes, scale, zero_point, qkernels.kernel_for(qt), None, None).astype(x.dtype)
 
 
 def _grid_of(ts: TensorScale, x: Any, contraction=None):

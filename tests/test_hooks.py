@@ -82,3 +82,43 @@ def test_fake_quant_hooks_are_simulate():
     y_sim, captured = odmlq.simulate(model, plan, scales, X, variables=variables, capture=True)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(y_sim))  # the same ops: bit-exact
     assert set(hooks.captured) == set(captured)
+
+
+def _xnnpack_qd8(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """XNNPACK's dynamic int8 (qd8) quantizer, in float32 numpy, as its source
+    computes it per row (`xnn_f32_qd8_asymmetric_quantization_params`, then
+    the convert kernel): codes, step, zero point."""
+    f = np.float32
+    lo = np.minimum(rows.min(axis=1, keepdims=True), f(0))
+    hi = np.maximum(rows.max(axis=1, keepdims=True), f(0))
+    inv = np.where(lo == hi, f(1), f(255) / np.where(lo == hi, f(1), hi - lo)).astype(f)
+    below, above = (lo * inv).astype(f), (hi * inv).astype(f)
+    zero = np.where((f(-128) + below) + (f(127) + above) > 0, f(-128) - below, f(127) - above).astype(f)
+    zero = np.rint(np.clip(zero, -128, 127))
+    codes = np.clip(np.rint((rows * inv).astype(f)) + zero, -128, 127)
+    return codes, (f(1) / inv).astype(f), zero
+
+
+def test_dynamic_int8_inputs_get_the_codes_xnnpack_computes():
+    """A dynamic-range matmul's input, per row, asymmetric: simulate's codes,
+    step and zero point are XNNPACK's, bit for bit, on 4096 rows of 256. The
+    step times the code divided back is not the same grid: rounding
+    ``x / ((hi - lo) / 255)`` instead of ``x * (255 / (hi - lo))`` gives the
+    other neighbouring code for some values (counted, so the check can fail)."""
+    from odmlq.hooks import dynamic_quantize
+    from odmlq.plan import QuantSpec
+
+    rng = np.random.default_rng(0)
+    rows = (rng.standard_normal((4096, 256)) * rng.uniform(0.01, 10, (4096, 1))
+            + rng.uniform(-3, 3, (4096, 1))).astype(np.float32)
+    rows[:4] = np.abs(rows[:4])  # one-sided rows: the range widened to hold 0
+    rows[4] = 0.0  # a zero range
+    spec = QuantSpec(qtype="int8", symmetric=False, dynamic=True, scale_axes=(0,), calibration=None)
+    codes, step, zero = (np.asarray(a) for a in dynamic_quantize(jnp.asarray(rows), spec))
+    want_codes, want_step, want_zero = _xnnpack_qd8(rows)
+    np.testing.assert_array_equal(codes, want_codes)
+    np.testing.assert_array_equal(step, want_step)
+    np.testing.assert_array_equal(zero, want_zero)
+    spread = np.maximum(rows[5:].max(1, keepdims=True), 0) - np.minimum(rows[5:].min(1, keepdims=True), 0)
+    divided = np.clip(np.rint((rows[5:] / (spread / np.float32(255))).astype(np.float32)) + want_zero[5:], -128, 127)
+    assert np.count_nonzero(divided != want_codes[5:]) > 0

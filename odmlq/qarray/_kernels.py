@@ -97,6 +97,27 @@ def scale_from_range(lo, hi, bounds, symmetric):
     return scale, zero_point
 
 
+def dynamic_asymmetric(x, lo, hi, bounds):
+    """``(codes, scale, zero_point)`` of `x` on the asymmetric integer grid of its
+    run-time range ``[lo, hi]`` (keepdims-shaped), computed as XNNPACK's
+    dynamic-range (qd8) kernels compute it, so that the codes are the ones
+    LiteRT multiplies: the range widened to hold 0; ``inv = (qmax - qmin) /
+    (hi - lo)`` in float32 (1 for a zero range); the zero point from whichever
+    end rounds less, clipped and rounded half to even; ``codes = round(x * inv)
+    + zero_point``, clipped; and ``scale = 1 / inv``. Dividing by ``(hi - lo) /
+    (qmax - qmin)`` instead differs in the last bit of some ratios: on the
+    sample decoder one input of one matmul came out -14.5 (rounded to -14)
+    where XNNPACK's product was -14.500001 (-15), and the logits moved by 1%."""
+    qmin, qmax = bounds[0], bounds[1]
+    lo, hi = jnp.minimum(lo.astype(jnp.float32), 0.0), jnp.maximum(hi.astype(jnp.float32), 0.0)
+    inv = jnp.where(lo == hi, jnp.float32(1.0), (qmax - qmin) / jnp.where(lo == hi, 1.0, hi - lo))
+    below, above = lo * inv, hi * inv
+    zero_point = jnp.where((qmin + below) + (qmax + above) > 0, qmin - below, qmax - above)
+    zero_point = jnp.round(jnp.clip(zero_point, qmin, qmax))
+    codes = jnp.clip(jnp.round(x.astype(jnp.float32) * inv) + zero_point, qmin, qmax)
+    return codes, jnp.float32(1.0) / inv, zero_point.astype(jnp.int32)
+
+
 def quantize_values(x, scale, zero_point, bounds, kernel, block_axis, block_size):
     """Unpacked codes / fp8 values / nf4 indices of `x` (in float32), shape kept."""
     ratio = to_blocks(x.astype(jnp.float32), block_axis, block_size) / param_to_blocks(scale, block_axis)

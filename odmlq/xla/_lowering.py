@@ -38,7 +38,7 @@ from odmlq.qarray import kernels as qkernels
 from odmlq.errors import PlanError
 from odmlq.graph import MATMUL_KINDS, evaluate_replacing
 from odmlq.plan import dynamic_kernel_inputs
-from odmlq.hooks import dynamic_scale
+from odmlq.hooks import dynamic_quantize
 from odmlq.qarray import QArray
 from odmlq.xla import _conv, _decode, _matmul
 from odmlq.xla._inputs import Input, converted_inputs
@@ -320,10 +320,9 @@ def _quantize_activation(x, spec, ts):
     """``(codes, scale, zero_point)`` of an input edge: its calibrated `TensorScale`
     (static) or its own range (dynamic), as `simulate` computes them."""
     if spec.dynamic:
-        scale, zero_point = dynamic_scale(x.astype(jnp.float32), spec)
-    else:
-        scale = jnp.asarray(ts.scale)
-        zero_point = None if ts.zero_point is None else jnp.asarray(ts.zero_point)
+        return dynamic_quantize(x.astype(jnp.float32), spec)
+    scale = jnp.asarray(ts.scale)
+    zero_point = None if ts.zero_point is None else jnp.asarray(ts.zero_point)
     qt = spec.qtype
     codes = qkernels.quantize_values(x, scale, zero_point, qkernels.qrange(qt, False),
                                      qkernels.kernel_for(qt), None, None)
