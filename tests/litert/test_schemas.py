@@ -78,6 +78,28 @@ def test_dynamic_range_kernels_are_not_float(models, digits):
     assert result.verification.output_sqnr_db >= 30
 
 
+def test_a_dynamic_range_matmul_computes_what_simulate_does_row_by_row():
+    """2048 rows of 256 inputs with varied ranges and offsets through one
+    dynamic-range FULLY_CONNECTED on XNNPACK, one row per invoke: every row's
+    64 outputs equal simulate's to float32 rounding (1e-5 of the row's
+    largest). Simulate quantizes each row as XNNPACK's qd8 kernels do; with
+    the input divided by the step instead, one of these rows gets a
+    neighbouring code and is off by 2.7e-4."""
+    model = nn.Dense(64)
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((2048, 256)) * rng.uniform(0.01, 10, (2048, 1))
+         + rng.uniform(-3, 3, (2048, 1))).astype(np.float32)
+    variables = model.init(jax.random.key(0), x[:1])
+    result = odmlq.export_tflite(model, [R(".*", weight_qtype="int8", act_qtype="int8", act_dynamic=True)], [x[:64]],
+                                 variables=variables, benchmark=False, progress=False)
+    runner = odmlq.litert.interpreter(result.tflite, num_threads=1).get_signature_runner()
+    (name,) = runner.get_input_details()
+    litert = np.concatenate([next(iter(runner(**{name: row[None]}).values())) for row in x])
+    simulated = np.asarray(odmlq.Simulator(model, result.plan, result.scales, variables=variables)(x))
+    off = np.abs(simulated - litert).max(axis=1) / np.abs(litert).max(axis=1)
+    assert np.count_nonzero(off > 1e-5) == 0, (np.count_nonzero(off > 1e-5), off.max())
+
+
 def test_int16x8_dense(models, digits):
     result = _export(models, digits, "mlp", [R(".*", weight_qtype="int8", act_qtype="int16")])
     tensors = result.summary.tensors
