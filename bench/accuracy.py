@@ -208,48 +208,52 @@ def main() -> None:
     args = parser.parse_args()
     if args.awq:
         return _awq_table(args)
-    print("| model | schema | SQNR, nearest | SQNR, GPTQ | GPTQ gain | SQNR, GPTQ + clip search | metric, nearest | "
-          "metric, GPTQ | metric, GPTQ + clip search | seconds, nearest / GPTQ / + clip search |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    columns = ["model", "schema", "SQNR, nearest", "SQNR, GPTQ", "GPTQ gain", "SQNR, GPTQ + clip search",
+               "metric, nearest", "metric, GPTQ", "metric, GPTQ + clip search",
+               "seconds, nearest / GPTQ / + clip search"]
+    for bench, schema in _benches(args, columns, lambda s: True):
+        nearest, gptq = measure(bench, schema, odmlq.Nearest()), measure(bench, schema, odmlq.GPTQ())
+        if nearest["outcome"] != "ok":
+            print(f"| {bench.name} | {schema} | n/a: {nearest['why']} | | | | | | | |", flush=True)
+            continue
+        # The clip search where it changes most: 4-bit weights.
+        clipped = measure(bench, schema, odmlq.GPTQ(clip_search=True)) if schema.startswith("w4") else None
+        metric = (f"{nearest['metric']:.4f} | {gptq['metric']:.4f}" if "metric" in nearest else "- | -")
+        metric += " | " + ("-" if clipped is None or "metric" not in clipped else f"{clipped['metric']:.4f}")
+        sqnr = "-" if clipped is None else f"{clipped['sqnr_db']:.2f} dB"
+        seconds = f"{nearest['seconds']:.1f} / {gptq['seconds']:.1f}" + (
+            "" if clipped is None else f" / {clipped['seconds']:.1f}")
+        print(f"| {bench.name} | {schema} | {nearest['sqnr_db']:.2f} dB | {gptq['sqnr_db']:.2f} dB | "
+              f"{gptq['sqnr_db'] - nearest['sqnr_db']:+.2f} dB | {sqnr} | {metric} | {seconds} |", flush=True)
+
+
+def _benches(args, columns: list[str], schema_wanted):
+    """Prints a table's header; yields each (bench, schema) of `args` to measure."""
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
     for name in [m for m in args.models.split(",") if m]:
         bench = MODELS[name]()
         if bench is None:
-            print(f"| {name} | | skipped: not installed | | | | | | | |", flush=True)
+            print(f"| {name} | | skipped: not installed |" + " |" * (len(columns) - 3), flush=True)
             continue
-        for schema in [s for s in args.schemas.split(",") if s]:
-            nearest, gptq = measure(bench, schema, odmlq.Nearest()), measure(bench, schema, odmlq.GPTQ())
-            if nearest["outcome"] != "ok":
-                print(f"| {bench.name} | {schema} | n/a: {nearest['why']} | | | | | | | |", flush=True)
-                continue
-            # The clip search where it changes most: 4-bit weights.
-            clipped = measure(bench, schema, odmlq.GPTQ(clip_search=True)) if schema.startswith("w4") else None
-            metric = (f"{nearest['metric']:.4f} | {gptq['metric']:.4f}" if "metric" in nearest else "- | -")
-            metric += " | " + ("-" if clipped is None or "metric" not in clipped else f"{clipped['metric']:.4f}")
-            sqnr = "-" if clipped is None else f"{clipped['sqnr_db']:.2f} dB"
-            seconds = f"{nearest['seconds']:.1f} / {gptq['seconds']:.1f}" + (
-                "" if clipped is None else f" / {clipped['seconds']:.1f}")
-            print(f"| {bench.name} | {schema} | {nearest['sqnr_db']:.2f} dB | {gptq['sqnr_db']:.2f} dB | "
-                  f"{gptq['sqnr_db'] - nearest['sqnr_db']:+.2f} dB | {sqnr} | {metric} | {seconds} |", flush=True)
+        for schema in [s for s in args.schemas.split(",") if s and schema_wanted(s)]:
+            yield bench, schema
+
 
 def _awq_table(args) -> None:
-    print("| model | schema | edges scaled | SQNR, nearest | SQNR, AWQ + nearest | SQNR, GPTQ | SQNR, AWQ + GPTQ | "
-          "metric: nearest / AWQ + nearest / GPTQ / AWQ + GPTQ | seconds: GPTQ / AWQ + GPTQ |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for name in [m for m in args.models.split(",") if m]:
-        bench = MODELS[name]()
-        if bench is None:
-            print(f"| {name} | | skipped: not installed | | | | | | |", flush=True)
+    columns = ["model", "schema", "edges scaled", "SQNR, nearest", "SQNR, AWQ + nearest", "SQNR, GPTQ",
+               "SQNR, AWQ + GPTQ", "metric: nearest / AWQ + nearest / GPTQ / AWQ + GPTQ",
+               "seconds: GPTQ / AWQ + GPTQ"]
+    for bench, schema in _benches(args, columns, lambda s: s != "int8"):  # AWQ leaves static inputs
+        rows = [measure(bench, schema, algorithm, awq) for algorithm in (odmlq.Nearest(), odmlq.GPTQ())
+                for awq in (False, True)]
+        if rows[0]["outcome"] != "ok":
+            print(f"| {bench.name} | {schema} | n/a: {rows[0]['why']} | | | | | | |", flush=True)
             continue
-        for schema in [s for s in args.schemas.split(",") if s and s != "int8"]:
-            rows = [measure(bench, schema, algorithm, awq) for algorithm in (odmlq.Nearest(), odmlq.GPTQ())
-                    for awq in (False, True)]
-            if rows[0]["outcome"] != "ok":
-                print(f"| {bench.name} | {schema} | n/a: {rows[0]['why']} | | | | | | |", flush=True)
-                continue
-            sqnr = " | ".join(f"{r['sqnr_db']:.2f} dB" for r in rows)
-            metric = " / ".join(f"{r['metric']:.4f}" for r in rows) if "metric" in rows[0] else "-"
-            print(f"| {bench.name} | {schema} | {rows[1]['scaled']} | {sqnr} | {metric} | "
-                  f"{rows[2]['seconds']:.1f} / {rows[3]['seconds']:.1f} |", flush=True)
+        sqnr = " | ".join(f"{r['sqnr_db']:.2f} dB" for r in rows)
+        metric = " / ".join(f"{r['metric']:.4f}" for r in rows) if "metric" in rows[0] else "-"
+        print(f"| {bench.name} | {schema} | {rows[1]['scaled']} | {sqnr} | {metric} | "
+              f"{rows[2]['seconds']:.1f} / {rows[3]['seconds']:.1f} |", flush=True)
 
 
 if __name__ == "__main__":
