@@ -143,7 +143,14 @@ def awq(model: Any, rules, rep_dataset: Iterable | Callable[[], Iterable], *, va
     plan = make_plan(model, rules, *example, variables=variables, method=method)
     calibration = calibrate(model, plan, batches, variables=variables, progress=False)
     params = params_for(model, variables, "awq")
-    values = {k: np.asarray(v, np.float64) for k, v in flat_params(params).items()}
+    originals = flat_params(params)
+    values: dict[str, np.ndarray] = {}  # float64 copies of the parameters read so far, scaled as they go
+
+    def value(name):
+        if name not in values:
+            values[name] = np.asarray(originals[name], np.float64)
+        return values[name]
+
     specs = plan.weight_specs()
     new: dict[str, np.ndarray] = {}
     scaled, skipped = [], {}
@@ -155,7 +162,7 @@ def awq(model: Any, rules, rep_dataset: Iterable | Callable[[], Iterable], *, va
             skipped[edge] = why or "the op that makes it is not linear per channel in parameters of its own"
             continue
         weights = {op.id: _weight_operand(op) for op in readers}
-        found = _search([(values[w.param], w.contraction_axes[0], specs[w.param], calibration.grams[w.param])
+        found = _search([(value(w.param), w.contraction_axes[0], specs[w.param], calibration.grams[w.param])
                          for w in weights.values()])
         if found is None or found[2] > -min_gain_db:
             skipped[edge] = ("no scaling lowers its readers' output error" if found is None else
@@ -163,13 +170,13 @@ def awq(model: Any, rules, rep_dataset: Iterable | Callable[[], Iterable], *, va
             continue
         s, alpha, error_db = found
         for w in weights.values():
-            new[w.param] = _along(values[w.param], s, w.contraction_axes[0])
+            new[w.param] = _along(value(w.param), s, w.contraction_axes[0])
         for param, axis in divided:
-            new[param] = _along(values[param], 1.0 / s, axis)
+            new[param] = _along(value(param), 1.0 / s, axis)
         scaled.append(ScaledEdge(edge=edge, readers=tuple(w.param for w in weights.values()),
                                  divided=tuple(p for p, _ in divided), alpha=alpha, error_db=error_db))
-        values.update({k: new[k] for k in new})
-    out = replace_params(params, {k: v.astype(np.asarray(flat_params(params)[k]).dtype) for k, v in new.items()})
+        values.update(new)
+    out = replace_params(params, {k: v.astype(np.asarray(originals[k]).dtype) for k, v in new.items()})
     return AWQResult(variables=out, scaled=tuple(scaled), skipped=skipped)
 
 
