@@ -8,7 +8,8 @@ and edge becomes before any backend runs:
   >>> print(p)
 """
 
-from odmlq.algorithms import GPTQ, AWQResult, Nearest, awq
+from odmlq.algorithms import GPTQ, Nearest
+from odmlq.awq import AWQResult, awq
 from odmlq.calibration import (
     RMS,
     MSE,

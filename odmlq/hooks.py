@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from odmlq import _sums
 from odmlq.graph import folded_bias, folded_operands
 from odmlq.plan import QuantSpec, conversion_name, dynamic_kernel_inputs, input_conversion_scales
-from odmlq.qarray import _kernels as qkernels
+from odmlq.qarray import kernels as qkernels
 from odmlq.qarray import compute_scale
 from odmlq.qtypes import qtype as lookup_qtype
 from odmlq.scales import Scales, TensorScale, fake_quant_bias

@@ -7,13 +7,12 @@ default where calibration data reaches the weight. An algorithm is chosen per ru
 weight's spec, and applied where scales are computed, so every backend reads
 the same integers.
 
-`awq` moves per-input-channel scales from quantized matmuls' weights into
-the ops before them (float parameters, the same function), searched against
-the calibration data (see `_awq`): quantize its variables as any model's.
+`odmlq.awq` (a module of its own: it plans and calibrates) moves
+per-input-channel scales from quantized matmuls' weights into the ops before
+them, as float parameters computing the same function.
 """
 
-from odmlq.algorithms._awq import AWQResult, ScaledEdge, awq
 from odmlq.algorithms._gptq import GPTQ, gptq_round
 from odmlq.algorithms._parse import WEIGHT_ALGORITHMS, Nearest, parse_weight_algorithm
 
-__all__ = ["AWQResult", "GPTQ", "ScaledEdge", "awq", "Nearest", "WEIGHT_ALGORITHMS", "gptq_round", "parse_weight_algorithm"]
+__all__ = ["GPTQ", "Nearest", "WEIGHT_ALGORITHMS", "gptq_round", "parse_weight_algorithm"]

@@ -122,11 +122,11 @@ def awq(model: Any, rules, rep_dataset: Iterable | Callable[[], Iterable], *, va
       >>> scaled = odmlq.awq(model, rules, batches, variables=variables)
       >>> qmodel = odmlq.ptq(model, rules, scaled.variables, odmlq.calibrate(...))
     """
-    from odmlq.algorithms._gptq import GPTQ
+    from odmlq.algorithms import GPTQ
     from odmlq.calibration import calibrate
     from odmlq.graph import flat_params, is_nnx_module, params_for, replace_params
+    from odmlq.plan import check_rules
     from odmlq.plan import plan as make_plan
-    from odmlq.plan._plan import check_rules
 
     if isinstance(min_gain_db, bool) or not isinstance(min_gain_db, (int, float)) or not min_gain_db >= 0:
         raise RuleError(f"odmlq.awq(min_gain_db={min_gain_db!r}): give a number of dB >= 0, e.g. 0.5.")
@@ -298,7 +298,7 @@ def _along(w: np.ndarray, s: np.ndarray, axis: int) -> np.ndarray:
 
 def _rounded(w: np.ndarray, spec) -> np.ndarray:
     """`w` rounded to nearest with the scales `spec` gives it, dequantized."""
-    from odmlq.scales._scales import weight_scale
+    from odmlq.scales import weight_scale
 
     ts = weight_scale(w.astype(np.float32), spec)
     cells = ts.cells(w.shape)
