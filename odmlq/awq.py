@@ -154,10 +154,10 @@ def awq(model: Any, rules, rep_dataset: Iterable | Callable[[], Iterable], *, va
     specs = plan.weight_specs()
     new: dict[str, np.ndarray] = {}
     scaled, skipped = [], {}
-    uses = _uses(plan.graph)
-    for edge, readers in _candidate_edges(plan, specs, calibration).items():
-        why = _unscalable_readers(plan, edge, readers, specs, calibration, uses)
-        divided = None if why else _scalable(plan.graph, edge, uses)
+    flow = _Flow.of(plan.graph)
+    for edge, readers in _candidate_edges(plan, specs, flow).items():
+        why = _unscalable_readers(plan, edge, readers, specs, calibration, flow)
+        divided = None if why else _scalable(plan.graph, edge, flow)
         if why or divided is None:
             skipped[edge] = why or "the op that makes it is not linear per channel in parameters of its own"
             continue
@@ -180,27 +180,40 @@ def awq(model: Any, rules, rep_dataset: Iterable | Callable[[], Iterable], *, va
     return AWQResult(variables=out, scaled=tuple(scaled), skipped=skipped)
 
 
-def _uses(graph) -> Counter:
-    """How many ops read each parameter."""
-    return Counter(o.param for op in graph.ops for o in op.operands if o.param is not None)
+@dataclasses.dataclass(frozen=True)
+class _Flow:
+    """Who reads and who makes each edge (aliases resolved), the model's
+    outputs, and how many ops read each parameter."""
+
+    readers: dict[str, list]
+    producers: dict[str, Any]
+    outputs: frozenset
+    uses: Counter
+
+    @classmethod
+    def of(cls, graph) -> "_Flow":
+        readers: dict[str, list] = {}
+        producers = {}
+        for op in graph.ops:
+            for e in op.inputs:
+                readers.setdefault(graph.resolve(e), []).append(op)
+            for e in op.outputs:
+                producers[graph.resolve(e)] = op
+        uses = Counter(o.param for op in graph.ops for o in op.operands if o.param is not None)
+        return cls(readers, producers, frozenset(graph.resolve(e) for e in graph.outputs), uses)
+
+    def read_once(self, edge: str) -> bool:
+        """Whether one op alone reads `edge`, and it is no model output."""
+        return len(self.readers.get(edge, ())) == 1 and edge not in self.outputs
 
 
 def _weight_operand(op):
     return next(o for o in op.operands if o.role == "weight")
 
 
-def _readers(graph) -> dict[str, list]:
-    out: dict[str, list] = {}
-    for op in graph.ops:
-        for e in op.inputs:
-            out.setdefault(graph.resolve(e), []).append(op)
-    return out
-
-
-def _candidate_edges(plan, specs, calibration) -> dict[str, list]:
+def _candidate_edges(plan, specs, flow: _Flow) -> dict[str, list]:
     """Input edges of matmuls with a quantized weight, and every op reading each."""
     graph = plan.graph
-    readers = _readers(graph)
     out = {}
     for op in graph.ops:
         if op.kind != "dot_general" or len(op.inputs) != 1:
@@ -208,14 +221,14 @@ def _candidate_edges(plan, specs, calibration) -> dict[str, list]:
         weight = next((o for o in op.operands if o.role == "weight"), None)
         if weight is not None and weight.param in specs:
             edge = graph.resolve(op.inputs[0])
-            out.setdefault(edge, readers[edge])
+            out.setdefault(edge, flow.readers[edge])
     return out
 
 
-def _unscalable_readers(plan, edge, readers, specs, calibration, uses) -> str | None:
+def _unscalable_readers(plan, edge, readers, specs, calibration, flow: _Flow) -> str | None:
     """Why the readers of `edge` cannot take its scale (None: they can)."""
     graph = plan.graph
-    if edge in {graph.resolve(e) for e in graph.outputs}:
+    if edge in flow.outputs:
         return "it is a model output"
     if edge in graph.inputs:
         return "it is a model input"
@@ -233,7 +246,7 @@ def _unscalable_readers(plan, edge, readers, specs, calibration, uses) -> str | 
             return f"{op.id} does not contract its last axis"
         if weight.derived or weight.stacked_axes or len(weight.contraction_axes or ()) != 1:
             return f"{op.id}'s weight is not one parameter with one contracted axis"
-        if uses[weight.param] != 1:
+        if flow.uses[weight.param] != 1:
             return f"{op.id}'s weight {weight.param!r} is read by other ops too (a tied embedding)"
         if weight.param not in calibration.grams or specs[weight.param].qtype.kind != "int":
             return f"{op.id}'s weight has no integer spec with observed inputs"
@@ -243,22 +256,18 @@ def _unscalable_readers(plan, edge, readers, specs, calibration, uses) -> str | 
     return None
 
 
-def _scalable(graph, edge, uses, _depth: int = 0) -> list[tuple[str, int]] | None:
+def _scalable(graph, edge, flow: _Flow, _depth: int = 0) -> list[tuple[str, int]] | None:
     """The (parameter, axis) pairs that, divided by ``s`` along the axis,
     divide channel c of `edge` by ``s_c`` and change nothing else; None if
     there are none (see the module doc)."""
-    op = next((o for o in graph.ops if edge in {graph.resolve(e) for e in o.outputs}), None)
+    op = flow.producers.get(edge)
     if op is None or len(op.outputs) != 1 or _depth > 8:
         return None
     channels = graph.edges[edge].shape[-1]
     inputs = [graph.resolve(e) for e in op.inputs]
     weights = [o for o in op.operands if o.role in ("weight", "bias")]
-    if any(uses[w.param] != 1 or w.derived or w.stacked_axes for w in weights) or op.constants:
+    if any(flow.uses[w.param] != 1 or w.derived or w.stacked_axes for w in weights) or op.constants:
         return None
-
-    def only_read_here(e):
-        return sum(1 for other in graph.ops if e in {graph.resolve(i) for i in other.inputs}) == 1 and \
-            e not in {graph.resolve(o) for o in graph.outputs}
 
     def vector(w):
         return graph.params[w.param][0] in ((channels,),) and w.shape[-1] == channels
@@ -266,15 +275,15 @@ def _scalable(graph, edge, uses, _depth: int = 0) -> list[tuple[str, int]] | Non
     if op.kind == "mul" and len(inputs) == 1 and len(weights) == 1 and vector(weights[0]):
         return [(weights[0].param, 0)]
     if op.kind == "add" and len(inputs) == 1 and len(weights) == 1 and vector(weights[0]) \
-            and only_read_here(inputs[0]):
-        below = _scalable(graph, inputs[0], uses, _depth + 1)
+            and flow.read_once(inputs[0]):
+        below = _scalable(graph, inputs[0], flow, _depth + 1)
         return None if below is None else below + [(weights[0].param, 0)]
-    if op.kind == "relu" and len(inputs) == 1 and not weights and only_read_here(inputs[0]):
-        return _scalable(graph, inputs[0], uses, _depth + 1)
+    if op.kind == "relu" and len(inputs) == 1 and not weights and flow.read_once(inputs[0]):
+        return _scalable(graph, inputs[0], flow, _depth + 1)
     if op.kind == "mul" and len(inputs) == 2 and not weights and inputs[0] != inputs[1]:
         for e in inputs:
-            if graph.edges[e].shape == graph.edges[edge].shape and only_read_here(e):
-                below = _scalable(graph, e, uses, _depth + 1)
+            if graph.edges[e].shape == graph.edges[edge].shape and flow.read_once(e):
+                below = _scalable(graph, e, flow, _depth + 1)
                 if below is not None:
                     return below
         return None
@@ -300,13 +309,8 @@ def _rounded(w: np.ndarray, spec) -> np.ndarray:
     """`w` rounded to nearest with the scales `spec` gives it, dequantized."""
     from odmlq.scales import weight_scale
 
-    ts = weight_scale(w.astype(np.float32), spec)
-    cells = ts.cells(w.shape)
-    scale = np.asarray(ts.scale, np.float64).ravel()[cells]
-    scale = np.where(scale > 0, scale, 1.0)
-    zero = 0.0 if ts.zero_point is None else np.asarray(ts.zero_point, np.float64).ravel()[cells]
-    qmin, qmax = ts.qtype.range(ts.narrow_range)
-    return (np.clip(np.round(w / scale) + zero, qmin, qmax) - zero) * scale
+    w32 = w.astype(np.float32)
+    return np.asarray(weight_scale(w32, spec).fake_quant(w32), np.float64)
 
 
 def _search(readers: Sequence[tuple[np.ndarray, int, Any, Any]]):
@@ -327,14 +331,13 @@ def _search(readers: Sequence[tuple[np.ndarray, int, Any, Any]]):
             total += float(np.sum((m @ h) * m))
         return total
 
-    best = None
-    for alpha in np.linspace(0.0, 1.0, ALPHAS):
+    tried = []
+    for alpha in np.linspace(0.0, 1.0, ALPHAS):  # alpha 0: s = 1, the weights as they are
         s = energy ** alpha
         s = s / np.sqrt(s.max() * s.min())
-        e = error(s)
-        if best is None or e < best[0]:
-            best = (e, s, float(alpha))
-    base = error(np.ones_like(energy))
+        tried.append((error(s), s, float(alpha)))
+    base = tried[0][0]
+    best = min(tried, key=lambda t: t[0])
     if best[2] == 0.0 or not best[0] < base or base <= 0:
         return None
     return best[1], best[2], float(10 * np.log10(best[0] / base))
