@@ -44,8 +44,8 @@ BLOCK_ELEMENTS = 2**20
 # steps"). The integer kernel multiplies the int8 codes themselves: 2^16
 # elements ran 1.2-1.7x float where 2^20 ran 0.7-1.1x. A weight-only block is
 # decoded into float32 first, four bytes an element: 2^13 elements (32 KiB,
-# an L1 data cache) ran a whole decode step at 1.06-1.08x float where 2^16
-# ran 0.86-0.89x on a small decoder, and the same on a 38M one.
+# an L1 data cache) ran a whole decode step at 1.01-1.08x float where 2^16
+# ran 0.80-0.89x on a small decoder, and the same on a 38M one.
 VECTOR_ROWS = 4
 VECTOR_BLOCK_ELEMENTS = 2**16
 VECTOR_DECODED_BLOCK_ELEMENTS = 2**13
