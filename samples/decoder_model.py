@@ -9,21 +9,23 @@ to the token embedding (``logits = h @ embedding.T``).
 
 The KV cache is the model's state, passed in and returned (a pure function,
 so one traced program serves JAX, XLA serving and the LiteRT export, whose
-signatures take the cache as tensors): keys and values of every layer,
-``(batch, layers, cache_length, kv_heads, head_dim)`` each, batch first as
-every model input is (`Decoder.empty_cache`). Three methods of the one
-module read the same weights:
+signatures take the cache as tensors): a key and a value tensor per layer,
+``(batch, kv_heads, cache_length, head_dim)`` each, in the layout attention
+reads (its two batched matmuls take them as they are: no transpose, and no
+stacking of layers that would copy the whole cache every step), ordered
+``keys_0, values_0, keys_1, ...`` (`Decoder.empty_cache`, `cache_names`). Three
+methods of the one module read the same weights:
 
 - ``__call__(tokens)``: logits of every position of ``(batch, length)``
   tokens (causal; training and perplexity; no cache);
-- ``prefill(tokens, keys, values)``: the same logits for a prompt at
-  positions ``0 .. length-1``, its keys and values written there (the rest
-  of the cache kept);
-- ``decode(token, position, keys, values)``: the logits of one token
+- ``prefill(tokens, *cache)``: ``(logits, *cache)``, the same logits for a
+  prompt at positions ``0 .. length-1``, its keys and values written there
+  (the rest of the cache kept);
+- ``decode(token, position, *cache)``: ``(logits, *cache)`` for one token
   ``(batch, 1)`` at ``position`` ``(batch,)`` int32 (each row its own),
-  attending to the cache up to and including it, and the cache with its key
-  and value written there (a select against the position, elementwise: no
-  dynamic slice for a converter to place).
+  attending to the cache up to and including it, its key and value written
+  there (a select against the position, elementwise: no dynamic slice for a
+  converter to place; measured as fast as a dynamic update in this layout).
 
 A masked attention score gets float32's lowest value added (``scores +
 where(visible, 0, finfo.min)``), as transformers masks: a masked key's weight
@@ -120,23 +122,27 @@ class Attention(nn.Module):
             return nn.Dense(heads * c.head_dim, use_bias=False, name=name)(x).reshape(batch, length, heads, c.head_dim)
 
         table = max(c.cache_length, length)
-        q = rotary(projected(c.heads, "query"), positions, c.rope_base, table)
-        k = rotary(projected(c.kv_heads, "key"), positions, c.rope_base, table)
-        v = projected(c.kv_heads, "value")
+        groups = c.heads // c.kv_heads
+        # Heads first, as the cache holds them: (batch, heads, length, head_dim).
+        q = rotary(projected(c.heads, "query"), positions, c.rope_base, table).transpose(0, 2, 1, 3)
+        k = rotary(projected(c.kv_heads, "key"), positions, c.rope_base, table).transpose(0, 2, 1, 3)
+        v = projected(c.kv_heads, "value").transpose(0, 2, 1, 3)
         if keys is None:  # the whole sequence, no cache
             keys, values, key_positions = k, v, positions
         else:
             keys, values = _written(keys, k, positions), _written(values, v, positions)
-            key_positions = jnp.arange(keys.shape[1], dtype=jnp.int32)[None]
-        groups = c.heads // c.kv_heads
-        q = q.reshape(batch, length, c.kv_heads, groups, c.head_dim)
-        scores = jnp.einsum("btkgd,bskd->bkgts", q, keys) / np.float32(np.sqrt(c.head_dim))
+            key_positions = jnp.arange(keys.shape[2], dtype=jnp.int32)[None]
+        # Each key/value head's query heads and positions as the rows of one matmul.
+        q = q.reshape(batch, c.kv_heads, groups * length, c.head_dim)
+        scores = jnp.einsum("bkqd,bksd->bkqs", q, keys) / np.float32(np.sqrt(c.head_dim))
         visible = key_positions[:, None, :] <= positions[:, :, None]  # (batch, length, keys)
         # Added, not selected: one ADD the delegate runs (a SELECT of the scores it does not), and
         # as exact: a score plus float32's lowest value is that value, whose softmax weight is 0.
-        scores = scores + jnp.where(visible, 0.0, jnp.finfo(scores.dtype).min)[:, None, None].astype(scores.dtype)
-        weights = jax.nn.softmax(scores, axis=-1)
-        out = jnp.einsum("bkgts,bskd->btkgd", weights, values).reshape(batch, length, c.heads * c.head_dim)
+        mask = jnp.where(visible, 0.0, jnp.finfo(scores.dtype).min).astype(scores.dtype)[:, None, None]
+        scores = scores.reshape(batch, c.kv_heads, groups, length, -1) + mask
+        weights = jax.nn.softmax(scores, axis=-1).reshape(batch, c.kv_heads, groups * length, -1)
+        out = jnp.einsum("bkqs,bksd->bkqd", weights, values).reshape(batch, c.heads, length, c.head_dim)
+        out = out.transpose(0, 2, 1, 3).reshape(batch, length, c.heads * c.head_dim)
         out = nn.Dense(c.hidden, use_bias=False, name="output")(out)
         return out, keys, values
 
@@ -172,44 +178,50 @@ class Decoder(nn.Module):
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        return _forward(self, tokens, positions, None, None)
+        return _forward(self, tokens, positions, None)
 
-    def prefill(self, tokens: jax.Array, keys: jax.Array, values: jax.Array):
-        """``(logits (batch, length, vocab), keys, values)`` for a prompt at positions 0..length-1."""
+    def prefill(self, tokens: jax.Array, *cache: jax.Array):
+        """``(logits (batch, length, vocab), *cache)`` for a prompt at positions 0..length-1."""
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        return _forward(self, tokens, positions, keys, values)
+        return _forward(self, tokens, positions, cache)
 
-    def decode(self, token: jax.Array, position: jax.Array, keys: jax.Array, values: jax.Array):
-        """``(logits (batch, 1, vocab), keys, values)`` for one token per row at `position` ``(batch,)``."""
-        return _forward(self, token, jnp.asarray(position, jnp.int32).reshape(token.shape), keys, values)
+    def decode(self, token: jax.Array, position: jax.Array, *cache: jax.Array):
+        """``(logits (batch, 1, vocab), *cache)`` for one token per row at `position` ``(batch,)``."""
+        return _forward(self, token, jnp.asarray(position, jnp.int32).reshape(token.shape), cache)
 
-    def empty_cache(self, batch: int = 1) -> tuple[np.ndarray, np.ndarray]:
-        """Zero keys and values: ``(batch, layers, cache_length, kv_heads, head_dim)`` float32 each."""
+    def empty_cache(self, batch: int = 1) -> tuple[np.ndarray, ...]:
+        """Zero keys and values, ``(batch, kv_heads, cache_length, head_dim)`` float32 each,
+        in the order of `cache_names`."""
         c = self.config
-        shape = (batch, c.layers, c.cache_length, c.kv_heads, c.head_dim)
-        return np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+        return tuple(np.zeros((batch, c.kv_heads, c.cache_length, c.head_dim), np.float32)
+                     for _ in range(2 * c.layers))
+
+    def cache_names(self) -> list[str]:
+        """``keys_0, values_0, keys_1, values_1, ...``: the cache tensors' names, in order."""
+        return [f"{kind}_{i}" for i in range(self.config.layers) for kind in ("keys", "values")]
 
 
 def _written(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
-    """`cache` ``(batch, cache_length, heads, head_dim)`` with `new` ``(batch, length, ...)``
+    """`cache` ``(batch, heads, cache_length, head_dim)`` with `new` ``(batch, heads, length, ...)``
     written at `positions`: one token, at its row's position (a select); a prompt, at
     positions ``0 .. length-1`` (a concatenation)."""
-    if new.shape[1] == 1:
-        here = jnp.arange(cache.shape[1], dtype=jnp.int32)[None, :] == positions[:, :1]  # (batch, cache_length)
-        return jnp.where(here[:, :, None, None], new.astype(cache.dtype), cache)
-    return jnp.concatenate([new.astype(cache.dtype), cache[:, new.shape[1]:]], axis=1)
+    if new.shape[2] == 1:
+        here = jnp.arange(cache.shape[2], dtype=jnp.int32)[None, :] == positions[:, :1]  # (batch, cache_length)
+        return jnp.where(here[:, None, :, None], new.astype(cache.dtype), cache)
+    return jnp.concatenate([new.astype(cache.dtype), cache[:, :, new.shape[2]:]], axis=2)
 
 
-def _forward(decoder: Decoder, tokens, positions, keys, values):
+def _forward(decoder: Decoder, tokens, positions, cache):
     """The blocks, shared by the three methods (a function, not a method: Linen names the
     modules of a method it wraps after the method, and rules match the plain paths)."""
-    x = decoder.embedding(tokens) * np.float32(np.sqrt(decoder.config.hidden))
-    new_keys, new_values = [], []
+    c = decoder.config
+    if cache is not None and len(cache) != 2 * c.layers:
+        raise ValueError(f"The decoder has {c.layers} layers: give {2 * c.layers} cache tensors "
+                         f"({', '.join(decoder.cache_names())}), as empty_cache returns; got {len(cache)}.")
+    x = decoder.embedding(tokens) * np.float32(np.sqrt(c.hidden))
+    written = []
     for i, block in enumerate(decoder.blocks):
-        x, k, v = block(x, positions, None if keys is None else keys[:, i], None if values is None else values[:, i])
-        new_keys.append(k)
-        new_values.append(v)
+        x, k, v = block(x, positions, *((None, None) if cache is None else cache[2 * i:2 * i + 2]))
+        written += [k, v]
     logits = decoder.embedding.attend(decoder.final_norm(x))
-    if keys is None:
-        return logits
-    return logits, jnp.stack(new_keys, axis=1), jnp.stack(new_values, axis=1)
+    return logits if cache is None else (logits, *written)

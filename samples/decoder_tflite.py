@@ -73,8 +73,13 @@ XLA_WEIGHT_ONLY: dict[str, list] = {
         R(".*", op="dot_general", weight_qtype="int4", weight_granularity=odmlq.PerBlock(32),
           weight_algorithm=odmlq.Nearest())],
 }
-NAMES = {"prefill": (["tokens", "keys", "values"], ["logits", "keys", "values"]),
-         "decode": (["token", "position", "keys", "values"], ["logits", "keys", "values"])}
+
+
+def names(model) -> dict:
+    """Each signature's input and output names: the cache as `Decoder.cache_names`."""
+    cache = model.cache_names()
+    return {"prefill": (["tokens", *cache], ["logits", *cache]),
+            "decode": (["token", "position", *cache], ["logits", *cache])}
 
 
 def prompts(text: np.ndarray, count: int, length: int = PROMPT, seed: int = 0) -> np.ndarray:
@@ -89,28 +94,27 @@ def calibration(model, variables, training: np.ndarray):
     batch = prompts(training, CALIBRATION_PROMPTS, seed=1)
     prefill, decode = [], []
     for rows in np.split(batch, 4):
-        keys, values = model.empty_cache(len(rows))
-        prefill.append((rows, keys, values))
-        logits, keys, values = model.apply(variables, rows, keys, values, method="prefill")
+        cache = model.empty_cache(len(rows))
+        prefill.append((rows, *cache))
+        logits, *cache = model.apply(variables, rows, *cache, method="prefill")
         token = np.argmax(np.asarray(logits)[:, -1:], axis=-1).astype(np.int32)
         for step in range(DECODE_STEPS):
             position = np.full((len(rows),), PROMPT + step, np.int32)
-            decode.append((token, position, np.asarray(keys), np.asarray(values)))
-            logits, keys, values = model.apply(variables, token, position, keys, values, method="decode")
+            decode.append((token, position, *(np.asarray(x) for x in cache)))
+            logits, *cache = model.apply(variables, token, position, *cache, method="decode")
             token = np.argmax(np.asarray(logits), axis=-1).astype(np.int32)
     return prefill, decode
 
 
 def greedy(prefill, decode, prompt: np.ndarray, empty_cache, steps: int = GENERATED) -> np.ndarray:
-    """`steps` greedy bytes after `prompt` ``(1, PROMPT)``: ``prefill(tokens, keys, values)``
-    and ``decode(token, position, keys, values)`` return ``(logits, keys, values)``."""
-    keys, values = empty_cache(1)
-    logits, keys, values = prefill(prompt, keys, values)
+    """`steps` greedy bytes after `prompt` ``(1, PROMPT)``: ``prefill(tokens, *cache)``
+    and ``decode(token, position, *cache)`` return ``(logits, *cache)``."""
+    logits, *cache = prefill(prompt, *empty_cache(1))
     token = np.argmax(np.asarray(logits)[:, -1:], axis=-1).astype(np.int32)
     out = []
     for step in range(steps):
         out.append(int(token[0, 0]))
-        logits, keys, values = decode(token, np.array([prompt.shape[1] + step], np.int32), keys, values)
+        logits, *cache = decode(token, np.array([prompt.shape[1] + step], np.int32), *cache)
         token = np.argmax(np.asarray(logits), axis=-1).astype(np.int32)
     return np.asarray(out, np.int32)
 
@@ -128,17 +132,19 @@ def perplexity(prefill, empty_cache, text: np.ndarray, length: int = PROMPT) -> 
     return math.exp(total / count)
 
 
-def _litert(tflite: bytes):
+def _litert(tflite: bytes, cache_names: list[str]):
     runner = odmlq.litert.interpreter(tflite, num_threads=1)
     prefill, decode = runner.get_signature_runner("prefill"), runner.get_signature_runner("decode")
 
-    def run_prefill(tokens, keys, values):
-        out = prefill(tokens=tokens, keys=np.asarray(keys), values=np.asarray(values))
-        return out["logits"], out["keys"], out["values"]
+    def outputs(out):
+        return out["logits"], *(out[name] for name in cache_names)
 
-    def run_decode(token, position, keys, values):
-        out = decode(token=token, position=position, keys=np.asarray(keys), values=np.asarray(values))
-        return out["logits"], out["keys"], out["values"]
+    def run_prefill(tokens, *cache):
+        return outputs(prefill(tokens=tokens, **{n: np.asarray(x) for n, x in zip(cache_names, cache)}))
+
+    def run_decode(token, position, *cache):
+        return outputs(decode(token=token, position=position,
+                              **{n: np.asarray(x) for n, x in zip(cache_names, cache)}))
 
     return run_prefill, run_decode
 
@@ -164,16 +170,16 @@ def main(checkpoint: str = "out/decoder.safetensors", out_dir: str = "out", sche
     prefill_data, decode_data = calibration(model, variables, training)
     tests = prompts(held_out, PROMPTS, seed=2)
 
-    def float_prefill(t, k, v):
-        return model.apply(variables, t, k, v, method="prefill")
+    def float_prefill(t, *cache):
+        return model.apply(variables, t, *cache, method="prefill")
 
-    def float_decode(t, p, k, v):
-        return model.apply(variables, t, p, k, v, method="decode")
+    def float_decode(t, p, *cache):
+        return model.apply(variables, t, p, *cache, method="decode")
 
     jit_prefill, jit_decode = jax.jit(float_prefill), jax.jit(float_decode)
     results = {"float": {"perplexity": perplexity(jit_prefill, model.empty_cache, held_out),
                          "tokens": [greedy(jit_prefill, jit_decode, p[None], model.empty_cache) for p in tests]}}
-    float_export = odmlq.export_signatures(model, [], _signatures(prefill_data, decode_data), variables=variables,
+    float_export = odmlq.export_signatures(model, [], _signatures(model, prefill_data, decode_data), variables=variables,
                                            verify=False, progress=False)
     results["float"]["bytes"] = len(float_export.tflite)
     float_decode_file = float_export.signatures["decode"].tflite
@@ -191,9 +197,10 @@ def main(checkpoint: str = "out/decoder.safetensors", out_dir: str = "out", sche
     return results
 
 
-def _signatures(prefill_data, decode_data) -> dict:
-    return {name: odmlq.Signature(method=name, rep_dataset=data, input_names=NAMES[name][0],
-                                  output_names=NAMES[name][1])
+def _signatures(model, prefill_data, decode_data) -> dict:
+    named = names(model)
+    return {name: odmlq.Signature(method=name, rep_dataset=data, input_names=named[name][0],
+                                  output_names=named[name][1])
             for name, data in (("prefill", prefill_data), ("decode", decode_data))}
 
 
@@ -201,12 +208,12 @@ def _schema(schema, model, variables, prefill_data, decode_data, tests, held_out
             float_xla_decode) -> dict:
     rules = SCHEMAS[schema]
     path = os.path.join(out_dir, f"decoder_{schema.replace(' ', '_')}.tflite")
-    exported = odmlq.export_signatures(model, rules, _signatures(prefill_data, decode_data), path,
+    exported = odmlq.export_signatures(model, rules, _signatures(model, prefill_data, decode_data), path,
                                        variables=variables, progress=False)
     single = exported.signatures
     simulated = {name: odmlq.Simulator(model, single[name].plan, single[name].scales, variables=variables)
                  for name in single}
-    litert_prefill, litert_decode = _litert(exported.tflite)
+    litert_prefill, litert_decode = _litert(exported.tflite, model.cache_names())
     # XLA: the same plans and calibration; decode reads the params prefill quantized.
     xla_prefill = odmlq.ptq(model, single["prefill"].plan, variables, single["prefill"].calibration)
     xla_decode = odmlq.ptq(model, single["decode"].plan, xla_prefill.params, single["decode"].calibration)

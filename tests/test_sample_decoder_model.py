@@ -78,26 +78,32 @@ def test_logits_match_an_independent_float64_decoder():
 def test_prefill_then_decode_equals_the_uncached_logits():
     model, variables, tokens = _model()
     full = np.asarray(model.apply(variables, tokens))
-    keys, values = model.empty_cache(2)
-    logits, keys, values = model.apply(variables, tokens[:, :6], keys, values, method="prefill")
+    logits, *cache = model.apply(variables, tokens[:, :6], *model.empty_cache(2), method="prefill")
     np.testing.assert_allclose(np.asarray(logits), full[:, :6], atol=1e-5, rtol=1e-5)
     for position in range(6, 10):
-        logits, keys, values = model.apply(variables, tokens[:, position:position + 1],
-                                           np.full((2,), position, np.int32), keys, values, method="decode")
+        logits, *cache = model.apply(variables, tokens[:, position:position + 1],
+                                     np.full((2,), position, np.int32), *cache, method="decode")
         np.testing.assert_allclose(np.asarray(logits)[:, 0], full[:, position], atol=1e-5, rtol=1e-5)
-    assert keys.shape == (2, CONFIG.layers, CONFIG.cache_length, CONFIG.kv_heads, CONFIG.head_dim)
-    assert not np.any(np.asarray(keys)[:, :, 10:])  # nothing written past the last position
+    assert len(cache) == 2 * CONFIG.layers and model.cache_names()[:3] == ["keys_0", "values_0", "keys_1"]
+    for x in cache:
+        assert x.shape == (2, CONFIG.kv_heads, CONFIG.cache_length, CONFIG.head_dim)
+        assert np.any(np.asarray(x)[:, :, 9]) and not np.any(np.asarray(x)[:, :, 10:])  # written up to 9 only
+
+
+def test_a_cache_of_the_wrong_length_is_named():
+    model, variables, tokens = _model()
+    with pytest.raises(ValueError, match="has 2 layers: give 4 cache tensors .keys_0, values_0, keys_1, values_1"):
+        model.apply(variables, tokens, *model.empty_cache(2)[:2], method="prefill")
 
 
 def test_rows_decode_at_their_own_positions():
     model, variables, tokens = _model()
     full = np.asarray(model.apply(variables, tokens))
-    keys, values = model.empty_cache(2)
-    _, keys, values = model.apply(variables, tokens[:, :6], keys, values, method="prefill")
+    _, *cache = model.apply(variables, tokens[:, :6], *model.empty_cache(2), method="prefill")
     # Row 0 decodes position 6; row 1 re-decodes position 3 over its own cache (3..5 overwritten
     # with the same keys: its logits at 3 see positions 0..3 only).
-    logits, _, _ = model.apply(variables, np.stack([tokens[0, 6:7], tokens[1, 3:4]]), np.array([6, 3], np.int32),
-                               keys, values, method="decode")
+    logits, *_ = model.apply(variables, np.stack([tokens[0, 6:7], tokens[1, 3:4]]), np.array([6, 3], np.int32),
+                             *cache, method="decode")
     np.testing.assert_allclose(np.asarray(logits)[0, 0], full[0, 6], atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(logits)[1, 0], full[1, 3], atol=1e-5, rtol=1e-5)
 

@@ -26,10 +26,10 @@ def test_litert_simulate_and_xla_generate_the_same_bytes(trained):
     training, held_out = decoder_lm.corpus()
     prefill_data, decode_data = decoder_tflite.calibration(model, variables, training)
     rules = decoder_tflite.SCHEMAS["int8 dynamic"]
-    exported = odmlq.export_signatures(model, rules, decoder_tflite._signatures(prefill_data, decode_data),
+    exported = odmlq.export_signatures(model, rules, decoder_tflite._signatures(model, prefill_data, decode_data),
                                        variables=variables, progress=False)
     single = exported.signatures
-    litert = decoder_tflite._litert(exported.tflite)
+    litert = decoder_tflite._litert(exported.tflite, model.cache_names())
     simulated = tuple(odmlq.Simulator(model, single[n].plan, single[n].scales, variables=variables)
                       for n in ("prefill", "decode"))
     xla_prefill = odmlq.ptq(model, single["prefill"].plan, variables, single["prefill"].calibration)
@@ -42,9 +42,9 @@ def test_litert_simulate_and_xla_generate_the_same_bytes(trained):
     # The prefill and decode the file holds read one cache: prompt then steps equals the
     # float model over the whole sequence (int8 weights and per-row int8 inputs: >= 25 dB).
     prompt = decoder_tflite.prompts(held_out, 1, seed=6)
-    logits, keys, values = litert[0](prompt, *model.empty_cache(1))
+    logits, *cache = litert[0](prompt, *model.empty_cache(1))
     nxt = np.array([[101]], np.int32)
-    logits, _, _ = litert[1](nxt, np.array([prompt.shape[1]], np.int32), keys, values)
+    logits, *_ = litert[1](nxt, np.array([prompt.shape[1]], np.int32), *cache)
     expected = np.asarray(model.apply(variables, np.concatenate([prompt, nxt], axis=1)))[:, -1]
     error = np.asarray(logits)[:, 0] - expected
     assert 10 * np.log10(np.sum(expected ** 2) / np.sum(error ** 2)) >= 25.0

@@ -14,7 +14,7 @@ combined file is checked against the single ones: the same ops in each
 subgraph, and the same outputs, bit for bit, on the verification rows.
 
 Example:
-  >>> keys, values = model.empty_cache(1)
+  >>> cache = model.empty_cache(1)   # keys_0, values_0, keys_1, ... as tensors
   >>> result = odmlq.export_signatures(model, rules, {
   ...     'prefill': odmlq.Signature(method='prefill', rep_dataset=prompts),
   ...     'decode': odmlq.Signature(method='decode', rep_dataset=steps)},

@@ -16,14 +16,17 @@ def decoder():
     rng = np.random.default_rng(0)
     prompts = [(rng.integers(0, 256, (2, 6)).astype(np.int32), *model.empty_cache(2)) for _ in range(3)]
     steps = []
-    for tokens, keys, values in prompts:
-        _, keys, values = model.apply(variables, tokens, keys, values, method="prefill")
+    for tokens, *cache in prompts:
+        _, *cache = model.apply(variables, tokens, *cache, method="prefill")
         steps.append((rng.integers(0, 256, (2, 1)).astype(np.int32), np.full((2,), 6, np.int32),
-                      np.asarray(keys), np.asarray(values)))
+                      *(np.asarray(x) for x in cache)))
     return model, variables, prompts, steps
 
 
-def signatures(prompts, steps):
-    names = ["logits", "keys", "values"]
-    return {"prefill": odmlq.Signature(method="prefill", rep_dataset=prompts, output_names=names),
-            "decode": odmlq.Signature(method="decode", rep_dataset=steps, output_names=names)}
+def signatures(model, prompts, steps):
+    cache = model.cache_names()
+    names = ["logits", *cache]
+    return {"prefill": odmlq.Signature(method="prefill", rep_dataset=prompts, input_names=["tokens", *cache],
+                                       output_names=names),
+            "decode": odmlq.Signature(method="decode", rep_dataset=steps, input_names=["token", "position", *cache],
+                                      output_names=names)}

@@ -133,7 +133,7 @@ def test_large_quantized_weights_choose_external_weights_by_themselves(monkeypat
 
 def test_signatures_share_each_external_weight():
     model, variables, prompts, steps = _decoder.decoder()
-    signatures = _decoder.signatures(prompts, steps)
+    signatures = _decoder.signatures(model, prompts, steps)
     results = {external: odmlq.export_signatures(model, SCHEMAS["dynamic"], signatures, variables=variables,
                                                  external_weights=external, progress=False)
                for external in (False, True)}

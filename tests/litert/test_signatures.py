@@ -18,13 +18,15 @@ def decoder():
 
 def test_prefill_and_decode_share_their_weights_in_one_verified_file(decoder, tmp_path):
     model, variables, prompts, steps = decoder
-    result = odmlq.export_signatures(model, DYNAMIC, _decoder.signatures(prompts, steps), tmp_path / "decoder.tflite",
+    result = odmlq.export_signatures(model, DYNAMIC, _decoder.signatures(model, prompts, steps), tmp_path / "decoder.tflite",
                                      variables=variables, progress=False)
     assert (tmp_path / "decoder.tflite").read_bytes() == result.tflite
     runner = odmlq.litert.interpreter(result.tflite)
+    cache = ["keys_0", "keys_1", "values_0", "values_1"]  # the signature lists its names sorted
     assert runner.get_signature_list() == {
-        "prefill": {"inputs": ["keys", "tokens", "values"], "outputs": ["keys", "logits", "values"]},
-        "decode": {"inputs": ["keys", "position", "token", "values"], "outputs": ["keys", "logits", "values"]}}
+        "prefill": {"inputs": [*cache[:2], "tokens", *cache[2:]], "outputs": [*cache[:2], "logits", *cache[2:]]},
+        "decode": {"inputs": [*cache[:2], "position", "token", *cache[2:]],
+                   "outputs": [*cache[:2], "logits", *cache[2:]]}}
     # Each weight once: the file is the two signatures' files less one copy of the int8 weights.
     weights = sum(np.size(x) for x in jax.tree.leaves(variables))
     alone = sum(len(single.tflite) for single in result.signatures.values())
@@ -35,10 +37,9 @@ def test_prefill_and_decode_share_their_weights_in_one_verified_file(decoder, tm
     # model's next logits within the dynamic-range kernels' error.
     prefill, decode = runner.get_signature_runner("prefill"), runner.get_signature_runner("decode")
     tokens = prompts[0][0][:1]
-    keys, values = model.empty_cache(1)
-    out = prefill(tokens=tokens, keys=keys, values=values)
+    out = prefill(tokens=tokens, **dict(zip(model.cache_names(), model.empty_cache(1))))
     nxt = np.array([[7]], np.int32)
-    out = decode(token=nxt, position=np.array([6], np.int32), keys=out["keys"], values=out["values"])
+    out = decode(token=nxt, position=np.array([6], np.int32), **{n: out[n] for n in model.cache_names()})
     expected = np.asarray(model.apply(variables, np.concatenate([tokens, nxt], axis=1)))[:, -1]
     error = out["logits"][:, 0] - expected
     assert 10 * np.log10(np.sum(expected ** 2) / np.sum(error ** 2)) >= 25.0  # int8 weights and inputs
@@ -89,7 +90,7 @@ def test_a_combined_file_that_differs_from_the_verified_ones_is_refused(decoder)
     from odmlq.litert import signatures
 
     model, variables, prompts, steps = decoder
-    result = odmlq.export_signatures(model, DYNAMIC, _decoder.signatures(prompts, steps), variables=variables,
+    result = odmlq.export_signatures(model, DYNAMIC, _decoder.signatures(model, prompts, steps), variables=variables,
                                      verify=False, progress=False)
     swapped = {"prefill": result.signatures["decode"], "decode": result.signatures["prefill"]}
     prepared = {name: signatures.prepare(model, DYNAMIC, data, variables=variables, method=name)
