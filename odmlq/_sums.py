@@ -10,8 +10,11 @@ but they differ by float rounding that grows with the contracted size, and a
 near tie (a language model's two best next tokens) then goes one way in
 simulate and the other on every integer backend. So where both operands of a
 ``dot_general`` sit on integer grids of at most 8 bits, the reference sums
-the codes exactly and multiplies by the weight's scale, then the input's (the
-order `odmlq.xla` uses); a weight with block scales along the contracted axis
+the codes exactly and multiplies by the input's scale, then the weight's (the
+order of XNNPACK's dynamic-range kernels, ``(sum * input step) * channel
+scale``, and of `odmlq.xla`: on identical inputs a decode step of the sample
+decoder then gives LiteRT's logits bit for bit, where the other order left
+1e-6); a weight with block scales along the contracted axis
 gets one exact sum per block, each scaled, then summed. What is left between
 this and a kernel is the rounding of those few multiplies and of the final
 sum over blocks.
@@ -123,7 +126,7 @@ def integer_sums(compute: Callable, operands: list, grids: Mapping[int, Grid], w
             ga, gb = ga.read_contracting(lc), gb.read_contracting(rc)
             if ga is None or gb is None:
                 continue
-            lhs_scaled_first = weight == ia
+            lhs_scaled_first = weight is not None and weight != ia  # the input's scale first
             kernel = _exact_dot(eqn.params["dimension_numbers"], ga, gb, lhs_scaled_first)
             if kernel is not None:
                 replace[n] = kernel

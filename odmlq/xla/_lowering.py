@@ -206,6 +206,9 @@ class Lowerer:
             x = ins[1 - side]
             codes, scale, zero_point = _quantize_activation(x, spec, ts)
             s_rows = layout.x_rows(scale, x.ndim)
+            if act.kind == "int" and not w.rows_per_scale:  # the input's scale first, as simulate
+                y = _matmul.dot_int(layout.x_matrix(codes), layout.x_rows(zero_point, x.ndim), w, s_rows)
+                return [layout.output(y).astype(out_dtype)]
             if act.kind == "int":
                 y = _matmul.dot_int(layout.x_matrix(codes), layout.x_rows(zero_point, x.ndim), w)
             else:
@@ -245,8 +248,9 @@ class Lowerer:
         def kernel(e, ins):
             x = ins[1 - side]
             xq, s_x, zero_point = _quantize_activation(x, spec, ts)
-            y = _matmul.dot_rows(layout.x_matrix(xq), codes, scale, layout.x_rows(zero_point, x.ndim))
-            return [layout.output(y * layout.x_rows(s_x, x.ndim)).astype(out_dtype)]
+            y = _matmul.dot_rows(layout.x_matrix(xq), codes, scale, layout.x_rows(zero_point, x.ndim),
+                                 x_scale=layout.x_rows(s_x, x.ndim))
+            return [layout.output(y).astype(out_dtype)]
 
         self._record(op, schema, f"int8 x int8 -> int32 dot on the weight as stored (N, K), one rescale"
                                  f"{read.describe()}")

@@ -297,9 +297,13 @@ def dot_float(x2: jax.Array, w: MatrixWeight) -> jax.Array:
     return _merge(accs)
 
 
-def dot_int(xq: jax.Array, x_zero_point: jax.Array | None, w: MatrixWeight) -> jax.Array:
+def dot_int(xq: jax.Array, x_zero_point: jax.Array | None, w: MatrixWeight,
+            x_scale: jax.Array | None = None) -> jax.Array:
     """Integer matmul of int8 codes: ``sum (xq - zp) * wq`` times the weight's
     scale, float32 (M, N) — times the activation scale, it is the result.
+    With `x_scale` (M, 1) and a scale per output channel, the result itself:
+    ``(sums * x_scale) * scale``, the order of XNNPACK's dynamic-range kernels
+    and of `simulate` (`odmlq._sums`). Block scales: the caller's, after.
 
     The weight is symmetric (no zero point). Accumulates in int32; a weight
     with per-block scales gets one int32 sum per block, each rescaled.
@@ -318,7 +322,7 @@ def dot_int(xq: jax.Array, x_zero_point: jax.Array | None, w: MatrixWeight) -> j
             return acc + lax.dot_general(xb, codes.astype(jnp.int8), _DOT, preferred_element_type=jnp.int32)
 
         accs = _scan_blocks(w, xq, body, xq.shape[0], jnp.int32)
-        return _merge(tuple(corrected(a).astype(jnp.float32) * s for a, s in zip(accs, w.scales)))
+        return _merge(tuple(_rescaled(corrected(a).astype(jnp.float32), x_scale, s) for a, s in zip(accs, w.scales)))
 
     def blockwise(acc, xb, codes, scale, zero_point):
         # One int32 sum per scale block of rows: a matmul batched over the blocks.
@@ -331,8 +335,16 @@ def dot_int(xq: jax.Array, x_zero_point: jax.Array | None, w: MatrixWeight) -> j
     return _merge(_scan_blocks(w, xq, blockwise, m, jnp.float32))
 
 
+def _rescaled(sums: jax.Array, x_scale: jax.Array | None, scale: jax.Array) -> jax.Array:
+    """``(sums * x_scale) * scale`` (the barrier keeps XLA from multiplying the scales first),
+    or ``sums * scale`` where the caller applies the input's scale."""
+    if x_scale is None:
+        return sums * scale
+    return lax.optimization_barrier(sums * x_scale) * scale
+
+
 def dot_rows(x2: jax.Array, codes: jax.Array, scale: jax.Array, x_zero_point: jax.Array | None = None,
-             block_elements: int | None = None) -> jax.Array:
+             block_elements: int | None = None, x_scale: jax.Array | None = None) -> jax.Array:
     """float32 (M, N) = x2 . codes^T x scale, for a weight stored (N, K): a
     tied embedding table read as the output projection (``x @ table.T``).
 
@@ -341,7 +353,8 @@ def dot_rows(x2: jax.Array, codes: jax.Array, scale: jax.Array, x_zero_point: ja
     its stored layout (no transposed copy per call). `codes` int8 and `x2`
     float (weight-only: each block converted to float32 in cache) or int8
     codes (integer: int32 sums; `x_zero_point` folded in with the rows'
-    sums). `scale`: (N, 1) or (1, 1); the activation scale is the caller's.
+    sums). `scale`: (N, 1) or (1, 1); the activation scale is the caller's,
+    or `x_scale` (M, 1), applied before `scale` (see `dot_int`).
     """
     n, k = codes.shape
     m = x2.shape[0]
@@ -363,4 +376,4 @@ def dot_rows(x2: jax.Array, codes: jax.Array, scale: jax.Array, x_zero_point: ja
         if x_zero_point is not None:
             y = y[:m] - x_zero_point.astype(jnp.int32) * y[m:]
         y = y.astype(jnp.float32)
-    return y * jnp.reshape(scale, (1, -1))
+    return _rescaled(y, x_scale, jnp.reshape(scale, (1, -1)))
