@@ -206,17 +206,19 @@ class PlanHooks:
 def dynamic_quantize(x: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """``(codes, scale, zero point)`` of `x` on its run-time range: the
     tensor's own min/max (per tensor or per channel), keepdims-shaped to `x`.
-    Asymmetric integer grids are computed as XNNPACK's dynamic-range kernels
-    compute them (`odmlq.qarray._kernels.dynamic_asymmetric`: multiplied by
-    the reciprocal step, which rounds some values to the other neighbouring
-    code than dividing by the step does); others as `compute_scale` and
-    `quantize` do."""
+    Integer grids are computed as LiteRT's kernels compute them, multiplied
+    by the reciprocal step (which rounds some values to the other
+    neighbouring code than dividing by the step does): asymmetric as
+    XNNPACK's dynamic-range kernels (`odmlq.qarray._kernels.dynamic_asymmetric`),
+    symmetric as LiteRT's built-in hybrid kernels (`dynamic_symmetric`);
+    others as `compute_scale` and `quantize` do."""
     axes = tuple(a for a in range(x.ndim) if a not in spec.scale_axes)
     lo, hi = jnp.min(x, axis=axes, keepdims=True), jnp.max(x, axis=axes, keepdims=True)
     qt = lookup_qtype(spec.qtype)
     bounds = qkernels.qrange(qt, False)
-    if qt.is_integer and not spec.symmetric:
-        codes, scale, zero_point = qkernels.dynamic_asymmetric(x, lo, hi, bounds)
+    if qt.is_integer:
+        grid = qkernels.dynamic_symmetric if spec.symmetric else qkernels.dynamic_asymmetric
+        codes, scale, zero_point = grid(x, lo, hi, bounds)
         return codes.astype(qkernels.kernel_for(qt).storage), scale, zero_point
     scale, zero_point = compute_scale(lo, hi, spec.qtype, symmetric=spec.symmetric)
     return qkernels.quantize_values(x, scale, zero_point, bounds, qkernels.kernel_for(qt), None, None), scale, \

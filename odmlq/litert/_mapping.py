@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["as_edge", "dequantize_tensor", "float_island_outputs", "map_conversions", "map_tensors", "params_match", "produced_tensors"]
+__all__ = ["as_edge", "dequantize_tensor", "float_island_outputs", "map_conversions", "map_float_tensors", "map_tensors",
+           "params_match", "produced_tensors"]
 
 _JIT_PREFIX = re.compile(r"^jit\((?:[^()]|\([^()]*\))*\)/")
 
@@ -56,6 +57,33 @@ def map_tensors(details: Sequence[dict], produced: set[int], plan, scales,
         matching = [i for i in indices if params_match(by_index[i], scales.edges[edge])]
         pool = matching or [i for i in indices if i not in conversions] or indices
         out[edge] = ([i for i in pool if i not in conversions] or pool)[-1]
+    return out
+
+
+def map_float_tensors(details: Sequence[dict], produced: Sequence[int], plan, scales) -> dict[str, int]:
+    """Float plan edge id (not quantized in `scales`) -> index of the float32
+    tensor that carries it: of the tensors whose names end in the edge (as
+    `map_tensors` reads them) and that hold its number of values, the last
+    one the interpreter writes (an op the converter lowers to several, such
+    as a transposed matmul, writes the edge's value last)."""
+    order = {e: i for i, e in enumerate(plan.graph.edges)}
+    by_index = {d["index"]: d for d in details}
+    out: dict[str, int] = {}
+    for index in produced:  # execution order: a later tensor of the same edge wins
+        d = by_index.get(index)
+        if d is None or d["dtype"] != np.float32:
+            continue
+        named = []
+        for location in d["name"].split(";"):
+            path = _JIT_PREFIX.sub("", location)
+            named += [e for e in order if path == e or path.startswith(e + "/")]
+        if not named:
+            continue
+        edge = max(named, key=order.get)
+        if edge in scales.edges or plan.graph.edges[edge].alias is not None:
+            continue
+        if _size(d["shape"]) == _size(plan.graph.edges[edge].shape):
+            out[edge] = index
     return out
 
 

@@ -54,7 +54,7 @@ def runtime_log_filtered() -> Iterator[None]:
 
 
 def interpreter(model: bytes | str | os.PathLike, *, num_threads: int | None = None,
-                preserve_all_tensors: bool = False):
+                preserve_all_tensors: bool = False, default_delegate: bool = True):
     """A LiteRT interpreter for a .tflite (bytes or path), tensors allocated.
 
     As ``ai_edge_litert.interpreter.Interpreter`` with the default delegate
@@ -66,12 +66,13 @@ def interpreter(model: bytes | str | os.PathLike, *, num_threads: int | None = N
       num_threads: threads the kernels may use (LiteRT's default: None).
       preserve_all_tensors: keep every intermediate tensor readable after
         `invoke` (for dumps and diffs; slower).
+      default_delegate: False runs LiteRT's built-in kernels alone.
 
     Example:
       >>> runner = odmlq.litert.interpreter('model.tflite', num_threads=1)
       >>> runner.get_signature_runner()(input_0=x)
     """
-    from ai_edge_litert.interpreter import Interpreter
+    from ai_edge_litert.interpreter import Interpreter, OpResolverType
 
     source = {"model_content": bytes(model)} if isinstance(model, (bytes, bytearray)) else {
         "model_path": os.fspath(model)}
@@ -79,7 +80,9 @@ def interpreter(model: bytes | str | os.PathLike, *, num_threads: int | None = N
         # It warns that keeping every tensor is for debugging: that is what it was asked for.
         warnings.simplefilter("ignore", UserWarning)
         with runtime_log_filtered():
+            resolver = {} if default_delegate else {
+                "experimental_op_resolver_type": OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES}
             made = Interpreter(**source, num_threads=num_threads,
-                               experimental_preserve_all_tensors=preserve_all_tensors)
+                               experimental_preserve_all_tensors=preserve_all_tensors, **resolver)
             made.allocate_tensors()
     return made

@@ -7,12 +7,18 @@ with every edge *fed LiteRT's own values*, so each op is computed from
 exactly the inputs LiteRT's kernel saw, and its output is compared with
 LiteRT's. Integer kernels may round a value a half step the other way, so
 1 LSB of the edge's scale is allowed; a miscompile differs by many.
+
+A model with no statically quantized edge (weight-only, dynamic-range) has
+no LSB to count in: there every float tensor that carries a plan edge is
+checked the same way, fed and compared, within `FLOAT_TOLERANCE` of the
+tensor's largest value.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,10 +27,10 @@ import numpy as np
 
 from odmlq.graph import GraphCache, params_for
 from odmlq.litert._mapping import (float_island_outputs, as_edge, dequantize_tensor, map_conversions,
-                                   map_tensors, params_match, produced_tensors)
+                                   map_float_tensors, map_tensors, params_match, produced_tensors)
 from odmlq.litert._probe import LiteRTCrashError, probe
 from odmlq.litert._runtime import interpreter
-from odmlq.plan import text_table as table
+from odmlq.plan import dynamic_kernel_inputs, text_table as table
 from odmlq.progress import steps
 from odmlq.errors import OdmlqError
 
@@ -36,6 +42,14 @@ __all__ = ["EdgeCheck", "LiteRTCrashError", "VerificationError", "VerificationRe
 # step; float32 noise in the comparison adds a little on top: float32 holds 24
 # bits, an int16 value up to 15 of them, so ~2^-9 LSB per rounding there.
 _SLACK_LSB = {"int8": 1e-3, "int16": 1e-2}
+
+# A float op of a weight-only or dynamic-range model against simulate fed the
+# same inputs, relative to the largest value of its output. Measured: exact
+# for elementwise ops and int8 dynamic matmuls; XNNPACK's own MEAN, RSQRT,
+# SOFTMAX, LOGISTIC and GELU and its int4 block sums up to 1.1e-6 (the sample
+# decoder, MiniLM, the digits CNN). A miscompile (a wrong layout, scale or
+# weight) is off by a good part of the value.
+FLOAT_TOLERANCE = 1e-4
 
 
 def _allowed_lsb(plan, scales, edge_id: str, tolerance_lsb: float) -> float:
@@ -66,6 +80,9 @@ class EdgeCheck:
     # LiteRT approximates (see `odmlq.litert.spec.OpSpec.tolerance_lsb`), plus
     # float32 noise at this qtype.
     allowed_lsb: float = 1.0 + 1e-3
+    # "LSB" of the edge's scale, or "of max": a float edge's difference
+    # relative to its largest value (`FLOAT_TOLERANCE`).
+    unit: str = "LSB"
 
     @property
     def ok(self) -> bool:
@@ -87,6 +104,9 @@ class VerificationReport:
     # Outputs against float: LiteRT's and simulate's (None when not measured).
     litert_float_sqnr_db: float | None = None
     simulate_float_sqnr_db: float | None = None
+    # Modules whose dynamic inputs are symmetric: verified on LiteRT's built-in
+    # kernels, which quantize them so; XNNPACK quantizes them asymmetrically.
+    builtin_kernels_for: tuple[str, ...] = ()
 
     @property
     def end_to_end_ok(self) -> bool:
@@ -110,17 +130,24 @@ class VerificationReport:
         return all(c.ok for c in self.checks)
 
     def __str__(self) -> str:
-        rows = [[c.edge, c.module_path or "''", str(c.tensor), f"{c.max_lsb:.3f}", f"{c.mean_lsb:.4f}",
-                 "yes" if c.params_match else "NO"] for c in self.checks]
+        rows = [[c.edge, c.module_path or "''", str(c.tensor), _cell(c.max_lsb, c.unit, 3),
+                 _cell(c.mean_lsb, c.unit, 4), "yes" if c.params_match else "NO"] for c in self.checks]
+        within = f"{self.tolerance_lsb:g} LSB"
+        if self.checks and all(c.unit != "LSB" for c in self.checks):
+            within = f"{FLOAT_TOLERANCE:g} (of each tensor's largest value)"
         lines = [f"Verification on {self.samples} samples: every op within "
-                 f"{self.tolerance_lsb:g} LSB of simulate: {'yes' if self.passed else 'NO'}"
+                 f"{within} of simulate: {'yes' if self.passed else 'NO'}"
                  + (f" (outputs >= {self.min_output_sqnr_db:g} dB)" if self.min_output_sqnr_db else ""),
-                 table(["edge", "module", "tensor", "max LSB", "mean LSB", "scale ok"], rows),
+                 table(["edge", "module", "tensor", "max diff", "mean diff", "scale ok"], rows)
+                 + ("\n(diff: in LSB of the edge's scale; as 1.2e-07, relative to the tensor's largest value)"
+                    if any(c.unit != "LSB" for c in self.checks) else ""),
                  f"end to end vs simulate: max {self.output_max_lsb:.3f} LSB, "
                  f"SQNR {self.output_sqnr_db:.1f} dB"]
         if self.litert_float_sqnr_db is not None and self.simulate_float_sqnr_db is not None:
             lines.append(f"outputs vs float: LiteRT {self.litert_float_sqnr_db:.1f} dB, "
                          f"simulate {self.simulate_float_sqnr_db:.1f} dB")
+        if self.builtin_kernels_for:
+            lines.append(_BUILTIN_NOTE.format(modules=", ".join(self.builtin_kernels_for)))
         if self.unmapped_edges:
             lines.append("edges with no tensor in the model: " + ", ".join(self.unmapped_edges))
         if self.unmapped_tensors:
@@ -128,15 +155,32 @@ class VerificationReport:
         return "\n".join(lines)
 
 
-def preserving_interpreter(tflite: bytes, what: str = "the model"):
+def preserving_interpreter(tflite: bytes, what: str = "the model", default_delegate: bool = True):
     """A LiteRT interpreter for `tflite` that keeps every intermediate tensor, allocated.
 
     The model is first loaded and invoked in a child process (`_probe`): a
     model that crashes LiteRT raises `LiteRTCrashError` instead of ending
-    this process.
+    this process. `default_delegate`: False runs the built-in kernels alone.
     """
     probe(tflite, what)
-    return interpreter(tflite, preserve_all_tensors=True)
+    return interpreter(tflite, preserve_all_tensors=True, default_delegate=default_delegate)
+
+
+_BUILTIN_NOTE = (
+    "verified on LiteRT's built-in kernels: the plan quantizes the dynamic inputs of {modules} "
+    "symmetrically, as the built-in hybrid kernels do, where XNNPACK (LiteRT's default delegate) "
+    "quantizes them asymmetrically; run the file without the default delegate to compute what the plan "
+    "says, or quantize those inputs asymmetrically (act_symmetric=False) to run them on XNNPACK as verified")
+
+
+def symmetric_dynamic_modules(plan) -> tuple[str, ...]:
+    """Modules of the matmuls whose inputs the plan quantizes at run time on a
+    symmetric integer grid (XNNPACK's dynamic-range kernels take asymmetric ones)."""
+    from odmlq.qtypes import qtype as lookup_qtype
+
+    found = [plan.graph.op(op_id).module_path for op_id, inputs in dynamic_kernel_inputs(plan).items()
+             if any(spec.symmetric and lookup_qtype(spec.qtype).is_integer for _, spec in inputs)]
+    return tuple(dict.fromkeys(found))
 
 
 def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, variables: Any = None,
@@ -162,8 +206,11 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
     """
     from odmlq.simulate import Simulator
 
+    builtin = symmetric_dynamic_modules(plan)
+    if builtin:
+        warnings.warn(_BUILTIN_NOTE.format(modules=", ".join(builtin)) + ".", UserWarning, stacklevel=2)
     try:
-        interpreter = preserving_interpreter(tflite)
+        interpreter = preserving_interpreter(tflite, default_delegate=not builtin)
     except (RuntimeError, ValueError) as e:
         raise VerificationError(
             f"The LiteRT interpreter cannot run the converted model: {e}. The converter "
@@ -179,6 +226,10 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
     conversions = map_conversions(ops, details, plan, scales)
     mapping = map_tensors(details, produced, plan, scales, conversions=frozenset(conversions.values()))
     island_outputs = float_island_outputs(ops, details, plan)
+    # No quantized edge: every float tensor of an edge is fed and checked.
+    float_mapping = {} if scales.edges else map_float_tensors(details, list(produced_tensors(interpreter)),
+                                                                 plan, scales)
+    float_stats: dict[str, list] = {e: [0.0, 0.0, 0] for e in float_mapping}
     targets, where = _checked_tensors(plan, scales, mapping, conversions)
     mapping = {**mapping, **conversions}
     by_index = {d["index"]: d for d in details}
@@ -197,7 +248,7 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
         # Float ops' outputs that integer ops read through a QUANTIZE are fed
         # too: LiteRT's float kernels and XLA differ by float32 noise, which a
         # fine int16 grid would turn into an LSB downstream.
-        floats = {e: np.asarray(interpreter.get_tensor(i)) for e, i in island_outputs.items()}
+        floats = {e: np.asarray(interpreter.get_tensor(i)) for e, i in {**island_outputs, **float_mapping}.items()}
         shapes = {**{e: plan.graph.edges[e].shape for e in floats}, **{e: t[1] for e, t in targets.items()}}
         feed = {e: as_edge(x, shapes[e]) for e, x in {**floats, **litert}.items()}
         _, fed = simulator(*inputs, capture=True, capture_conversions=bool(conversions),
@@ -213,6 +264,14 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
             lsb = np.abs(want - litert[e].reshape(want.shape)) / np.asarray(targets[e][0].scale)
             s = stats[e]
             s[0], s[1], s[2] = max(s[0], float(lsb.max())), s[1] + float(lsb.sum()), s[2] + lsb.size
+        for e in float_mapping:
+            want = np.asarray(fed[e], np.float64)
+            got = floats[e].astype(np.float64)
+            if got.size != want.size:
+                continue  # as_edge left it unfed: the converter reshaped it to another size
+            relative = np.abs(want - got.reshape(want.shape)) / max(float(np.abs(want).max()), 1e-30)
+            s = float_stats[e]
+            s[0], s[1], s[2] = max(s[0], float(relative.max())), s[1] + float(relative.sum()), s[2] + relative.size
         expected = np.concatenate([np.asarray(o, np.float32).reshape(-1)
                                    for o in jax.tree_util.tree_leaves(simulator(*inputs))])
         got = np.concatenate([from_output(interpreter.get_tensor(d["index"]), d).reshape(-1)
@@ -239,7 +298,11 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
                   params_match=params_match(by_index[i], targets[e][0]),
                   allowed_lsb=(_allowed_lsb(plan, scales, e, tolerance_lsb) if e in scales.edges
                                else tolerance_lsb + _SLACK_LSB.get(str(targets[e][0].qtype), 1e-3)))
-        for e, i in mapping.items())
+        for e, i in mapping.items()) + tuple(
+        EdgeCheck(edge=e, op=plan.graph.edges[e].producer, module_path=_module_path(plan, e), tensor=i,
+                  max_lsb=float_stats[e][0], mean_lsb=float_stats[e][1] / max(float_stats[e][2], 1),
+                  params_match=True, allowed_lsb=FLOAT_TOLERANCE, unit="of max")
+        for e, i in float_mapping.items() if float_stats[e][2])
     quantized = [e for e in scales.edges if plan.graph.edges[e].alias is None]
     report = VerificationReport(
         checks=checks,
@@ -251,12 +314,13 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
         output_sqnr_db=float(10 * np.log10(out_sig / out_noise)) if out_noise > 0 else float("inf"),
         samples=n, tolerance_lsb=tolerance_lsb, min_output_sqnr_db=min_output_sqnr_db,
         litert_float_sqnr_db=_db(float_sig, float_noise_litert),
-        simulate_float_sqnr_db=_db(float_sig, float_noise_sim))
+        simulate_float_sqnr_db=_db(float_sig, float_noise_sim), builtin_kernels_for=builtin)
     if raise_on_failure and not all(c.ok for c in checks):
         bad = [c for c in checks if not c.ok]
         worst = max(bad, key=lambda c: (not c.params_match, c.max_lsb))
         what = ("its scale/zero point in the .tflite are not the plan's" if not worst.params_match
-                else f"differs from simulate by up to {worst.max_lsb:.2f} LSB (allowed {worst.allowed_lsb:.3g})")
+                else f"differs from simulate by up to {_amount(worst.max_lsb, worst.unit, 2)} "
+                     f"(allowed {_amount(worst.allowed_lsb, worst.unit, 3)})")
         raise VerificationError(
             f"Exported op {worst.op!r} (module {worst.module_path!r}, edge {worst.edge!r}) {what}: "
             f"the converter produced a kernel that does not compute what the plan says. "
@@ -291,6 +355,15 @@ def _checked_tensors(plan, scales, edges, conversions) -> tuple[dict, dict]:
         targets[name] = (scales.conversions[c.key], plan.graph.edges[c.edge].shape)
         where[name] = (c.consumers[0], plan.graph.op(c.consumers[0]).module_path)
     return targets, where
+
+
+def _cell(value: float, unit: str, digits: int) -> str:
+    return f"{value:.{digits}f}" if unit == "LSB" else f"{value:.1e}"
+
+
+def _amount(value: float, unit: str, digits: int) -> str:
+    """An EdgeCheck's difference: LSBs as a number, a float edge's as a fraction of its largest value."""
+    return f"{value:.{digits}f} LSB" if unit == "LSB" else f"{value:.2g} of its largest value"
 
 
 def _module_path(plan, edge_id: str) -> str:

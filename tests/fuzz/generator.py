@@ -376,7 +376,7 @@ def run_case(case: Case) -> Outcome:
         if not report.passed:
             bad = max((c for c in report.checks if not c.ok), key=lambda c: c.max_lsb, default=None)
             where = ("" if bad is None
-                     else f"{bad.edge}: {bad.max_lsb:.1f} LSB (allowed {bad.allowed_lsb:.3g})")
+                     else f"{bad.edge}: {bad.max_lsb:.3g} {bad.unit} (allowed {bad.allowed_lsb:.3g})")
             return Outcome(case.seed, case.family, "silently_wrong", where, sqnr)
     return Outcome(case.seed, case.family, "exported", "", sqnr)
 
