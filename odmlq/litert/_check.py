@@ -70,6 +70,18 @@ def check_plan(plan: Plan, *, allow_float_ops: bool = False) -> list[str]:
             elif len(spec.scale_axes) > 1:
                 raise PlanError(f"{where}: weight {w.param!r} has {spec.describe()}; LiteRT takes one "
                                 "scale per tensor or per output channel. Use PerChannel() or PerTensor().")
+            if spec.qtype == "int4" and op.kind == "gather":
+                # litert-converter 0.5.0 keeps the rows an int4 table's GATHER_ND reads int4 and
+                # fails at their first reader (GATHER_ND or SELECT_V2 in transformers' GPT-2
+                # and BERT), naming no op of the plan.
+                readers = sorted({o.module_path for o in plan.graph.ops
+                                  if any(r.param == w.param for r in plan.ops[o.id].weights)})
+                modules = readers[0] if len(readers) == 1 else "(" + "|".join(readers) + ")"
+                raise PlanError(f"{where}: table {w.param!r} is int4; LiteRT has no int4 gather, so its rows "
+                                "would stay int4 where the next op reads them. Give it weight_qtype='int8' with a "
+                                f"rule before this one (e.g. Rule({modules!r}, weight_qtype='int8')"
+                                + (", one rule for every op reading it" if len(readers) > 1 else "")
+                                + "), or keep it float (skip=True).")
             if spec.qtype == "int4" and op.kind == "conv" and op_plan.dynamic_input is not None:
                 # ai-edge-litert 2.3.0 fails at the first invoke: 'Type FLOAT32
                 # with filter type INT4 not currently supported' (DEPTHWISE_CONV_2D).

@@ -210,6 +210,32 @@ def test_op_without_integer_kernel_is_refused_before_work():
         odmlq.export_tflite(model, INT8, [x], variables=variables)
 
 
+class _TiedLM(nn.Module):
+    """A token table looked up and read again as the output projection (GPT-2's)."""
+
+    @nn.compact
+    def __call__(self, tokens):
+        embed = nn.Embed(64, 32, name="embed")
+        return embed.attend(nn.Dense(32, name="mix")(embed(tokens)))
+
+
+def test_an_int4_table_is_refused_before_conversion_with_a_rule_for_each_reader():
+    """litert-converter 0.5.0 keeps an int4 table's gathered rows int4 and fails at their
+    first reader, naming no op; the plan check names the table and the modules reading it."""
+    model, tokens = _TiedLM(), np.arange(16, dtype=np.int32).reshape(2, 8) % 64
+    variables = model.init(jax.random.key(0), tokens[:1])
+    with pytest.raises(odmlq.PlanError, match=r"op 'embed/gather' \(module 'embed', rules\[0\]\): table "
+                                              r"'embed/embedding' is int4; LiteRT has no int4 gather.*"
+                                              r"Rule\('\(embed\|embed.attend\)', weight_qtype='int8'\), one rule "
+                                              r"for every op reading it"):
+        odmlq.export_tflite(model, [odmlq.Rule(".*", weight_qtype="int4")], [tokens], variables=variables,
+                            progress=False)
+    # As the error says: the table int8 for every op reading it, the rest int4.
+    rules = [odmlq.Rule("(embed|embed.attend)", weight_qtype="int8"), odmlq.Rule(".*", weight_qtype="int4")]
+    result = odmlq.export_tflite(model, rules, [tokens], variables=variables, progress=False, benchmark=False)
+    assert result.verification.passed
+
+
 class _TwoConvs(nn.Module):
     @nn.compact
     def __call__(self, x):
