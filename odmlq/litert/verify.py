@@ -82,8 +82,8 @@ class EdgeCheck:
     # LiteRT approximates (see `odmlq.litert.spec.OpSpec.tolerance_lsb`), plus
     # float32 noise at this qtype.
     allowed_lsb: float = 1.0 + 1e-3
-    # "LSB" of the edge's scale, or "of max": a float edge's difference
-    # relative to its largest value (`FLOAT_TOLERANCE`).
+    # "LSB" of the edge's scale, or "of max": a float edge's difference relative
+    # to the largest value of its op's output or inputs (`FLOAT_TOLERANCE`).
     unit: str = "LSB"
 
     @property
