@@ -1,6 +1,5 @@
 """Weight-only and dynamic-range exports are verified op by op, their float tensors fed and compared."""
 
-import jax
 import numpy as np
 import pytest
 
