@@ -37,10 +37,7 @@ def map_tensors(details: Sequence[dict], produced: set[int], plan, scales,
     for d in details:
         if d["index"] not in produced or d["dtype"] not in (np.int8, np.int16):
             continue
-        named = []
-        for location in d["name"].split(";"):
-            path = _JIT_PREFIX.sub("", location)
-            named += [e for e in order if path == e or path.startswith(e + "/")]
+        named = _edges_named(d["name"], order)
         if named:
             candidates.setdefault(max(named, key=order.get), []).append(d["index"])
     by_index = {d["index"]: d for d in details}
@@ -73,10 +70,7 @@ def map_float_tensors(details: Sequence[dict], produced: Sequence[int], plan, sc
         d = by_index.get(index)
         if d is None or d["dtype"] != np.float32:
             continue
-        named = []
-        for location in d["name"].split(";"):
-            path = _JIT_PREFIX.sub("", location)
-            named += [e for e in order if path == e or path.startswith(e + "/")]
+        named = _edges_named(d["name"], order)
         if not named:
             continue
         edge = max(named, key=order.get)
@@ -85,6 +79,17 @@ def map_float_tensors(details: Sequence[dict], produced: Sequence[int], plan, sc
         if _size(d["shape"]) == _size(plan.graph.edges[edge].shape):
             out[edge] = index
     return out
+
+
+def _edges_named(name: str, order: dict[str, int]) -> list[str]:
+    """The plan edges a tensor's name ends in: each location's path and the
+    paths above it (``a/b/c`` names edges ``a/b/c``, ``a/b`` and ``a``), looked
+    up rather than compared with every edge."""
+    named = []
+    for location in name.split(";"):
+        parts = _JIT_PREFIX.sub("", location).split("/")
+        named += [e for e in ("/".join(parts[:n]) for n in range(1, len(parts) + 1)) if e in order]
+    return named
 
 
 def _size(shape) -> int:
