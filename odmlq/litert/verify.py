@@ -221,7 +221,8 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
             "differently or keep it in float."
         ) from e
     details = interpreter.get_tensor_details()
-    produced = set(produced_tensors(interpreter))
+    written = produced_tensors(interpreter)  # in execution order
+    produced = set(written)
     # Conversions are checked and fed like edges: LiteRT's requantization
     # rounds a near-tie its own way (twice), and one LSB of a coarse int8
     # input is several of its reader's output.
@@ -230,8 +231,7 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
     mapping = map_tensors(details, produced, plan, scales, conversions=frozenset(conversions.values()))
     island_outputs = float_island_outputs(ops, details, plan)
     # No quantized edge: every float tensor of an edge is fed and checked.
-    float_mapping = {} if scales.edges else map_float_tensors(details, list(produced_tensors(interpreter)),
-                                                                 plan, scales)
+    float_mapping = {} if scales.edges else map_float_tensors(details, written, plan, scales)
     float_stats: dict[str, list] = {e: [0.0, 0.0, 0] for e in float_mapping}
     targets, where = _checked_tensors(plan, scales, mapping, conversions)
     mapping = {**mapping, **conversions}

@@ -206,13 +206,10 @@ class Lowerer:
             x = ins[1 - side]
             codes, scale, zero_point = _quantize_activation(x, spec, ts)
             s_rows = layout.x_rows(scale, x.ndim)
-            if act.kind == "int" and not w.rows_per_scale:  # the input's scale first, as simulate
+            if act.kind == "int":  # the input's scale applied inside, in simulate's order
                 y = _matmul.dot_int(layout.x_matrix(codes), layout.x_rows(zero_point, x.ndim), w, s_rows)
                 return [layout.output(y).astype(out_dtype)]
-            if act.kind == "int":
-                y = _matmul.dot_int(layout.x_matrix(codes), layout.x_rows(zero_point, x.ndim), w)
-            else:
-                y = _matmul.dot_float(layout.x_matrix(_decode.fp8_to_float32(codes)), w)
+            y = _matmul.dot_float(layout.x_matrix(_decode.fp8_to_float32(codes)), w)
             return [layout.output(y * s_rows).astype(out_dtype)]
 
         if not _rows_only(spec, layout):

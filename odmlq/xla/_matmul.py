@@ -301,9 +301,10 @@ def dot_int(xq: jax.Array, x_zero_point: jax.Array | None, w: MatrixWeight,
             x_scale: jax.Array | None = None) -> jax.Array:
     """Integer matmul of int8 codes: ``sum (xq - zp) * wq`` times the weight's
     scale, float32 (M, N) — times the activation scale, it is the result.
-    With `x_scale` (M, 1) and a scale per output channel, the result itself:
+    With `x_scale` (M, 1), the result itself: with a scale per output channel
     ``(sums * x_scale) * scale``, the order of XNNPACK's dynamic-range kernels
-    and of `simulate` (`odmlq._sums`). Block scales: the caller's, after.
+    and of `simulate` (`odmlq._sums`); with block scales, the blocks' scaled
+    sums times `x_scale`.
 
     The weight is symmetric (no zero point). Accumulates in int32; a weight
     with per-block scales gets one int32 sum per block, each rescaled.
@@ -332,7 +333,8 @@ def dot_int(xq: jax.Array, x_zero_point: jax.Array | None, w: MatrixWeight,
         partial = lax.dot_general(xg, wg, (((2,), (1,)), ((1,), (0,))), preferred_element_type=jnp.int32)
         return acc + jnp.sum(corrected(partial).astype(jnp.float32) * scale, axis=0)
 
-    return _merge(_scan_blocks(w, xq, blockwise, m, jnp.float32))
+    y = _merge(_scan_blocks(w, xq, blockwise, m, jnp.float32))
+    return y if x_scale is None else y * x_scale
 
 
 def _rescaled(sums: jax.Array, x_scale: jax.Array | None, scale: jax.Array) -> jax.Array:
