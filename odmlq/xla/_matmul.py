@@ -15,7 +15,8 @@ matmul runs over blocks of rows of that matrix in a `lax.scan`:
   block, then across blocks), one rescale at the end. An asymmetric
   activation's zero point is folded in with the weight's column sums, which
   come out of the same pass: a row of ones is appended to the activation.
-  Blockwise weights rescale each block's int32 sum.
+  Blockwise weights rescale each block's int32 sum; the scaled sums are added
+  one block after another, from the first, as `simulate` adds them.
 
 Packed int4 / nf4 weights are not unpacked into rows: the low and high
 nibbles of a row's bytes are its even and odd columns, so each block runs two
@@ -330,8 +331,11 @@ def dot_int(xq: jax.Array, x_zero_point: jax.Array | None, w: MatrixWeight,
         groups = w.rows // w.rows_per_scale
         xg = xb.reshape(xb.shape[0], groups, w.rows_per_scale)
         wg = codes.astype(jnp.int8).reshape(groups, w.rows_per_scale, -1)
-        partial = lax.dot_general(xg, wg, (((2,), (1,)), ((1,), (0,))), preferred_element_type=jnp.int32)
-        return acc + jnp.sum(corrected(partial).astype(jnp.float32) * scale, axis=0)
+        partial = corrected(lax.dot_general(xg, wg, (((2,), (1,)), ((1,), (0,))), preferred_element_type=jnp.int32))
+        # Added one block after another, as `simulate` (`odmlq._sums`) and XNNPACK's blockwise kernels do.
+        for g in range(groups):
+            acc = acc + partial[g].astype(jnp.float32) * scale[g]
+        return acc
 
     y = _merge(_scan_blocks(w, xq, blockwise, m, jnp.float32))
     return y if x_scale is None else y * x_scale
