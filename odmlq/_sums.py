@@ -16,9 +16,8 @@ scale``, and of `odmlq.xla`: on identical inputs a decode step of the sample
 decoder then gives LiteRT's logits bit for bit, where the other order left
 1e-6); a weight with block scales along the contracted axis
 gets one exact sum per block, each scaled, the blocks added one after another
-from the first (as `odmlq.xla` and XNNPACK's blockwise kernels add them: with
-block scales rounded to bfloat16, as LiteRT plans round them, each scaled sum
-is exact and only the additions round, so simulate and XLA agree bit for bit).
+from the first (`odmlq.qarray.kernels.block_sums_in_order`, which `odmlq.xla`
+adds its blocks with too; XNNPACK's blockwise kernels add them in that order).
 What is left between this and XNNPACK: its blockwise kernels start from the
 input zero point's term, a float, and add the blocks' sums of the raw codes
 to it, so their additions round elsewhere.
@@ -40,6 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from odmlq.graph import evaluate_replacing
+from odmlq.qarray import kernels
 
 __all__ = ["Grid", "grid", "integer_sums"]
 
@@ -184,25 +184,10 @@ def _exact_dot(dimension_numbers, ga: Grid, gb: Grid, lhs_scaled_first: bool):
         b_moved = tuple(1 + (a if a < gw.block_axis else a - 1) for a in b_w)
         c_moved = tuple(1 + (a if a < gw.block_axis else a - 1) for a in c_w if a != gw.block_axis)
         inner = _out_scale(moved, c_moved, (0,) + b_moved, side, frees)
-        blocks = lax.optimization_barrier(_in_order(sums, inner))
+        blocks = lax.optimization_barrier(kernels.block_sums_in_order(sums, inner))
         return [(blocks * other_scale).astype(out_dtype)]
 
     return kernel
-
-
-def _in_order(sums: jax.Array, scales: jax.Array) -> jax.Array:
-    """``sum_i sums[i] * scales[i]``, added one block after another from the
-    first, as `odmlq.xla`'s (`_matmul.dot_int`) and XNNPACK's blockwise
-    kernels add them (one reduction over the blocks adds them in an order of
-    XLA's choosing: 21% of a small decoder's prefill logits then differed
-    from XLA's in their last bits)."""
-    def step(acc, block):
-        s, c = block
-        return acc + s * c, None
-
-    scales = jnp.broadcast_to(scales, scales.shape[:1] + jnp.broadcast_shapes(sums.shape[1:], scales.shape[1:]))
-    return lax.scan(step, jnp.zeros(jnp.broadcast_shapes(sums.shape[1:], scales.shape[1:]), sums.dtype),
-                    (sums, scales))[0]
 
 
 def _dot(a, b, dimension_numbers, k: int, largest_a: int, largest_b: int) -> jax.Array:

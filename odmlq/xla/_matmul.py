@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from odmlq.qarray import QArray
+from odmlq.qarray import kernels as qkernels
 from odmlq.xla import _decode
 
 # Weight elements per block of the row-blocked matmul: 1 MiB of int8 codes
@@ -332,10 +333,8 @@ def dot_int(xq: jax.Array, x_zero_point: jax.Array | None, w: MatrixWeight,
         xg = xb.reshape(xb.shape[0], groups, w.rows_per_scale)
         wg = codes.astype(jnp.int8).reshape(groups, w.rows_per_scale, -1)
         partial = corrected(lax.dot_general(xg, wg, (((2,), (1,)), ((1,), (0,))), preferred_element_type=jnp.int32))
-        # Added one block after another, as `simulate` (`odmlq._sums`) and XNNPACK's blockwise kernels do.
-        for g in range(groups):
-            acc = acc + partial[g].astype(jnp.float32) * scale[g]
-        return acc
+        # Added one block after another, by the function simulate adds them with (XNNPACK's order).
+        return qkernels.block_sums_in_order(partial.astype(jnp.float32), scale, acc)
 
     y = _merge(_scan_blocks(w, xq, blockwise, m, jnp.float32))
     return y if x_scale is None else y * x_scale
