@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from odmlq import _sums
 from odmlq.graph import folded_bias, folded_operands
@@ -127,7 +128,16 @@ class PlanHooks:
 
     def on_constant(self, op_id: str, index: int, value: Any) -> Any:
         ts = self.scales.constants.get((op_id, index))
-        return value if ts is None else self.materializer.constant(self.graph.op(op_id), index, value, ts)
+        if ts is None:
+            return value
+        op = self.graph.op(op_id)
+        folded = op.constants[index].value if index < len(op.constants) else None
+        if folded is not None and np.shape(folded) == np.shape(value):
+            # The value folded at trace time: what reaches here may be the steps computing it
+            # (a gather of a constant table at constant positions: transformers' rotary sines),
+            # which a converter leaves as ops, and its quantization with them.
+            value = folded
+        return self.materializer.constant(op, index, value, ts)
 
     def on_op(self, op_id: str, compute: Callable, *operands) -> list:
         op = self.graph.op(op_id)

@@ -1,4 +1,6 @@
-"""Matmuls of a constant matrix written activation first (internal; used by `_trace`).
+"""Ops rewritten into forms the backends run alike (internal; used by `_trace`).
+
+Matmuls of a constant matrix are written activation first.
 
 ``jax.image.resize`` (bilinear, cubic, lanczos) interpolates with
 ``dot_general(weights, x)``: the constant interpolation matrix is the left
@@ -8,14 +10,32 @@ became the "weights" (a float TRANSPOSE and FULLY_CONNECTED at every
 invocation). Written as ``transpose(dot_general(x, weights))`` (the same
 values), the constant is the weight: an int8 FULLY_CONNECTED reading it in
 its own layout, and an int8 TRANSPOSE.
+
+Three ops that litert-converter 0.5.0 cannot carry in integers are written in
+forms it can (`portable_forms`), the values unchanged:
+
+- ``-x`` (a rotate-half rotary embedding's negation, in transformers' Llama,
+  Gemma and Mistral) is ``x * -1``: the converter leaves NEG in float
+  between a DEQUANTIZE and a QUANTIZE, where MUL is an int8 and int16 kernel;
+- ``a ^ b`` of booleans (GPT-Neo's local attention mask) is ``a != b``:
+  XOR has no LiteRT op at all (the conversion failed), NOT_EQUAL has;
+- a broadcast that copies an activation a few times (``jnp.repeat`` of the
+  key/value heads in grouped-query attention: transformers' Llama, Gemma,
+  Mistral) is a broadcast that only adds axes of size 1 (a RESHAPE) and a
+  concatenation of the copies: the converter keeps BROADCAST_TO in float,
+  where CONCATENATION is an int8 kernel XNNPACK runs.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from odmlq.graph._program import _Lit, _Region, _Step
+
+# The most copies a broadcast is rewritten into (a concatenation of that many inputs).
+MAX_COPIES = 16
 
 
 def activation_first_matmuls(walker, steps: list) -> None:
@@ -49,3 +69,55 @@ def _swap(walker, steps: list, step, lhs, rhs, lc, rc) -> None:
         return
     at = steps.index(step)
     steps[at:at + 1] = new
+
+
+def portable_forms(walker, steps: list) -> None:
+    """Rewrites, in place, each float ``neg`` of an activation as ``x * -1`` and
+    each boolean ``xor`` (of constants too) as ``!=`` (module doc), in scan
+    bodies too."""
+    for step in list(steps):
+        if isinstance(step, _Region):
+            portable_forms(walker, step.body.steps)
+            continue
+        if not isinstance(step, _Step) or step.eqn is None or step.kind not in ("neg", "xor", "broadcast_in_dim"):
+            continue
+        dtype = step.eqn.outvars[0].aval.dtype
+        constant = all(isinstance(r, _Lit) or walker.is_weight(r) for r in step.ins)
+        # A negated weight is folded; a xor of constants (a mask built from a constant
+        # table) is left to the converter, which folds no XOR.
+        if step.kind == "neg" and not constant and jnp.issubdtype(dtype, jnp.floating):
+            fn = lambda x: x * np.asarray(-1, dtype)  # noqa: E731
+        elif step.kind == "xor" and dtype == np.bool_:
+            fn = lambda a, b: a != b  # noqa: E731
+        elif step.kind == "broadcast_in_dim" and not constant and len(step.ins) == 1:
+            fn = _as_concatenation(step.eqn.params, walker.avals[step.ins[0]].shape)
+            if fn is None:
+                continue
+        else:
+            continue
+        new = walker.walk_function(fn, list(step.ins), step.outs[0], step.stack)
+        if new is not None:
+            at = steps.index(step)
+            steps[at:at + 1] = new
+
+
+def _as_concatenation(params: dict, in_shape: tuple[int, ...]):
+    """``broadcast_in_dim`` as a broadcast adding axes of size 1 and
+    concatenations of the copies; None where it copies nothing or more
+    than `MAX_COPIES` times."""
+    shape, dims = tuple(params["shape"]), tuple(params["broadcast_dimensions"])
+    expanded = [1] * len(shape)
+    for d, size in zip(dims, in_shape):
+        expanded[d] = size
+    copies = int(np.prod(shape)) // max(int(np.prod(expanded)), 1)
+    if copies <= 1 or copies > MAX_COPIES:
+        return None
+
+    def fn(x):
+        y = lax.broadcast_in_dim(x, tuple(expanded), dims)
+        for axis, size in enumerate(shape):
+            if y.shape[axis] != size:
+                y = jnp.concatenate([y] * size, axis=axis)
+        return y
+
+    return fn

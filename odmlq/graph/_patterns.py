@@ -82,6 +82,11 @@ PATTERNS: tuple[Pattern, ...] = (
                      ("mul", (0, 3)), ("copy", (4,))), attributes=lambda steps: {"approximate": False}),
     Pattern("gelu", (("mul", (0.5, X)), ("neg", (X,)), ("mul", (1, _SQRT_HALF)), ("erfc", (2,)),
                      ("mul", (0, 3))), attributes=lambda steps: {"approximate": False}),
+    # The same with its negation as the graph writes it (-x is x * -1: `_canonical`).
+    Pattern("gelu", (("mul", (0.5, X)), ("mul", (X, -1.0)), ("mul", (1, _SQRT_HALF)), ("erfc", (2,)),
+                     ("mul", (0, 3)), ("copy", (4,))), attributes=lambda steps: {"approximate": False}),
+    Pattern("gelu", (("mul", (0.5, X)), ("mul", (X, -1.0)), ("mul", (1, _SQRT_HALF)), ("erfc", (2,)),
+                     ("mul", (0, 3))), attributes=lambda steps: {"approximate": False}),
     # jax.nn.softmax(x, axis): exp(x - stop_gradient(max(x))) / sum(...)
     Pattern("softmax", (("reduce_max", (X,)), ("max", (-math.inf, 0)), ("broadcast_in_dim", (1,)),
                         ("stop_gradient", (2,)), ("sub", (X, 3)), ("exp", (4,)),

@@ -16,7 +16,7 @@ import numpy as np
 from odmlq.errors import TraceError
 from odmlq.graph import _grouping
 from odmlq.graph._graph import Graph
-from odmlq.graph._canonical import activation_first_matmuls
+from odmlq.graph._canonical import activation_first_matmuls, portable_forms
 from odmlq.graph._norms import rewrite_norms
 from odmlq.graph._keras import is_keras, keras_function, keras_state
 from odmlq.graph._params import is_nnx_module, param_path, split_nnx
@@ -78,6 +78,7 @@ def _trace(model: Any, example_inputs: tuple, *, variables: Any = None, method: 
     walker.drop_unread_casts(steps, outvars)
     rewrite_norms(walker, steps, outvars)
     activation_first_matmuls(walker, steps)
+    portable_forms(walker, steps)
     body = _Program(invars, steps, outvars, from_params=walker.steps_from_params(steps, outvars))
     out_tree = jax.tree_util.tree_structure(out_shape)
     graph_parts = _grouping.build(walker, body, num_params, framework)

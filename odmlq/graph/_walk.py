@@ -17,8 +17,10 @@ from jax.extend import core as jcore
 from odmlq.graph._program import _eval_eqn, _inline_call, _Lit, _Program, _Region, _Step
 
 # jax.nn functions JAX keeps as named calls (`jit[name=...]`); each is one op.
+# (silu and swish are not: x * sigmoid(x) is traced as its LOGISTIC and MUL,
+# each an integer kernel, with the sigmoid's own edge between them.)
 NAMED_FUNCTIONS = frozenset({
-    "relu", "relu6", "silu", "swish", "hard_sigmoid", "hard_silu", "hard_swish",
+    "relu", "relu6", "hard_sigmoid", "hard_silu", "hard_swish",
     "hard_tanh", "elu", "selu", "celu", "leaky_relu", "softplus", "soft_sign",
     "log_sigmoid", "sigmoid", "gelu", "glu", "log_softmax", "softmax",
     "squareplus", "mish", "sparse_plus",
@@ -121,6 +123,8 @@ class _Walker:
             steps.append(self.scan_region(eqn, ins, outs, stack))
             return
         step = _Step(eqn=eqn, ins=ins, outs=outs, stack=stack, kind=KIND_NAMES.get(name, name))
+        if name == "integer_pow" and eqn.params.get("y") == 2:
+            step.kind = "square"  # x ** 2 (jnp.power(x, 2), as transformers' RMSNorms write it) is x * x
         if name in ("jit", "pjit"):
             step.kind = NAMED_KINDS.get(eqn.params["name"], eqn.params["name"])
             step.fn = _inline_call(eqn.params["jaxpr"])

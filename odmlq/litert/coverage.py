@@ -78,6 +78,13 @@ def markdown() -> str:
         "element (approximating kernels get more than one rounding step). Op kinds not listed",
         "are refused as having no integer kernel.",
         "",
+        "Rewritten while tracing, the values unchanged, so they appear here as other kinds:",
+        "`x ** 2` is `square`; `-x` is `mul` by -1 (LiteRT keeps NEG float); a boolean `xor` is",
+        "`ne` (XOR has no LiteRT op); `jax.nn.silu` is its `logistic` and `mul`; a broadcast that",
+        "copies an activation at most 16 times (`jnp.repeat` of grouped-query attention's key",
+        "and value heads) is a `broadcast_in_dim` adding axes of size 1 and a `concatenate` of",
+        "the copies.",
+        "",
         "| " + " | ".join(columns) + " |",
         "|" + "---|" * len(columns),
     ]

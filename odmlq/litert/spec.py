@@ -283,7 +283,7 @@ OP_SPEC: dict[str, OpSpec] = {
     "squeeze": OpSpec(_BOTH, SAME_AS_INPUT, becomes="RESHAPE"),
     "transpose": OpSpec(_BOTH, SAME_AS_INPUT, becomes="TRANSPOSE"),
     "broadcast_in_dim": OpSpec(_BOTH, SAME_AS_INPUT, becomes="RESHAPE", limitation=_copying_broadcast,
-                               note="one that copies values (BROADCAST_TO) is refused"),
+                               note="one that copies values more than 16 times (BROADCAST_TO) is refused"),
     "max_pool": OpSpec(_BOTH, SAME_AS_INPUT, limitation=_int16_padded_max_pool, becomes="MAX_POOL_2D",
                        note="int16 padded: only after a ReLU (PAD + a VALID pool)"),
     "slice": OpSpec(_BOTH, SAME_AS_INPUT, becomes="SLICE, STRIDED_SLICE"),
@@ -304,7 +304,6 @@ OP_SPEC: dict[str, OpSpec] = {
 # forced through export with an integer spec: it failed to convert, stayed
 # float between QUANTIZE/DEQUANTIZE, or missed simulate by many LSBs).
 WITHOUT_KERNEL: dict[str, str] = {
-    "silu": "x * sigmoid(x): litert-converter 0.5.0 keeps LOGISTIC and MUL float inside it",
     "elu": "converted to GREATER, EXP and SUB in float",
     "softplus": "converted to a float chain (EXP, LOG, ...)",
     "log_softmax": "LiteRT's int8 LOG_SOFTMAX requires an output scale of 16/256 (allocation fails)",

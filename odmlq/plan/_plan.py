@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from odmlq.constraints import Constraint, Target, combine_targets, constraint_from_dict
@@ -324,7 +324,7 @@ def plan_graph(graph: Graph, rules: Sequence[Rule], target: Target | Sequence[Ta
         if index is not None:
             matched.add(index)
         rule = rules[index] if index is not None else None
-        weights, constants = _weight_plans(op, rule, index, targets), constant_specs(op, rule)
+        weights, constants = _weight_plans(op, rule, index, targets, graph.params), constant_specs(op, rule)
         quantized_constant = any(w.role == "weight" and w.spec is not None for w in weights) or any(
             c is not None for c in constants)
         op_plans[op.id] = OpPlan(op=op.id, rule=index, weights=weights, constants=constants,
@@ -345,9 +345,10 @@ def _share_weight_specs(op_plans: dict[str, OpPlan]) -> None:
     """A parameter several ops read (a tied embedding: a gather and the output
     projection) is stored once, so it gets one spec: where the ops' specs
     differ only in granularity, the scale axes they share (per tensor for a
-    gather and a per-channel matmul), and a weight algorithm only where every
-    reader names it (GPTQ rounds against a matmul's inputs; a gather has
-    none). Other differences stay, and `Plan.weight_specs` names them."""
+    gather and a per-channel matmul) and the blocks they all have, and a
+    weight algorithm only where every reader names it (GPTQ rounds against a
+    matmul's inputs; a gather has none). Other differences stay, and
+    `Plan.weight_specs` names them."""
     uses: dict[str, list[tuple[str, int]]] = {}
     for op_id, op_plan in op_plans.items():
         for i, w in enumerate(op_plan.weights):
@@ -363,7 +364,11 @@ def _share_weight_specs(op_plans: dict[str, OpPlan]) -> None:
             continue
         axes = tuple(sorted(set.intersection(*(set(s.scale_axes) for s in specs))))
         algorithms = {s.algorithm for s in specs}
-        shared = dataclasses.replace(plain.pop(), scale_axes=axes,
+        # Blocks that every reader runs along the same axis stay (a table's rows, which
+        # its tied projection contracts).
+        blocks = {(s.block_axis, s.block_size) for s in specs}
+        block_axis, block_size = blocks.pop() if len(blocks) == 1 else (None, None)
+        shared = dataclasses.replace(plain.pop(), scale_axes=axes, block_axis=block_axis, block_size=block_size,
                                      algorithm=algorithms.pop() if len(algorithms) == 1 else None)
         readers = ", ".join(o for o, _ in places)
         for op_id, i in places:
@@ -384,8 +389,8 @@ def _depthwise(op: Op) -> bool:
             and len(weight.contraction_axes) == 1 and weight.shape[weight.contraction_axes[0]] == 1)
 
 
-def _weight_plans(op: Op, rule: Rule | None, index: int | None,
-                  targets: Sequence[Target] = ()) -> tuple[WeightPlan, ...]:
+def _weight_plans(op: Op, rule: Rule | None, index: int | None, targets: Sequence[Target] = (),
+                  params: Mapping[str, tuple] | None = None) -> tuple[WeightPlan, ...]:
     """Each weight's plan under `rule`, within what every target can store and run."""
     limits = [t.weight_channel_axes for t in targets if t.weight_channel_axes is not None]
     channel_axes_limit = min(limits) if limits else None
@@ -423,7 +428,8 @@ def _weight_plans(op: Op, rule: Rule | None, index: int | None,
                 note=f"read as {read_as.describe()} where the op reads it, like a constant operand: an "
                      "elementwise integer kernel reads every operand in its activation qtype"))
         else:
-            spec = weight_spec(op, operand, rule, index, channel_axes_limit)
+            spec = weight_spec(op, operand, rule, index, channel_axes_limit,
+                               param_shape=(params or {}).get(operand.param, (None,))[0])
             if spec.block_size is not None and block_scale_dtype is not None:
                 spec = dataclasses.replace(spec, scale_dtype=block_scale_dtype)
             out.append(WeightPlan(param=operand.param, role=operand.role, spec=spec))

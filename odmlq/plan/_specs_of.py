@@ -63,7 +63,10 @@ def dynamic_input_spec(op: Op, rule: Rule | None, rows: bool = False) -> QuantSp
 
 
 def weight_spec(op: Op, operand: Operand, rule: Rule, index: int,
-                channel_axes_limit: int | None = None) -> QuantSpec:
+                channel_axes_limit: int | None = None, param_shape: tuple[int, ...] | None = None) -> QuantSpec:
+    """`operand`'s spec under `rule`. `param_shape`: the parameter's own shape, in
+    whose axes the channel, contraction and block axes are counted (the operand
+    may read it transposed: a tied embedding as the output projection)."""
     qt = lookup_qtype(rule.weight_qtype)
     granularity = rule.resolved("weight_granularity")
     symmetric = rule.resolved("weight_symmetric")
@@ -91,12 +94,16 @@ def weight_spec(op: Op, operand: Operand, rule: Rule, index: int,
                 block_axis = _normalize_axis(granularity.axis, ndim, where)
             elif operand.contraction_axes is not None and len(operand.contraction_axes) == 1:
                 block_axis = operand.contraction_axes[0]
+            elif op.kind == "gather" and ndim == 2:
+                # An embedding table's rows are looked up whole: blocks along each row (the
+                # axis a tied output projection, x @ table.T, contracts), scales per row.
+                block_axis, axes = 1, (0,)
             else:
                 raise GranularityError(
                     f"{where}: PerBlock needs one contraction axis, found "
                     f"{operand.contraction_axes}; give it: PerBlock({block_size}, axis=...)."
                 )
-            size = operand.shape[block_axis]
+            size = (param_shape or operand.shape)[block_axis]
             if size % block_size:
                 divisors = [d for d in range(1, size + 1) if size % d == 0 and d <= 256]
                 raise GranularityError(

@@ -16,7 +16,7 @@ processor would, token ids in the vocabulary with padded attention masks).
   padding mask, pre-LayerNorm MultiHeadDotProductAttention and ReLU MLP), every
   kernel and the embedding boxed by ``nn.with_logical_partitioning`` (the
   variables are kept boxed, as ``init`` returns them).
-- ``hf_bert``, ``hf_vit``, ``hf_resnet``, ``hf_gpt2``: transformers' Flax
+- ``hf_bert``, ``hf_vit``, ``hf_resnet``, ``hf_gpt2``, ``hf_llama``, ``hf_gpt_neo``: transformers' Flax
   models (4.x; transformers 5 has no Flax) from small configs. A
   ``FlaxPreTrainedModel`` is not a Linen module; its ``.module`` is, with
   ``.params`` its variables. Thin Linen wrappers take the model's public
@@ -526,6 +526,34 @@ def hf_gpt2() -> ZooModel:
                     _token_batches(seq, 1000, with_mask=True), "transformer")
 
 
+def hf_llama() -> ZooModel:
+    """Llama's blocks as transformers writes them in Flax: RMSNorm with ``x ** 2``,
+    rotate-half rotary embeddings (a negation) from a constant table, grouped-query
+    attention (``jnp.repeat`` of the key/value heads), a SiLU-gated MLP."""
+    from transformers import FlaxLlamaForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    hf, params = _hf_init(FlaxLlamaForCausalLM, config)
+    model = HFTextModel(hf.module, token_type_ids=False)
+    seq = 16
+    return ZooModel("hf_llama", model, _hf_variables(params), _token_example(seq, 1000, with_mask=True),
+                    _token_batches(seq, 1000, with_mask=True), "transformer")
+
+
+def hf_gpt_neo() -> ZooModel:
+    """GPT-Neo: global and local attention layers (the local mask is a xor of booleans)."""
+    from transformers import FlaxGPTNeoForCausalLM, GPTNeoConfig
+
+    config = GPTNeoConfig(vocab_size=1000, hidden_size=64, num_layers=2, num_heads=4,
+                          attention_types=[[["global", "local"], 1]], max_position_embeddings=64, window_size=8)
+    hf, params = _hf_init(FlaxGPTNeoForCausalLM, config)
+    model = HFTextModel(hf.module, token_type_ids=False)
+    seq = 16
+    return ZooModel("hf_gpt_neo", model, _hf_variables(params), _token_example(seq, 1000, with_mask=True),
+                    _token_batches(seq, 1000, with_mask=True), "transformer")
+
+
 def hf_vit() -> ZooModel:
     from transformers import FlaxViTForImageClassification, ViTConfig
 
@@ -557,6 +585,8 @@ ZOO: dict[str, Callable[[], ZooModel]] = {
     "hf_vit": hf_vit,
     "hf_resnet": hf_resnet,
     "hf_gpt2": hf_gpt2,
+    "hf_llama": hf_llama,
+    "hf_gpt_neo": hf_gpt_neo,
 }
 
 NEEDS_TRANSFORMERS = frozenset(name for name in ZOO if name.startswith("hf_"))

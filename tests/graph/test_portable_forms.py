@@ -1,0 +1,108 @@
+"""Ops traced into forms every backend runs in integers, the values unchanged
+(`odmlq/graph/_canonical.py`), and block scales of tables.
+
+Each was met in a transformers Flax model (Llama, Gemma, Mistral, GPT-Neo) and
+ended its full-integer export: NEG, SiLU's LOGISTIC and MUL, and BROADCAST_TO
+stayed float; XOR did not convert; ``x ** 2`` had no kernel. Here each is
+exported alone between two quantized matmuls: no float island, every op
+within its tolerance of simulate (the export's own op-by-op verification).
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import odmlq
+from odmlq.graph import trace
+
+INT8 = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
+
+
+class _Between(nn.Module):
+    """Dense, `fn`, Dense."""
+
+    fn: object
+    features: int = 16
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(8, name="out")(self.fn(nn.Dense(self.features, name="fc")(x)))
+
+
+def _rotate_half(x):
+    return jnp.concatenate([-x[..., 8:], x[..., :8]], axis=-1)
+
+
+def _repeat_heads(x):  # (batch, 4 heads of 4) -> each head twice, as grouped-query attention does
+    return jnp.repeat(x.reshape(x.shape[0], 4, 1, 4), 2, axis=2).reshape(x.shape[0], 32)
+
+
+def _xor_mask(x):  # a local-attention mask built from two constant masks
+    causal = np.tril(np.ones((16, 16), bool))
+    window = np.triu(np.ones((16, 16), bool), -4)
+    return x @ jnp.where(jnp.logical_xor(causal, ~window), 0.0, 1.0) * 0.1
+
+
+CASES = {
+    "neg": (_rotate_half, {"mul"}, "neg"),
+    "square": (lambda x: x * jax.lax.rsqrt(jnp.mean(jnp.power(x, 2), -1, keepdims=True) + 1e-6), {"square"},
+               "integer_pow"),
+    "silu": (nn.silu, {"logistic", "mul"}, "silu"),
+    "repeat": (_repeat_heads, {"concatenate"}, "broadcast_in_dim copying"),
+    "xor": (_xor_mask, {"dot_general"}, "xor"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_traced_in_integer_forms_and_exported_full_integer(name):
+    fn, kinds, gone = CASES[name]
+    model = _Between(fn)
+    x = np.random.default_rng(0).normal(size=(64, 12)).astype(np.float32)
+    variables = model.init(jax.random.key(0), x[:1])
+    graph = trace(model, x, variables=variables)
+    found = {op.kind for op in graph.ops}
+    assert kinds <= found, found
+    assert gone.split()[0] not in found or gone.endswith("copying"), found
+    result = odmlq.export_tflite(model, INT8, [x[:32], x[32:]], variables=variables, benchmark=False)
+    assert result.summary.float_islands == (), [o.name for o in result.summary.float_islands]
+    assert result.verification.passed, str(result.verification)
+    np.testing.assert_allclose(graph.evaluate(variables, x), model.apply(variables, x), rtol=0, atol=0)
+
+
+def test_a_broadcast_of_many_copies_is_still_refused_by_name():
+    model = _Between(lambda x: jnp.broadcast_to(x[:, None, :], (x.shape[0], 17, 16)).reshape(x.shape[0], -1))
+    x = np.random.default_rng(1).normal(size=(8, 12)).astype(np.float32)
+    variables = model.init(jax.random.key(0), x[:1])
+    with pytest.raises(odmlq.OdmlqError, match="copies an activation"):
+        odmlq.export_tflite(model, INT8, [x], variables=variables, benchmark=False)
+
+
+class _TiedLM(nn.Module):
+    """An embedding table read by its lookup and, transposed, by the output projection."""
+
+    @nn.compact
+    def __call__(self, tokens):
+        embed = nn.Embed(100, 64, name="embed")
+        h = nn.Dense(64, name="fc")(embed(tokens))
+        return embed.attend(h)
+
+
+def test_blocks_of_a_table_run_along_its_rows_for_lookup_and_tied_projection():
+    """PerBlock(32) on a (vocab 100, 64) table: blocks along each row (the axis
+    the tied projection contracts), a scale per row and block, though 32 does not
+    divide the vocabulary (the projection reads the table transposed)."""
+    model = _TiedLM()
+    tokens = np.random.default_rng(2).integers(0, 100, size=(4, 8)).astype(np.int32)
+    variables = model.init(jax.random.key(0), tokens[:1])
+    rules = [odmlq.Rule(".*", weight_qtype="int4", weight_granularity=odmlq.PerBlock(32))]
+    plan = odmlq.plan(model, rules, tokens[:1], variables=variables, target="xla")
+    spec = plan.weight_specs()["embed/embedding"]
+    assert (spec.block_axis, spec.block_size, spec.scale_axes) == (1, 32, (0,))
+    qmodel = odmlq.ptq(model, plan, variables)
+    assert qmodel.params["params"]["embed"]["embedding"].scale.shape == (100, 2)
+    reference = np.asarray(model.apply(variables, tokens))
+    error = np.asarray(qmodel(tokens)) - reference
+    # int4 weights at 4 bits of 32-wide blocks on random weights: about 18 dB; 12 dB is a collapse's margin.
+    assert 10 * np.log10(np.sum(reference ** 2) / np.sum(error ** 2)) >= 12.0
