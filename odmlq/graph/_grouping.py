@@ -14,8 +14,8 @@ import numpy as np
 from odmlq.graph import _patterns
 from odmlq.graph._program import _Lit, _OpSteps, _OpRec, _Program, _Region, _Step
 from odmlq.graph._walk import _map_axes, _Walker
+from odmlq.graph._linear import pointwise
 from odmlq.graph._graph import MATMUL_KINDS, MAX_CONSTANT_SIZE, Edge, Op, Operand
-
 
 
 @dataclasses.dataclass
@@ -388,6 +388,7 @@ class _Builder:
             conv = next(st for st in rec.steps if st.kind == "conv")
             # Input dilation: a transposed convolution (nn.ConvTranspose, lax.conv_transpose).
             attributes["transposed"] = any(d != 1 for d in conv.eqn.params.get("lhs_dilation") or ())
+            attributes["pointwise"] = pointwise(conv.eqn)
         if rec.kind in ("avg_pool", "max_pool"):
             window = rec.steps[0].eqn.params["window_dimensions"]
             if rec.kind == "avg_pool":

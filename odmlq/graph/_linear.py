@@ -146,3 +146,17 @@ def _conv_inputs(params: dict, x: jax.Array, w_shape: tuple[int, ...]):
     patches = jnp.moveaxis(patches, dn.out_spec[1], -1)
     layout = WeightLayout(out_axes=(out_axis,), in_axes=(in_axis, *spatial), groups=groups)
     return layout, patches.reshape(-1, groups, taps)
+
+
+def pointwise(conv_eqn) -> int | None:
+    """The input's feature axis if a ``conv_general_dilated`` is a matmul over
+    pixels (a 1x1 kernel, stride 1, no padding or dilation, one feature group:
+    XNNPACK runs it as a matrix multiplication whose rows are the pixels), else None."""
+    p = conv_eqn.params
+    numbers = p["dimension_numbers"]
+    kernel = conv_eqn.invars[1].aval.shape
+    plain = (all(kernel[i] == 1 for i in numbers.rhs_spec[2:]) and all(s == 1 for s in p["window_strides"])
+             and all(tuple(pad) == (0, 0) for pad in p["padding"])
+             and all(d == 1 for d in tuple(p.get("lhs_dilation") or ()) + tuple(p.get("rhs_dilation") or ()))
+             and p["feature_group_count"] == 1 and p["batch_group_count"] == 1)
+    return int(numbers.lhs_spec[1]) if plain else None

@@ -164,6 +164,10 @@ def dynamic_kernel_inputs(plan) -> dict[str, list]:
                 # kernel: the kernel quantizes it, as its rule says.
                 spec = own
             if spec is not None and spec.dynamic:
+                if own is not None and own.scale_axes and not spec.scale_axes:
+                    # An edge read by kernels that quantize it differently (a 1x1 convolution per
+                    # pixel, a strided one per image): each kernel as it quantizes its own input.
+                    spec = dataclasses.replace(spec, scale_axes=own.scale_axes)
                 out.setdefault(op.id, []).append((index, spec))
     return out
 
@@ -173,7 +177,10 @@ def dynamic_per_row(graph: Graph, by_edge: dict) -> None:
     hybrid FULLY_CONNECTED, which quantizes each row of its input with the
     row's own range) gets one range per row, every axis but the contracted
     ones, where its rule asks for one per tensor: every backend then computes
-    what the kernel computes. An edge a convolution also reads keeps its spec."""
+    what the kernel computes. So does the input of a 1x1 convolution that
+    XNNPACK runs as a matmul over pixels (stride 1, unpadded, one group: each
+    pixel quantized with its own range, measured). An edge another
+    convolution also reads keeps its spec."""
     for edge in graph.edges.values():
         plan = by_edge.get(edge.id)
         if plan is None or plan.spec is None or not plan.spec.dynamic or plan.spec.scale_axes:
@@ -187,8 +194,11 @@ def dynamic_per_row(graph: Graph, by_edge: dict) -> None:
                 if operand.role != "input" or operand.edge is None or graph.resolve(operand.edge) != edge.id:
                     continue
                 contracted = operand.contraction_axes
-                rows.add(None if op.kind != "dot_general" or not contracted else
-                         tuple(a for a in range(len(operand.shape)) if a not in contracted))
+                if op.kind == "conv" and op.attributes.get("pointwise") is not None:
+                    contracted = (op.attributes["pointwise"],)  # a 1x1 convolution: a matmul over pixels
+                elif op.kind != "dot_general":
+                    contracted = ()
+                rows.add(tuple(a for a in range(len(operand.shape)) if a not in contracted) if contracted else None)
         if len(rows) == 1 and None not in rows:
             by_edge[edge.id] = dataclasses.replace(
                 plan, spec=dataclasses.replace(plan.spec, scale_axes=rows.pop()),

@@ -58,6 +58,9 @@ def dynamic_input_spec(op: Op, rule: Rule | None, rows: bool = False) -> QuantSp
     axes = ()
     if rows and op.kind == "dot_general" and len(inputs) == 1 and inputs[0].contraction_axes:
         axes = tuple(a for a in range(len(inputs[0].shape)) if a not in inputs[0].contraction_axes)
+    elif rows and op.kind == "conv" and len(inputs) == 1 and op.attributes.get("pointwise") is not None:
+        # A 1x1 convolution XNNPACK runs as a matmul over pixels: a range per pixel.
+        axes = tuple(a for a in range(len(inputs[0].shape)) if a != op.attributes["pointwise"])
     return QuantSpec(qtype=lookup_qtype(rule.act_qtype).name, symmetric=rule.resolved("act_symmetric"),
                      scale_axes=axes, dynamic=True)
 
