@@ -111,7 +111,9 @@ def weight_spec(op: Op, operand: Operand, rule: Rule, index: int,
                 divisors = [d for d in range(1, size + 1) if size % d == 0 and d <= 256]
                 raise GranularityError(
                     f"{where}: block size {block_size} does not divide axis {block_axis} of "
-                    f"size {size}; choose a divisor such as {divisors[-4:]}."
+                    f"size {size}; choose a divisor such as {divisors[-4:]}, or give this module a rule of "
+                    f"its own before this one (e.g. Rule({op.module_path!r}, "
+                    f"weight_qtype={rule.weight_qtype!r}, weight_granularity=PerChannel()))."
                 )
             axes = tuple(a for a in axes if a != block_axis)
     return QuantSpec(

@@ -83,7 +83,7 @@ def test_skip_rule_keeps_head_in_float():
 
 def test_block_size_must_divide_the_contraction_axis():
     rules = [Rule(".*", weight_qtype="int4", weight_granularity=PerBlock(5))]
-    with pytest.raises(GranularityError, match=r"op 'dense1/dot_general' \(rules\[0\]\), weight 'dense1/kernel' of shape \(64, 512\): block size 5 does not divide axis 0 of size 64"):
+    with pytest.raises(GranularityError, match=r"op 'dense1/dot_general' \(rules\[0\]\), weight 'dense1/kernel' of shape \(64, 512\): block size 5 does not divide axis 0 of size 64; choose a divisor such as \[8, 16, 32, 64\], or give this module a rule of its own before this one \(e.g. Rule\('dense1', weight_qtype='int4', weight_granularity=PerChannel\(\)\)\)"):
         _plan("mlp", rules)
 
 
