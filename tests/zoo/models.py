@@ -526,32 +526,33 @@ def hf_gpt2() -> ZooModel:
                     _token_batches(seq, 1000, with_mask=True), "transformer")
 
 
+def _hf_causal_lm(name: str, model_cls, config) -> ZooModel:
+    """A transformers Flax causal LM on (input_ids, attention_mask) of 16 tokens."""
+    hf, params = _hf_init(model_cls, config)
+    seq = 16
+    return ZooModel(name, HFTextModel(hf.module, token_type_ids=False), _hf_variables(params),
+                    _token_example(seq, config.vocab_size, with_mask=True),
+                    _token_batches(seq, config.vocab_size, with_mask=True), "transformer")
+
+
 def hf_llama() -> ZooModel:
     """Llama's blocks as transformers writes them in Flax: RMSNorm with ``x ** 2``,
     rotate-half rotary embeddings (a negation) from a constant table, grouped-query
     attention (``jnp.repeat`` of the key/value heads), a SiLU-gated MLP."""
     from transformers import FlaxLlamaForCausalLM, LlamaConfig
 
-    config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    hf, params = _hf_init(FlaxLlamaForCausalLM, config)
-    model = HFTextModel(hf.module, token_type_ids=False)
-    seq = 16
-    return ZooModel("hf_llama", model, _hf_variables(params), _token_example(seq, 1000, with_mask=True),
-                    _token_batches(seq, 1000, with_mask=True), "transformer")
+    return _hf_causal_lm("hf_llama", FlaxLlamaForCausalLM, LlamaConfig(
+        vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64))
 
 
 def hf_gpt_neo() -> ZooModel:
     """GPT-Neo: global and local attention layers (the local mask is a xor of booleans)."""
     from transformers import FlaxGPTNeoForCausalLM, GPTNeoConfig
 
-    config = GPTNeoConfig(vocab_size=1000, hidden_size=64, num_layers=2, num_heads=4,
-                          attention_types=[[["global", "local"], 1]], max_position_embeddings=64, window_size=8)
-    hf, params = _hf_init(FlaxGPTNeoForCausalLM, config)
-    model = HFTextModel(hf.module, token_type_ids=False)
-    seq = 16
-    return ZooModel("hf_gpt_neo", model, _hf_variables(params), _token_example(seq, 1000, with_mask=True),
-                    _token_batches(seq, 1000, with_mask=True), "transformer")
+    return _hf_causal_lm("hf_gpt_neo", FlaxGPTNeoForCausalLM, GPTNeoConfig(
+        vocab_size=1000, hidden_size=64, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]],
+        max_position_embeddings=64, window_size=8))
 
 
 def hf_vit() -> ZooModel:
