@@ -58,7 +58,8 @@ def conv_int(xq: jax.Array, x_zero_point: jax.Array | None, q: QArray, params: d
     dn = params["dimension_numbers"]
     w = q.values().astype(jnp.int8)
     int_params = {**params, "preferred_element_type": jnp.int32}
-    if x_zero_point is not None:
+    per_pixel = x_zero_point is not None and x_zero_point.size > xq.shape[dn.lhs_spec[0]]
+    if x_zero_point is not None and not per_pixel:
         # Pad with the zero point's code (0.0), not with code 0.
         spatial = dn.lhs_spec[2:]
         config = [(0, 0, 0)] * xq.ndim
@@ -77,10 +78,14 @@ def conv_int(xq: jax.Array, x_zero_point: jax.Array | None, q: QArray, params: d
     shape[out_feature] = acc.shape[out_feature]
     if x_zero_point is not None:
         sums = jnp.sum(w.astype(jnp.int32), axis=tuple(a for a in range(w.ndim) if a != dn.rhs_spec[0]))
-        zp = jnp.reshape(x_zero_point, (-1,))
-        zp_shape = [1] * acc.ndim
-        zp_shape[dn.out_spec[0]] = zp.shape[0]
-        acc = acc - zp.reshape(zp_shape) * sums.reshape(shape)
+        if per_pixel:  # a 1x1 convolution of stride 1, unpadded: each output pixel reads its own input pixel
+            zp = output_layout(x_zero_point, dn).astype(jnp.int32)
+        else:
+            zp = jnp.reshape(x_zero_point, (-1,))
+            zp_shape = [1] * acc.ndim
+            zp_shape[dn.out_spec[0]] = zp.shape[0]
+            zp = zp.reshape(zp_shape)
+        acc = acc - zp * sums.reshape(shape)
     return acc.astype(jnp.float32) * jnp.reshape(q.scale, shape)
 
 
@@ -93,3 +98,9 @@ def weight_scale_axis(q: QArray) -> int | None:
         return None
     return varying[0] if varying else -1
 
+
+def output_layout(p: jax.Array, dn) -> jax.Array:
+    """A keepdims array in the convolution input's layout (a per-pixel scale or
+    zero point) laid out as its output: axis by axis, batch, feature, spatial."""
+    perm = [dn.lhs_spec[list(dn.out_spec).index(a)] for a in range(p.ndim)]
+    return jnp.transpose(p, perm)

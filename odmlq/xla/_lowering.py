@@ -276,14 +276,17 @@ class Lowerer:
             return "the weight scale is not per output channel"
         if any(d != 1 for d in params["lhs_dilation"]) or params["batch_group_count"] != 1:
             return "a dilated-input or batch-grouped convolution"
-        if any(a != dn.lhs_spec[0] for a in spec.scale_axes):
+        pixels = op.attributes.get("pointwise")  # a 1x1 convolution: a range per pixel rescales its own output
+        per_pixel = pixels is not None and bool(spec.scale_axes) and pixels not in spec.scale_axes
+        if any(a != dn.lhs_spec[0] for a in spec.scale_axes) and not per_pixel:
             return "the activation scale varies along other than the batch axis"
 
         def kernel(e, ins):
             x = ins[0]
             codes, scale, zero_point = _quantize_activation(x, spec, ts)
             y = _conv.conv_int(codes, zero_point, q, params)
-            return [(y * _batch_param(scale, dn, y.ndim)).astype(out_dtype)]
+            rescale = _conv.output_layout(scale, dn) if per_pixel else _batch_param(scale, dn, y.ndim)
+            return [(y * rescale).astype(out_dtype)]
 
         self._record(op, schema, f"int8 x {q.qtype} -> int32 conv, one rescale{read.describe()}")
         return kernel

@@ -43,3 +43,20 @@ def test_each_convolution_quantizes_its_input_as_xnnpack_does():
     assert kernels["head"][0].scale_axes == ()  # strided: per image (per tensor at batch 1)
     for name in ("strided", "spatial"):
         assert kernels[name][0].scale_axes == (), name
+
+
+def test_xla_runs_the_per_pixel_convolution_in_integers_as_simulate():
+    rng = np.random.default_rng(1)
+    x = (rng.normal(size=(8, 12, 12, 3)) * rng.uniform(0.1, 3, size=(1, 12, 12, 1))).astype(np.float32)
+    model = _Mixed()
+    variables = model.init(jax.random.key(0), x[:1])
+    plan = odmlq.plan(model, RULES, x[:1], variables=variables, target="litert")
+    calibration = odmlq.calibrate(model, plan, [x], variables=variables)
+    qmodel = odmlq.ptq(model, plan, variables, calibration)
+    assert qmodel.lowerings["pointwise/conv"].kernel.startswith("int8 x int8")
+    for batch in (1, 4):
+        simulated = np.asarray(odmlq.simulate(model, plan, calibration, x[:batch], variables=variables))
+        # The same integers; simulate sums a convolution's dequantized values in float32
+        # (Convolutions keep summing dequantized values: odmlq._sums), so float32 rounding apart.
+        np.testing.assert_allclose(np.asarray(qmodel(x[:batch])), simulated, rtol=0,
+                                   atol=1e-5 * np.abs(simulated).max())
