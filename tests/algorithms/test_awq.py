@@ -77,7 +77,7 @@ def test_awq_keeps_the_float_function_and_lowers_the_rounding_error(pre_norm):
     result = odmlq.awq(model, rules, calibration, variables=variables, min_gain_db=0.0)
     divided = {s.edge: set(s.divided) for s in result.scaled}
     assert divided == {"ln/add_1": {"ln/scale", "ln/bias"}, "d0/relu": {"d0/kernel", "d0/bias"},
-                       "gate/mul": {"up/kernel"}, "rms/mul_1": {"rms/scale"}}, str(result)
+                       "gate/mul_1": {"up/kernel"}, "rms/mul_1": {"rms/scale"}}, str(result)
     assert all(s.error_db < 0 and 0 < s.alpha <= 1 for s in result.scaled), str(result)
     assert {p for s in result.scaled for p in s.readers} == {"d0/kernel", "gate/kernel", "up/kernel",
                                                             "down/kernel", "head/kernel"}

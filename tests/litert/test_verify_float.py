@@ -28,10 +28,12 @@ def test_every_float_op_of_a_decode_step_is_checked_against_simulate(decoder, ru
     assert report.passed
     edges = {c.edge for c in report.checks}
     # The matmuls (those whose output is a tensor of its own: query, key and value are written
-    # reshaped), the norms' reductions and rsqrt, softmax and silu: each op, not only the outputs.
+    # reshaped), the norms' reductions and rsqrt, softmax and silu's sigmoid and product: each op,
+    # not only the outputs.
     for layer in range(_decoder.CONFIG.layers):
         for op in ("attention/output/dot_general", "gate/dot_general", "up/dot_general", "down/dot_general",
-                   "attention_norm/mean", "mlp_norm/rsqrt", "attention/softmax", "silu", "attention/einsum"):
+                   "attention_norm/mean", "mlp_norm/rsqrt", "attention/softmax", "logistic", "mul",
+                   "attention/einsum"):
             assert f"layer_{layer}/{op}" in edges, (layer, op)
     assert len(report.checks) >= 100 and all(c.unit == "of max" for c in report.checks)
     # Measured: 0 for the matmuls and elementwise ops, up to 1.1e-6 for XNNPACK's own
