@@ -1,0 +1,131 @@
+"""transformers' Flax models of the zoo (4.x; transformers 5 has no Flax), from small
+configs: see `tests.zoo.models` for what each wrapper builds. transformers is
+imported lazily, in each builder. Import the zoo from `tests.zoo.models`, which
+imports this module once its helpers exist."""
+
+from __future__ import annotations
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from tests.zoo.models import (SEED, ZooModel, _image_batches, _key, _token_batches, _token_example,
+                              randomize_batchnorm_linen)
+
+
+class HFTextModel(nn.Module):
+    """(input_ids, attention_mask) -> the inner module's first output."""
+
+    inner: nn.Module
+    token_type_ids: bool = True  # BERT takes them; GPT-2 does not
+
+    def __call__(self, input_ids, attention_mask):
+        position_ids = jnp.broadcast_to(jnp.arange(input_ids.shape[-1]), input_ids.shape)
+        if self.token_type_ids:
+            out = self.inner(input_ids, attention_mask, jnp.zeros_like(input_ids), position_ids,
+                             deterministic=True, return_dict=False)
+        else:
+            out = self.inner(input_ids, attention_mask, position_ids, deterministic=True,
+                             return_dict=False)
+        return out[0]
+
+
+class HFImageModel(nn.Module):
+    """pixel_values (NCHW, as transformers' Flax vision models take them) -> logits."""
+
+    inner: nn.Module
+
+    def __call__(self, pixel_values):
+        x = jnp.transpose(pixel_values, (0, 2, 3, 1))
+        return self.inner(x, deterministic=True, return_dict=False)[0]
+
+
+def _hf_init(model_cls, config, **kwargs):
+    """`model_cls(config)` without its eager init, and its variables (init jitted)."""
+    hf = model_cls(config, _do_init=False, **kwargs)
+    params = jax.jit(hf.init_weights, static_argnums=1)(_key(), hf.input_shape)
+    return hf, params
+
+
+def _hf_variables(params) -> dict:
+    """{'params': {'inner': ...}} (and batch_stats) for a wrapper around the HF module."""
+    params = flax.core.unfreeze(params)
+    if "batch_stats" in params:  # FlaxResNet keeps both collections in .params
+        return {"params": {"inner": params["params"]}, "batch_stats": {"inner": params["batch_stats"]}}
+    return {"params": {"inner": params}}
+
+
+def hf_bert() -> ZooModel:
+    from transformers import BertConfig, FlaxBertModel
+
+    config = BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=128, max_position_embeddings=64, type_vocab_size=2)
+    hf, params = _hf_init(FlaxBertModel, config)
+    model = HFTextModel(hf.module, token_type_ids=True)
+    seq = 16
+    return ZooModel("hf_bert", model, _hf_variables(params), _token_example(seq, 1000, with_mask=True),
+                    _token_batches(seq, 1000, with_mask=True), "transformer")
+
+
+def hf_gpt2() -> ZooModel:
+    from transformers import FlaxGPT2LMHeadModel, GPT2Config
+
+    config = GPT2Config(vocab_size=1000, n_positions=64, n_embd=64, n_layer=2, n_head=2)
+    hf, params = _hf_init(FlaxGPT2LMHeadModel, config)
+    model = HFTextModel(hf.module, token_type_ids=False)
+    seq = 16
+    return ZooModel("hf_gpt2", model, _hf_variables(params), _token_example(seq, 1000, with_mask=True),
+                    _token_batches(seq, 1000, with_mask=True), "transformer")
+
+
+def _hf_causal_lm(name: str, model_cls, config) -> ZooModel:
+    """A transformers Flax causal LM on (input_ids, attention_mask) of 16 tokens."""
+    hf, params = _hf_init(model_cls, config)
+    seq = 16
+    return ZooModel(name, HFTextModel(hf.module, token_type_ids=False), _hf_variables(params),
+                    _token_example(seq, config.vocab_size, with_mask=True),
+                    _token_batches(seq, config.vocab_size, with_mask=True), "transformer")
+
+
+def hf_llama() -> ZooModel:
+    """Llama's blocks as transformers writes them in Flax: RMSNorm with ``x ** 2``,
+    rotate-half rotary embeddings (a negation) from a constant table, grouped-query
+    attention (``jnp.repeat`` of the key/value heads), a SiLU-gated MLP."""
+    from transformers import FlaxLlamaForCausalLM, LlamaConfig
+
+    return _hf_causal_lm("hf_llama", FlaxLlamaForCausalLM, LlamaConfig(
+        vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64))
+
+
+def hf_gpt_neo() -> ZooModel:
+    """GPT-Neo: global and local attention layers (the local mask is a xor of booleans)."""
+    from transformers import FlaxGPTNeoForCausalLM, GPTNeoConfig
+
+    return _hf_causal_lm("hf_gpt_neo", FlaxGPTNeoForCausalLM, GPTNeoConfig(
+        vocab_size=1000, hidden_size=64, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]],
+        max_position_embeddings=64, window_size=8))
+
+
+def hf_vit() -> ZooModel:
+    from transformers import FlaxViTForImageClassification, ViTConfig
+
+    config = ViTConfig(image_size=32, patch_size=8, num_channels=3, hidden_size=64,
+                       num_hidden_layers=2, num_attention_heads=2, intermediate_size=128, num_labels=10)
+    hf, params = _hf_init(FlaxViTForImageClassification, config)
+    model = HFImageModel(hf.module)
+    make = _image_batches(32, 32, 3, nchw=True, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
+    return ZooModel("hf_vit", model, _hf_variables(params), make(1, 1, SEED + 1)[0], make, "transformer")
+
+
+def hf_resnet() -> ZooModel:
+    from transformers import FlaxResNetForImageClassification, ResNetConfig
+
+    config = ResNetConfig(num_channels=3, embedding_size=16, hidden_sizes=[16, 32, 64, 128],
+                          depths=[1, 1, 1, 1], layer_type="basic", num_labels=10)
+    hf, params = _hf_init(FlaxResNetForImageClassification, config, input_shape=(1, 32, 32, 3))
+    model = HFImageModel(hf.module)
+    variables = randomize_batchnorm_linen(_hf_variables(params))
+    make = _image_batches(32, 32, 3, nchw=True, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
+    return ZooModel("hf_resnet", model, variables, make(1, 1, SEED + 1)[0], make, "cnn")
