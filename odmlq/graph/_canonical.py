@@ -72,9 +72,10 @@ def _swap(walker, steps: list, step, lhs, rhs, lc, rc) -> None:
 
 
 def portable_forms(walker, steps: list) -> None:
-    """Rewrites, in place, each float ``neg`` of an activation as ``x * -1`` and
-    each boolean ``xor`` (of constants too) as ``!=`` (module doc), in scan
-    bodies too."""
+    """Rewrites, in place, each float ``neg`` of an activation as ``x * -1``,
+    each boolean ``xor`` (of constants too) as ``!=``, and each broadcast that
+    copies an activation at most `MAX_COPIES` times as a concatenation (module
+    doc), in scan bodies too."""
     for step in list(steps):
         if isinstance(step, _Region):
             portable_forms(walker, step.body.steps)
