@@ -81,9 +81,11 @@ def calibrate(model: Any, plan, rep_dataset: Iterable | Callable[[], Iterable], 
         inputs = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
         check_inputs(plan.graph, inputs, f"rep_dataset batch {index}")
         _check_finite(inputs, index)
-        parts = device_parts(inputs, params, placed)
-        if parts is None:  # one run, wherever the inputs and params lie
-            runs = [collector_for(cache, inputs, observed, rounded, collectors)(params, *inputs)]
+        # A model whose ops depend on the batch size runs in batches of the plan's size.
+        pieces = cache.parts(inputs)
+        parts = device_parts(inputs, params, placed) if len(pieces) == 1 else None
+        if parts is None:  # one run (per piece), wherever the inputs and params lie
+            runs = [collector_for(cache, piece, observed, rounded, collectors)(params, *piece) for piece in pieces]
         else:  # data parallel: each device runs its part of the batch (dispatched before any is read)
             runs = [collector_for(cache, part, observed, rounded, collectors)(device_params, *part)
                     for device_params, part in parts]

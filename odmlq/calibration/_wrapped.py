@@ -55,13 +55,20 @@ class Masked:
     for integer ADD kernels (XNNPACK takes input-to-output scale ratios up to
     256; a bias of -1e4 was off by the whole range).
 
-    odmlq's plan applies it by itself to edges a mask constant reaches; the
-    inner method calibrates the rest.
+    A mask written as a positive sentinel that is subtracted later
+    (DistilBERT's ``scores - 1e30 * (1 - mask)``) has its edge calibrated with
+    ``top=True``: the sentinels go to the top of the range, extended above
+    the data the same way (``[lo, lo + 64]`` for the bias itself).
+
+    odmlq's plan applies it by itself to edges a mask constant reaches, with
+    the sentinel's sign followed through the ops; the inner method
+    calibrates the rest.
     """
 
     name: ClassVar[str] = "masked"
     method: Any = dataclasses.field(default_factory=lambda: MinMax())
     sentinel: float = MASK_SENTINEL
+    top: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "method", parse_calibration_method(self.method))
@@ -69,19 +76,25 @@ class Masked:
             object.__setattr__(self, "method", self.method.method)
         value = _real("Masked", "sentinel", self.sentinel, "a number > 0, e.g. 1e8", lambda v: v > 0)
         object.__setattr__(self, "sentinel", value)
+        if not isinstance(self.top, bool):
+            raise CalibrationError(f"Masked(top={self.top!r}): give True (sentinels at the top of the "
+                                   "range) or False (at the bottom).")
 
     @property
     def needs_histogram(self) -> bool:
         return self.method.needs_histogram
 
     def to_dict(self) -> dict[str, Any]:
-        return {"method": self.name, "inner": self.method.to_dict(), "sentinel": self.sentinel}
+        out = {"method": self.name, "inner": self.method.to_dict(), "sentinel": self.sentinel}
+        return {**out, "top": True} if self.top else out
 
     def _range(self, stats: Statistics, qtype: QType, symmetric: bool) -> _Range:
         lo, hi = self.method._range(stats, qtype, symmetric)
         lo, hi = np.asarray(lo, np.float64), np.asarray(hi, np.float64)
         pad = qtype.bits * math.log(2.0) + 1.0
         degenerate = np.all(hi - lo <= 1e-6 * np.maximum(1.0, np.abs(hi)))
+        if self.top:
+            return lo, (lo + 64.0 if degenerate else hi + pad)
         return (hi - 64.0 if degenerate else lo - pad), hi
 
 

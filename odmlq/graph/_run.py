@@ -3,6 +3,9 @@
 A plan is traced for its example inputs' shapes. Batches of other sizes are
 traced again (cached per shape); the op and edge ids must come out the same,
 which they do for models whose structure does not depend on the batch size.
+Where it does (``jnp.matmul`` drops batch axes of size 1, so a model planned
+at batch 1 traces other ops at batch 4), `GraphCache.parts` cuts a batch into
+rows of the plan's batch size, which trace as the plan did.
 """
 
 from __future__ import annotations
@@ -64,6 +67,29 @@ class GraphCache:
     def _key(graph: Graph) -> tuple:
         return tuple((graph.edges[e].shape, graph.edges[e].dtype) for e in graph.inputs)
 
+    def parts(self, inputs: tuple) -> list[tuple]:
+        """`inputs` as batches whose graphs have the plan's ops: ``[inputs]``
+        itself, or, for a model whose ops depend on the batch size, its rows
+        cut into batches of the plan's batch size (and a smaller last one)."""
+        try:
+            self.graph_for(inputs)
+            return [inputs]
+        except PlanError:
+            size = self._batch_size(self.plan.graph)
+            rows = {np.shape(x)[0] for x in jax.tree_util.tree_leaves(inputs) if np.ndim(x)}
+            if size is None or len(rows) != 1 or rows == {size}:
+                raise
+            (n,) = rows
+            parts = [jax.tree.map(lambda x, i=i: x[i:i + size], inputs) for i in range(0, n, size)]
+            for part in parts:
+                self.graph_for(part)
+            return parts
+
+    @staticmethod
+    def _batch_size(graph: Graph) -> int | None:
+        sizes = {graph.edges[e].shape[0] for e in graph.inputs if graph.edges[e].shape}
+        return sizes.pop() if len(sizes) == 1 else None
+
     def graph_for(self, inputs: tuple) -> Graph:
         key = tuple((tuple(np.shape(x)), str(x.dtype)) for x in jax.tree_util.tree_leaves(inputs))
         if key not in self._graphs:
@@ -72,7 +98,8 @@ class GraphCache:
             if [o.id for o in graph.ops] != [o.id for o in self.plan.graph.ops]:
                 raise PlanError(
                     f"Tracing {graph.model_name} for input shapes {[s.shape for s in shapes]} gives "
-                    "other ops than the plan's; plan with inputs of this shape instead."
+                    "other ops than the plan's; plan with inputs of this shape instead (or give "
+                    "batches of the plan's batch size)."
                 )
             self._graphs[key] = graph
         return self._graphs[key]

@@ -125,6 +125,10 @@ def check_plan(plan: Plan, *, allow_float_ops: bool = False) -> list[str]:
             if spec.qtype == "int16" and not spec.symmetric:
                 raise PlanError(f"{where}: int16 output {edge_id!r} must be symmetric (LiteRT's "
                                 "16x8 kernels take zero point 0). Remove act_symmetric=False.")
+            if casts_from_integers(plan.graph, op):
+                # CAST writes float from integers (a mask, positions): its
+                # output is quantized where it is read, as a model input is.
+                continue
             limitation = _kernel_limitation(op, spec.qtype, plan.graph)
             if limitation is not None:
                 if not allow_float_ops:
@@ -263,3 +267,10 @@ def _blockwise_refusal(plan: Plan, op, param: str, spec) -> str | None:
     if spec.block_size % 32:
         return f"the block size is {spec.block_size}"
     return None
+
+
+def casts_from_integers(graph, op) -> bool:
+    """Whether `op` converts integer (or bool) activations to float: LiteRT's
+    CAST, whose float output a QUANTIZE then quantizes like a model input."""
+    return op.kind == "convert_element_type" and bool(op.inputs) and not any(
+        graph.edges[graph.resolve(e)].is_float for e in op.inputs)

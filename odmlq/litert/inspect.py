@@ -137,8 +137,8 @@ class ModelSummary:
         """Why `op` is a float island (see `inspect`), or None when it is not one."""
         if self.schema != "static":
             return None
-        return _float_island_reason(op, self.tensors, self.inputs, self.outputs,
-                                    _constant_derived(self.ops, self.tensors))
+        return _float_island_reason(op, self.tensors, _sources(self.ops, self.tensors, self.inputs),
+                                    self.outputs, _constant_derived(self.ops, self.tensors))
 
     def __str__(self) -> str:
         return format_summary(self)
@@ -184,6 +184,9 @@ def inspect(model: bytes | str | os.PathLike) -> ModelSummary:
       * a DEQUANTIZE whose output is not a graph output;
       * a QUANTIZE of a float tensor that is not a graph input (a QUANTIZE
         from an integer tensor is a requantization and stays integer).
+    A CAST of integer (or bool) tensors to float (an attention mask, positions)
+    is where they enter the float domain, as a graph input does: neither it nor
+    the QUANTIZE of its output is an island.
 
     Args:
       model: The flatbuffer's bytes, or the path of a .tflite file.
@@ -239,7 +242,7 @@ def format_summary(summary: ModelSummary) -> str:
     if summary.schema == "static":
         out += _section("Float islands", ["#", "op", "module", "why"], [
             [str(op.index), op.name, _module(op.module_path),
-             _float_island_reason(op, t, summary.inputs, summary.outputs, derived) or ""]
+             summary.why_float(op) or ""]
             for op in summary.float_islands])
     else:
         out += ["", f"Float islands: none counted: a {_SCHEMA_WORDS[summary.schema]} model computes in float "
@@ -301,7 +304,8 @@ def _read(buf: bytes, label: str) -> ModelSummary:
         op_histogram=dict(sorted(histogram.items(), key=lambda kv: (-kv[1], kv[0]))),
         schema=schema_name,
         float_islands=tuple(op for op in ops if schema_name == "static"
-                            and _float_island_reason(op, tensors, inputs, outputs, derived)),
+                            and _float_island_reason(op, tensors, _sources(ops, tensors, inputs), outputs,
+                                                     derived)),
         weight_bytes=sum(buffer_bytes.values()), file_bytes=len(buf))
 
 
@@ -449,8 +453,22 @@ def _constant_derived(ops, tensors) -> set[int]:
     return derived
 
 
-def _float_island_reason(op, tensors, inputs, outputs, derived) -> str | None:
-    """Why `op` computes in float inside the graph, or None; the definition is in `inspect`."""
+def _casts_integers(op, tensors) -> bool:
+    """A CAST of integer (or bool) tensors to float: a mask or positions entering the float
+    domain, quantized after it as a graph input is."""
+    return op.name == "CAST" and all(tensors[i].dtype not in _FLOAT_DTYPES for i in op.inputs if i >= 0)
+
+
+def _sources(ops, tensors, inputs) -> set[int]:
+    """Float tensors that enter the graph: its inputs, and the outputs of CASTs of integers."""
+    return set(inputs) | {o for op in ops if _casts_integers(op, tensors) for o in op.outputs}
+
+
+def _float_island_reason(op, tensors, sources, outputs, derived) -> str | None:
+    """Why `op` computes in float inside the graph, or None; the definition is in `inspect`
+    (`sources`: the graph's inputs and the outputs of CASTs of integers)."""
+    if _casts_integers(op, tensors):
+        return None
     if op.name == "DEQUANTIZE":
         if op.inputs[0] in derived:
             return "dequantizes a weight at run time"
@@ -459,7 +477,7 @@ def _float_island_reason(op, tensors, inputs, outputs, derived) -> str | None:
         return None
     if op.name == "QUANTIZE":
         source = op.inputs[0]
-        if tensors[source].dtype in _FLOAT_DTYPES and source not in inputs:
+        if tensors[source].dtype in _FLOAT_DTYPES and source not in sources:
             return "quantizes a float tensor computed inside the graph"
         return None
     floats = sorted({tensors[i].dtype for i in (*op.inputs, *op.outputs)

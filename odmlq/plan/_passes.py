@@ -28,26 +28,44 @@ from odmlq.plan._spec import QuantSpec
 from odmlq.rules import Rule
 # Ops through which a mask's sentinel reaches the scores a softmax reads.
 _MASK_CARRIERS = frozenset({"select_n", "add", "sub", "max", "min", "broadcast_in_dim", "reshape",
-                            "transpose", "squeeze", "convert_element_type"})
+                            "transpose", "squeeze", "convert_element_type", "mul"})
 
 
 def calibrate_masks(graph: Graph, by_edge: dict) -> None:
     """Edges an attention mask's sentinel reaches are calibrated with `Masked`:
     the sentinel is no data, and masked positions sit at the bottom of the
-    range, far enough below the scores that a softmax gives them zero."""
-    masked: set[str] = set()
+    range (the top, for a positive sentinel), far enough below the scores
+    that a softmax gives them zero.
+
+    The sentinel's sign is followed from the constant that seeds it: a
+    ``mul`` seeds with its constant's sign (a mask's ``1 - m`` is not
+    negative), and a ``sub`` that subtracts a masked edge flips it."""
+    masked: dict[str, bool] = {}  # edge -> its sentinels are positive
     for op in graph.ops:
-        seeded = any(c.value is not None and np.size(c.value)
-                     and float(np.max(np.abs(np.asarray(c.value, np.float64)))) >= MASK_SENTINEL
-                     for c in op.constants if str(c.dtype).startswith(("float", "bfloat")))
-        carried = any(graph.resolve(e) in masked for e in op.inputs)
-        if op.kind in _MASK_CARRIERS and (seeded or carried):
-            masked.update(op.outputs)
-    for edge_id in masked:
+        big = [float(np.asarray(c.value, np.float64).flat[np.argmax(np.abs(np.asarray(c.value, np.float64)))])
+               for c in op.constants if c.value is not None and np.size(c.value)
+               and str(c.dtype).startswith(("float", "bfloat"))
+               and float(np.max(np.abs(np.asarray(c.value, np.float64)))) >= MASK_SENTINEL]
+        inputs = [graph.resolve(e) for e in op.inputs]
+        carried = [i for i, e in enumerate(inputs) if e in masked]
+        if op.kind not in _MASK_CARRIERS or not (big or carried):
+            continue
+        if op.kind == "mul" and not big:
+            continue  # a product of a masked edge with data: no sentinel of known sign
+        if carried:
+            positive = masked[inputs[carried[0]]]
+            if op.kind == "sub" and carried == [1]:
+                positive = not positive
+            if op.kind == "mul" and big[0] < 0:
+                positive = not positive
+        else:
+            positive = big[0] > 0 if op.kind == "mul" else False
+        masked.update((e, positive) for e in op.outputs)
+    for edge_id, positive in masked.items():
         plan = by_edge.get(edge_id)
         if plan is None or plan.spec is None or plan.spec.dynamic or isinstance(plan.spec.calibration, Masked):
             continue
-        spec = dataclasses.replace(plan.spec, calibration=Masked(plan.spec.calibration))
+        spec = dataclasses.replace(plan.spec, calibration=Masked(plan.spec.calibration, top=positive))
         by_edge[edge_id] = dataclasses.replace(plan, spec=spec, reason=plan.reason + "; masked")
 
 
@@ -130,16 +148,18 @@ def share_scale_of_activations_beside_others(graph: Graph, by_edge: dict, constr
                 reason=out.reason + f"; input's scale ({edge.producer} fuses it, duplicated)")
 
 
-def dynamic_only_into_kernels(graph: Graph, by_edge: dict) -> None:
+def dynamic_only_into_kernels(graph: Graph, by_edge: dict, float_readers: frozenset | set = frozenset()) -> None:
     """Run-time quantization happens inside matmul/conv kernels (dynamic-range
     kernels quantize their input per call): a dynamic edge is quantized where
     a kernel reads it (`dynamic_kernel_inputs`), and read in float by anything
-    else; an edge no kernel reads stays float."""
+    else; an edge no kernel reads stays float. `float_readers`: matmuls that
+    read their inputs in float (`OpPlan.dynamic_inputs_float`: no target has
+    a dynamic kernel for them)."""
     for edge in graph.edges.values():
         plan = by_edge.get(edge.id)
         if plan is None or plan.spec is None or not plan.spec.dynamic:
             continue
-        if not any(graph.op(c).kind in MATMUL_KINDS for c in edge.consumers):
+        if not any(graph.op(c).kind in MATMUL_KINDS and c not in float_readers for c in edge.consumers):
             by_edge[edge.id] = dataclasses.replace(
                 plan, spec=None, reason="dynamic: only inputs of matmul/conv are quantized at run time")
 

@@ -470,7 +470,7 @@ def _edge_plans(graph: Graph, rules, op_plans, constraints, *, rows: bool = Fals
     calibrate_masks(graph, by_edge)
     calibrate_norms(graph, by_edge)
     fuse_activations(graph, by_edge, constraints)
-    dynamic_only_into_kernels(graph, by_edge)
+    dynamic_only_into_kernels(graph, by_edge, {o for o, p in op_plans.items() if p.dynamic_inputs_float})
     if rows:
         dynamic_per_row(graph, by_edge)
     resolve_output_constraints(graph, by_edge, constraints)

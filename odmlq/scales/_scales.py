@@ -204,8 +204,27 @@ def _constant_scales(plan, edges: Mapping[str, TensorScale]) -> dict:
                 # The kernel reads the constant at the output's scale, like its inputs.
                 out[(op.id, index)] = reshaped(output, len(operand.shape))
             else:
-                out[(op.id, index)] = constant_scale(operand.value, spec.qtype)
+                out[(op.id, index)] = constant_scale(_saturating(plan, op, operand.value, edges), spec.qtype)
     return out
+
+
+def _saturating(plan, op, value, edges: Mapping[str, TensorScale]):
+    """A multiplier too large for a MUL kernel (a mask's ``1e30 * (1 - m)``),
+    cut to twice what saturates the output from one step of the input: every
+    nonzero input still saturates, so the quantized product is the same, and
+    the kernel's rescaling (input scale x constant scale / output scale)
+    stays in the range its fixed-point multiplier holds."""
+    inputs = [plan.graph.resolve(e) for e in op.inputs]
+    if op.kind != "mul" or len(inputs) != 1 or len(op.outputs) != 1 or value is None:
+        return value
+    x, y = edges.get(inputs[0]), edges.get(op.outputs[0])
+    if x is None or y is None or x.scale_axes or y.scale_axes:
+        return value
+    zero = 0.0 if y.zero_point is None else float(np.max(y.zero_point))
+    largest = float(np.max(y.scale)) * max(abs(y.qtype.qmin - zero), abs(y.qtype.qmax - zero))
+    bound = 2.0 * largest / float(np.max(x.scale))
+    v = np.asarray(value, np.float64)
+    return np.clip(v, -bound, bound) if np.max(np.abs(v)) > bound else value
 
 
 def _bias_scales(plan, scales: Scales, weights) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
