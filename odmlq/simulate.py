@@ -16,10 +16,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from odmlq.calibration import Calibration
-from odmlq.errors import PlanError
 from odmlq.graph import GraphCache, params_for
 from odmlq.hooks import FakeQuant, PlanHooks
 from odmlq.qarray import QArray, float_dtype
@@ -50,19 +48,10 @@ class Simulator:
 
     def __call__(self, *inputs: Any, capture: bool = False, capture_conversions: bool = False,
                  feed: Mapping[str, Any] | None = None) -> Any:
-        pieces = self._graphs.parts(inputs)
-        if len(pieces) > 1:  # ops that depend on the batch size: rows in batches of the plan's
-            if capture or capture_conversions or feed:
-                raise PlanError(
-                    f"The model traces other ops at batch size {np.shape(jax.tree_util.tree_leaves(inputs)[0])[0]} "
-                    "than the plan's; capture and feed edges with batches of the plan's batch size.")
-            runs = [self(*piece) for piece in pieces]
-            sizes = [np.shape(jax.tree_util.tree_leaves(piece)[0])[0] for piece in pieces]
-            if any(np.ndim(x) == 0 or np.shape(x)[0] != n for run, n in zip(runs, sizes)
-                   for x in jax.tree_util.tree_leaves(run)):
-                raise PlanError("The model traces other ops at this batch size than the plan's, and its "
-                                "outputs do not lead with the batch axis; run it in batches of the plan's size.")
-            return jax.tree.map(lambda *xs: jnp.concatenate(xs), *runs)
+        return self._graphs.run(inputs, lambda *xs: self._run(xs, capture, capture_conversions, feed),
+                                capturing=capture or capture_conversions or bool(feed))
+
+    def _run(self, inputs: tuple, capture: bool, capture_conversions: bool, feed) -> Any:
         graph = self._graphs.graph_for(inputs)
         feed_values = {k: jnp.asarray(v) for k, v in (feed or {}).items()}
         key = (id(graph), capture, capture_conversions, tuple(sorted(feed_values)))

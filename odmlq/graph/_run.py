@@ -60,6 +60,7 @@ class GraphCache:
     def __init__(self, model: Any, plan, variables: Any):
         self.model, self.plan, self.variables = model, plan, variables
         self._graphs: dict[tuple, Graph] = {}
+        self._split: set[tuple] = set()  # input shapes run in parts of the plan's batch size
         if plan.graph.program is not None:
             self._graphs[self._key(plan.graph)] = plan.graph
 
@@ -71,27 +72,56 @@ class GraphCache:
         """`inputs` as batches whose graphs have the plan's ops: ``[inputs]``
         itself, or, for a model whose ops depend on the batch size, its rows
         cut into batches of the plan's batch size (and a smaller last one)."""
-        try:
-            self.graph_for(inputs)
-            return [inputs]
-        except PlanError:
-            size = self._batch_size(self.plan.graph)
-            rows = {np.shape(x)[0] for x in jax.tree_util.tree_leaves(inputs) if np.ndim(x)}
-            if size is None or len(rows) != 1 or rows == {size}:
-                raise
-            (n,) = rows
-            parts = [jax.tree.map(lambda x, i=i: x[i:i + size], inputs) for i in range(0, n, size)]
-            for part in parts:
-                self.graph_for(part)
-            return parts
+        key = self._key_of(inputs)
+        size = self._batch_size(self.plan.graph)
+        rows = {np.shape(x)[0] for x in jax.tree_util.tree_leaves(inputs) if np.ndim(x)}
+        if key not in self._split:
+            try:
+                self.graph_for(inputs)
+                return [inputs]
+            except PlanError:
+                if size is None or len(rows) != 1 or rows == {size}:
+                    raise
+                self._split.add(key)
+        (n,) = rows
+        parts = [jax.tree.map(lambda x, i=i: x[i:i + size], inputs) for i in range(0, n, size)]
+        for part in parts:
+            self.graph_for(part)
+        return parts
+
+    def run(self, inputs: tuple, run, *, capturing: bool = False) -> Any:
+        """``run(*inputs)``, or, for a model whose ops depend on the batch size
+        (`parts`), `run` on each part with the outputs joined along the batch
+        axis. `capturing`: the run captures or feeds edges, which are laid out
+        by the graph that made them: only batches of the plan's size."""
+        pieces = self.parts(inputs)
+        if len(pieces) == 1:
+            return run(*inputs)
+        rows = np.shape(jax.tree_util.tree_leaves(inputs)[0])[0]
+        if capturing:
+            raise PlanError(f"{self.plan.graph.model_name} traces other ops at batch size {rows} than the "
+                            "plan's; capture or feed edges with batches of the plan's batch size.")
+        runs = [run(*piece) for piece in pieces]
+        sizes = [np.shape(jax.tree_util.tree_leaves(piece)[0])[0] for piece in pieces]
+        if any(np.ndim(x) == 0 or np.shape(x)[0] != n for out, n in zip(runs, sizes)
+               for x in jax.tree_util.tree_leaves(out)):
+            raise PlanError(f"{self.plan.graph.model_name} traces other ops at batch size {rows} than the "
+                            "plan's, and its outputs do not lead with the batch axis; run it in batches of "
+                            "the plan's batch size.")
+        return jax.tree.map(lambda *xs: jax.numpy.concatenate(xs), *runs)
 
     @staticmethod
     def _batch_size(graph: Graph) -> int | None:
         sizes = {graph.edges[e].shape[0] for e in graph.inputs if graph.edges[e].shape}
         return sizes.pop() if len(sizes) == 1 else None
 
+    @staticmethod
+    def _key_of(inputs: tuple) -> tuple:
+        return tuple((tuple(np.shape(x)), str(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype))
+                     for x in jax.tree_util.tree_leaves(inputs))
+
     def graph_for(self, inputs: tuple) -> Graph:
-        key = tuple((tuple(np.shape(x)), str(x.dtype)) for x in jax.tree_util.tree_leaves(inputs))
+        key = self._key_of(inputs)
         if key not in self._graphs:
             shapes = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in inputs]
             graph = trace(self.model, *shapes, variables=self.variables, method=self.plan.graph.method)

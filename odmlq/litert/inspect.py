@@ -238,7 +238,6 @@ def format_summary(summary: ModelSummary) -> str:
     out.append(table(["#", "name", "dtype", "shape", "quantization", "bytes"], rows))
     out += ["", "Op histogram",
             table(["op", "count"], [[k, str(v)] for k, v in summary.op_histogram.items()])]
-    derived = _constant_derived(summary.ops, t)
     if summary.schema == "static":
         out += _section("Float islands", ["#", "op", "module", "why"], [
             [str(op.index), op.name, _module(op.module_path),

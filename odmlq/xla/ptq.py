@@ -111,7 +111,8 @@ class QuantizedModel:
 
     def __call__(self, *inputs: Any, capture: bool = False, feed: Mapping[str, Any] | None = None) -> Any:
         feed = None if feed is None else {k: jnp.asarray(v) for k, v in feed.items()}
-        return self._jitted(self.params, *inputs, capture=capture, feed=feed)
+        return self._graphs.run(inputs, lambda *xs: self._jitted(self.params, *xs, capture=capture, feed=feed),
+                                capturing=capture or bool(feed))
 
     def __str__(self) -> str:
         rows = [("op", "schema", "kernel", "emulated")]

@@ -132,6 +132,8 @@ def test_xla_runs_other_batch_sizes(setup):
     want = np.asarray(model.apply(variables, x[:2], mask[:2]))
     got = np.concatenate([np.asarray(qmodel(x[i:i + 1], mask[i:i + 1])) for i in range(2)])
     assert _sqnr_db(want, got) >= 15  # 19.8 dB measured on the first row; 6.0 dB with the mask ignored
+    # Six rows at once run as six of the plan's batch size, the same numbers.
+    assert np.array_equal(np.asarray(qmodel(x, mask))[:2], got)
     scales = odmlq.compute_scales(plan, calibration, odmlq.graph.params_for(model, variables, "test"))
     simulator = odmlq.Simulator(model, plan, scales, variables=variables)
     rows = np.concatenate([np.asarray(simulator(x[i:i + 1], mask[i:i + 1])) for i in range(len(x))])
