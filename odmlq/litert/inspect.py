@@ -23,11 +23,11 @@ from ai_edge_litert import schema_py_generated as schema
 
 from odmlq.plan import text_table as table
 from odmlq.errors import OdmlqError
+from odmlq.litert._islands import float_island_reason, sources
 
 _FILE_IDENTIFIER = b"TFL3"
 _DTYPE_NAMES = {v: k.lower() for k, v in vars(schema.TensorType).items() if not k.startswith("_")}
 _OP_NAMES = {v: k for k, v in vars(schema.BuiltinOperator).items() if not k.startswith("_")}
-_FLOAT_DTYPES = frozenset({"float16", "float32", "float64", "bfloat16"})
 # `jit(name)/` with at most one level of parentheses inside, e.g. `jit(<lambda>)/`.
 _JIT_PREFIX = re.compile(r"jit\((?:[^()]|\([^()]*\))*\)/")
 
@@ -137,8 +137,8 @@ class ModelSummary:
         """Why `op` is a float island (see `inspect`), or None when it is not one."""
         if self.schema != "static":
             return None
-        return _float_island_reason(op, self.tensors, _sources(self.ops, self.tensors, self.inputs),
-                                    self.outputs, _constant_derived(self.ops, self.tensors))
+        return float_island_reason(op, self.tensors, sources(self.ops, self.tensors, self.inputs),
+                                   self.outputs, _constant_derived(self.ops, self.tensors))
 
     def __str__(self) -> str:
         return format_summary(self)
@@ -296,6 +296,7 @@ def _read(buf: bytes, label: str) -> ModelSummary:
     ops = [dataclasses.replace(op, module_path=_op_module_path(op, tensors, derived)) for op in ops]
     inputs, outputs = tuple(_indices(graph.InputsAsNumpy())), tuple(_indices(graph.OutputsAsNumpy()))
     schema_name = _schema(ops, tensors, derived)
+    entering = sources(ops, tensors, inputs)
     histogram = collections.Counter(op.name for op in ops)
     return ModelSummary(
         ops=tuple(ops), tensors=tuple(tensors), inputs=inputs, outputs=outputs,
@@ -303,8 +304,7 @@ def _read(buf: bytes, label: str) -> ModelSummary:
         op_histogram=dict(sorted(histogram.items(), key=lambda kv: (-kv[1], kv[0]))),
         schema=schema_name,
         float_islands=tuple(op for op in ops if schema_name == "static"
-                            and _float_island_reason(op, tensors, _sources(ops, tensors, inputs), outputs,
-                                                     derived)),
+                            and float_island_reason(op, tensors, entering, outputs, derived)),
         weight_bytes=sum(buffer_bytes.values()), file_bytes=len(buf))
 
 
@@ -450,38 +450,6 @@ def _constant_derived(ops, tensors) -> set[int]:
         if ins and all(i in derived for i in ins):
             derived.update(op.outputs)
     return derived
-
-
-def _casts_integers(op, tensors) -> bool:
-    """A CAST of integer (or bool) tensors to float: a mask or positions entering the float
-    domain, quantized after it as a graph input is."""
-    return op.name == "CAST" and all(tensors[i].dtype not in _FLOAT_DTYPES for i in op.inputs if i >= 0)
-
-
-def _sources(ops, tensors, inputs) -> set[int]:
-    """Float tensors that enter the graph: its inputs, and the outputs of CASTs of integers."""
-    return set(inputs) | {o for op in ops if _casts_integers(op, tensors) for o in op.outputs}
-
-
-def _float_island_reason(op, tensors, sources, outputs, derived) -> str | None:
-    """Why `op` computes in float inside the graph, or None; the definition is in `inspect`
-    (`sources`: the graph's inputs and the outputs of CASTs of integers)."""
-    if _casts_integers(op, tensors):
-        return None
-    if op.name == "DEQUANTIZE":
-        if op.inputs[0] in derived:
-            return "dequantizes a weight at run time"
-        if any(o not in outputs for o in op.outputs):
-            return "its float output feeds other ops"
-        return None
-    if op.name == "QUANTIZE":
-        source = op.inputs[0]
-        if tensors[source].dtype in _FLOAT_DTYPES and source not in sources:
-            return "quantizes a float tensor computed inside the graph"
-        return None
-    floats = sorted({tensors[i].dtype for i in (*op.inputs, *op.outputs)
-                     if i >= 0 and tensors[i].dtype in _FLOAT_DTYPES})
-    return f"{'/'.join(floats)} tensors" if floats else None
 
 
 def _quantization(x: TensorInfo) -> str:
