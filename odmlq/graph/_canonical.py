@@ -11,8 +11,9 @@ invocation). Written as ``transpose(dot_general(x, weights))`` (the same
 values), the constant is the weight: an int8 FULLY_CONNECTED reading it in
 its own layout, and an int8 TRANSPOSE.
 
-Three ops that litert-converter 0.5.0 cannot carry in integers are written in
-forms it can (`portable_forms`), the values unchanged:
+Four ops that litert-converter 0.5.0 cannot carry in integers, or that the op
+table would otherwise need twice, are written in forms it can
+(`portable_forms`), the values unchanged:
 
 - ``-x`` (a rotate-half rotary embedding's negation, in transformers' Llama,
   Gemma and Mistral) is ``x * -1``: the converter leaves NEG in float
@@ -23,7 +24,11 @@ forms it can (`portable_forms`), the values unchanged:
   key/value heads in grouped-query attention: transformers' Llama, Gemma,
   Mistral) is a broadcast that only adds axes of size 1 (a RESHAPE) and a
   concatenation of the copies: the converter keeps BROADCAST_TO in float,
-  where CONCATENATION is an int8 kernel XNNPACK runs.
+  where CONCATENATION is an int8 kernel XNNPACK runs;
+- ``jnp.stack`` (JAX's ``stack`` primitive; GPT-J's interleaved rotary
+  embedding) is each input with an axis of size 1 added (a RESHAPE) and
+  their concatenation along it: what the converter lowers it to, and one
+  kind (CONCATENATION, its shared scale) for every backend.
 """
 
 from __future__ import annotations
@@ -75,12 +80,12 @@ def portable_forms(walker, steps: list) -> None:
     """Rewrites, in place, each float ``neg`` of an activation as ``x * -1``,
     each boolean ``xor`` (of constants too) as ``!=``, and each broadcast that
     copies an activation at most `MAX_COPIES` times as a concatenation (module
-    doc), in scan bodies too."""
+    doc), and each ``stack`` of activations as a concatenation, in scan bodies too."""
     for step in list(steps):
         if isinstance(step, _Region):
             portable_forms(walker, step.body.steps)
             continue
-        if not isinstance(step, _Step) or step.eqn is None or step.kind not in ("neg", "xor", "broadcast_in_dim"):
+        if not isinstance(step, _Step) or step.eqn is None or step.kind not in ("neg", "xor", "broadcast_in_dim", "stack"):
             continue
         dtype = step.eqn.outvars[0].aval.dtype
         constant = all(isinstance(r, _Lit) or walker.is_weight(r) for r in step.ins)
@@ -94,6 +99,9 @@ def portable_forms(walker, steps: list) -> None:
             fn = _as_concatenation(step.eqn.params, walker.avals[step.ins[0]].shape)
             if fn is None:
                 continue
+        elif step.kind == "stack" and not constant and not any(isinstance(r, _Lit) for r in step.ins):
+            axis = step.eqn.params["axis"]
+            fn = lambda *xs: lax.concatenate([lax.expand_dims(x, (axis,)) for x in xs], axis)  # noqa: E731
         else:
             continue
         new = walker.walk_function(fn, list(step.ins), step.outs[0], step.stack)

@@ -4,7 +4,8 @@
 Each was met in a transformers Flax model (Llama, Gemma, Mistral, GPT-Neo) and
 ended its full-integer export: NEG, SiLU's LOGISTIC and MUL, and BROADCAST_TO
 stayed float; XOR did not convert; ``x ** 2`` had no kernel. Here each is
-exported alone between two quantized matmuls: no float island, every op
+exported alone between two quantized matmuls (JAX's ``stack`` primitive too,
+which GPT-J's rotary embedding ends, and which the op table had no entry for): no float island, every op
 within its tolerance of simulate (the export's own op-by-op verification).
 """
 
@@ -45,6 +46,10 @@ def _xor_mask(x):  # a local-attention mask built from two constant masks
     return x @ jnp.where(jnp.logical_xor(causal, ~window), 0.0, 1.0) * 0.1
 
 
+def _interleave(x):  # GPT-J's rotary: (-x2, x1) of each pair, stacked on a last axis and flattened
+    return jnp.stack([-x[..., 1::2], x[..., ::2]], axis=-1).reshape(x.shape)
+
+
 CASES = {
     "neg": (_rotate_half, {"mul"}, "neg"),
     "square": (lambda x: x * jax.lax.rsqrt(jnp.mean(jnp.power(x, 2), -1, keepdims=True) + 1e-6), {"square"},
@@ -52,6 +57,7 @@ CASES = {
     "silu": (nn.silu, {"logistic", "mul"}, "silu"),
     "repeat": (_repeat_heads, {"concatenate"}, "broadcast_in_dim copying"),
     "xor": (_xor_mask, {"dot_general"}, "xor"),
+    "stack": (_interleave, {"concatenate"}, "stack"),
 }
 
 
