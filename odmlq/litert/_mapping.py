@@ -62,10 +62,14 @@ def map_float_tensors(details: Sequence[dict], produced: Sequence[int], plan, sc
     tensor that carries it: of the tensors whose names end in the edge (as
     `map_tensors` reads them) and that hold its number of values, the last
     one the interpreter writes (an op the converter lowers to several, such
-    as a transposed matmul, writes the edge's value last)."""
+    as a transposed matmul, writes the edge's value last). A tensor named
+    for several fused locations (``a;b``) is its op's by the last one: one
+    that names the edge only in an earlier location is taken only where no
+    other tensor names it last (XGLM's token and position lookups share a
+    select whose tensor was named for both)."""
     order = {e: i for i, e in enumerate(plan.graph.edges)}
     by_index = {d["index"]: d for d in details}
-    out: dict[str, int] = {}
+    out: dict[str, tuple[bool, int]] = {}
     for index in produced:  # execution order: a later tensor of the same edge wins
         d = by_index.get(index)
         if d is None or d["dtype"] != np.float32:
@@ -76,9 +80,10 @@ def map_float_tensors(details: Sequence[dict], produced: Sequence[int], plan, sc
         edge = max(named, key=order.get)
         if edge in scales.edges or plan.graph.edges[edge].alias is not None:
             continue
-        if _size(d["shape"]) == _size(plan.graph.edges[edge].shape):
-            out[edge] = index
-    return out
+        own = edge in _edges_named(d["name"].split(";")[-1], order)
+        if _size(d["shape"]) == _size(plan.graph.edges[edge].shape) and (own or not out.get(edge, (False,))[0]):
+            out[edge] = (own, index)
+    return {edge: index for edge, (_, index) in out.items()}
 
 
 def _edges_named(name: str, order: dict[str, int]) -> list[str]:

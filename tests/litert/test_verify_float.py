@@ -68,3 +68,23 @@ def test_a_wrong_constant_in_the_file_is_named_at_its_op_though_the_outputs_pass
     with pytest.raises(odmlq.litert.VerificationError,
                        match=r"module 'layer_\d/attention'.*differs from simulate by up to .* of the largest value of its output"):
         odmlq.litert.verify(tflite, model, result.plan, result.scales, [steps[-1]], variables=variables)
+
+
+def test_a_fused_tensor_name_is_read_as_its_own_ops():
+    """transformers' Flax XGLM looks up its tokens (an int8 table) and its
+    sinusoidal positions with the same bounds check; the converter named the
+    positions' select for both lookups (``.../embed_tokens/gather/...;.../weights/...``).
+    Mapped to the token lookup, that tensor was fed to the embedding scale's MUL,
+    which then read 1.1 of its largest value off: the export refused itself."""
+    pytest.importorskip("transformers")
+    from transformers import FlaxXGLMForCausalLM, XGLMConfig
+
+    from tests.zoo.models import ZooModel  # noqa: F401  (imports tests.zoo.hf_models after its helpers)
+    from tests.zoo.hf_models import _hf_causal_lm
+
+    z = _hf_causal_lm("hf_xglm", FlaxXGLMForCausalLM, XGLMConfig(
+        vocab_size=1000, d_model=64, num_layers=2, attention_heads=4, ffn_dim=128, max_position_embeddings=64))
+    result = odmlq.export_tflite(z.model, DYNAMIC, z.make_batches(4, 4, 0), variables=z.variables,
+                                 progress=False, benchmark=False)
+    assert result.verification.passed, str(result.verification)
+    assert "inner/model/mul" in {c.edge for c in result.verification.checks}

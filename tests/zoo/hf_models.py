@@ -19,10 +19,13 @@ class HFTextModel(nn.Module):
 
     inner: nn.Module
     token_type_ids: bool = True  # BERT takes them; GPT-2 does not
+    position_ids: bool = True  # DistilBERT and BLOOM take neither
 
     def __call__(self, input_ids, attention_mask):
         position_ids = jnp.broadcast_to(jnp.arange(input_ids.shape[-1]), input_ids.shape)
-        if self.token_type_ids:
+        if not self.position_ids:
+            out = self.inner(input_ids, attention_mask, deterministic=True, return_dict=False)
+        elif self.token_type_ids:
             out = self.inner(input_ids, attention_mask, jnp.zeros_like(input_ids), position_ids,
                              deterministic=True, return_dict=False)
         else:
@@ -79,11 +82,12 @@ def hf_gpt2() -> ZooModel:
                     _token_batches(seq, 1000, with_mask=True), "transformer")
 
 
-def _hf_causal_lm(name: str, model_cls, config) -> ZooModel:
-    """A transformers Flax causal LM on (input_ids, attention_mask) of 16 tokens."""
+def _hf_causal_lm(name: str, model_cls, config, position_ids: bool = True) -> ZooModel:
+    """A transformers Flax causal LM (or encoder) on (input_ids, attention_mask) of 16 tokens."""
     hf, params = _hf_init(model_cls, config)
     seq = 16
-    return ZooModel(name, HFTextModel(hf.module, token_type_ids=False), _hf_variables(params),
+    return ZooModel(name, HFTextModel(hf.module, token_type_ids=False, position_ids=position_ids),
+                    _hf_variables(params),
                     _token_example(seq, config.vocab_size, with_mask=True),
                     _token_batches(seq, config.vocab_size, with_mask=True), "transformer")
 
@@ -106,6 +110,32 @@ def hf_gpt_neo() -> ZooModel:
     return _hf_causal_lm("hf_gpt_neo", FlaxGPTNeoForCausalLM, GPTNeoConfig(
         vocab_size=1000, hidden_size=64, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]],
         max_position_embeddings=64, window_size=8))
+
+
+def hf_distilbert() -> ZooModel:
+    """DistilBERT: attention by ``jnp.matmul`` (its ops differ at batch 1, which drops
+    batch axes of size 1), an int32 mask cast to float and subtracted as ``1e30 * (1 - m)``."""
+    from transformers import DistilBertConfig, FlaxDistilBertModel
+
+    return _hf_causal_lm("hf_distilbert", FlaxDistilBertModel, DistilBertConfig(
+        vocab_size=1000, dim=64, n_layers=2, n_heads=4, hidden_dim=128, max_position_embeddings=64),
+        position_ids=False)
+
+
+def hf_bloom() -> ZooModel:
+    """BLOOM: ALiBi position biases built from the int32 mask (a CAST to float)."""
+    from transformers import BloomConfig, FlaxBloomForCausalLM
+
+    return _hf_causal_lm("hf_bloom", FlaxBloomForCausalLM, BloomConfig(
+        vocab_size=1000, hidden_size=64, n_layer=2, n_head=4), position_ids=False)
+
+
+def hf_gptj() -> ZooModel:
+    """GPT-J: an interleaved rotary embedding that ends in ``jnp.stack``."""
+    from transformers import FlaxGPTJForCausalLM, GPTJConfig
+
+    return _hf_causal_lm("hf_gptj", FlaxGPTJForCausalLM, GPTJConfig(
+        vocab_size=1000, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=64))
 
 
 def hf_vit() -> ZooModel:

@@ -460,7 +460,8 @@ def transformer_lm_linen() -> ZooModel:
 # ---------------------------------------------------------------------------
 # transformers' Flax models: tests/zoo/hf_models.py (it reads the helpers above).
 
-from tests.zoo.hf_models import hf_bert, hf_gpt2, hf_gpt_neo, hf_llama, hf_resnet, hf_vit  # noqa: E402
+from tests.zoo.hf_models import (hf_bert, hf_bloom, hf_distilbert, hf_gpt2, hf_gpt_neo, hf_gptj,  # noqa: E402
+                                  hf_llama, hf_resnet, hf_vit)
 
 
 ZOO: dict[str, Callable[[], ZooModel]] = {
@@ -473,6 +474,9 @@ ZOO: dict[str, Callable[[], ZooModel]] = {
     "hf_gpt2": hf_gpt2,
     "hf_llama": hf_llama,
     "hf_gpt_neo": hf_gpt_neo,
+    "hf_distilbert": hf_distilbert,
+    "hf_bloom": hf_bloom,
+    "hf_gptj": hf_gptj,
 }
 
 NEEDS_TRANSFORMERS = frozenset(name for name in ZOO if name.startswith("hf_"))
