@@ -79,8 +79,10 @@ def test_a_fused_tensor_name_is_read_as_its_own_ops():
     pytest.importorskip("transformers")
     from transformers import FlaxXGLMForCausalLM, XGLMConfig
 
-    from tests.zoo.models import ZooModel  # noqa: F401  (imports tests.zoo.hf_models after its helpers)
+    from tests.zoo.models import ZOO  # imports tests.zoo.hf_models once its helpers exist
     from tests.zoo.hf_models import _hf_causal_lm
+
+    assert "hf_distilbert" in ZOO
 
     z = _hf_causal_lm("hf_xglm", FlaxXGLMForCausalLM, XGLMConfig(
         vocab_size=1000, d_model=64, num_layers=2, attention_heads=4, ffn_dim=128, max_position_embeddings=64))
