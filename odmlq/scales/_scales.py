@@ -209,22 +209,36 @@ def _constant_scales(plan, edges: Mapping[str, TensorScale]) -> dict:
 
 
 def _saturating(plan, op, value, edges: Mapping[str, TensorScale]):
-    """A multiplier too large for a MUL kernel (a mask's ``1e30 * (1 - m)``),
-    cut to twice what saturates the output from one step of the input: every
-    nonzero input still saturates, so the quantized product is the same, and
-    the kernel's rescaling (input scale x constant scale / output scale)
-    stays in the range its fixed-point multiplier holds."""
+    """A constant too large for its kernel's rescaling, cut to what still
+    saturates the output, so the quantized result is the same and the
+    kernel's fixed-point multipliers stay in range (LiteRT aborted loading
+    a file with BART's causal-mask ADD of ``finfo.min``):
+
+    - a MUL's multiplier (a mask's ``1e30 * (1 - m)``): twice what saturates
+      the output from one step of the input, so every nonzero input still
+      saturates;
+    - an ADD's or SUB's term (an additive mask folded to a constant): twice
+      the output's largest magnitude plus the input's, so every input still
+      saturates.
+    """
     inputs = [plan.graph.resolve(e) for e in op.inputs]
-    if op.kind != "mul" or len(inputs) != 1 or len(op.outputs) != 1 or value is None:
+    if op.kind not in ("mul", "add", "sub") or len(inputs) != 1 or len(op.outputs) != 1 or value is None:
         return value
     x, y = edges.get(inputs[0]), edges.get(op.outputs[0])
     if x is None or y is None or x.scale_axes or y.scale_axes:
         return value
-    zero = 0.0 if y.zero_point is None else float(np.max(y.zero_point))
-    largest = float(np.max(y.scale)) * max(abs(y.qtype.qmin - zero), abs(y.qtype.qmax - zero))
-    bound = 2.0 * largest / float(np.max(x.scale))
+    if op.kind == "mul":
+        bound = 2.0 * _largest(y) / float(np.max(x.scale))
+    else:
+        bound = 2.0 * _largest(y) + _largest(x)
     v = np.asarray(value, np.float64)
     return np.clip(v, -bound, bound) if np.max(np.abs(v)) > bound else value
+
+
+def _largest(ts: TensorScale) -> float:
+    """The largest magnitude a per-tensor quantized tensor holds."""
+    zero = 0.0 if ts.zero_point is None else float(np.max(ts.zero_point))
+    return float(np.max(ts.scale)) * max(abs(ts.qtype.qmin - zero), abs(ts.qtype.qmax - zero))
 
 
 def _bias_scales(plan, scales: Scales, weights) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:

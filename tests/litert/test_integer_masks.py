@@ -152,3 +152,30 @@ def test_masked_top_range_and_round_trip():
     assert "top" not in Masked(MinMax()).to_dict()
     with pytest.raises(odmlq.CalibrationError, match="top"):
         Masked(MinMax(), top="yes")
+
+
+class ConstantCausalBias(nn.Module):
+    """A decoder's causal mask as BART adds it: a constant of 0 and finfo.min."""
+
+    @nn.compact
+    def __call__(self, x):
+        q, k, v = (nn.Dense(D, name=n)(x) for n in ("q", "k", "v"))
+        scores = jnp.einsum("btd,bsd->bts", q, k) / np.sqrt(D)
+        causal = jnp.where(jnp.tril(jnp.ones((T, T), bool)), 0.0, jnp.finfo(jnp.float32).min)
+        return nn.Dense(D, name="out")(jnp.einsum("bts,bsd->btd", nn.softmax(scores + causal, -1), v))
+
+
+def test_a_constant_mask_bias_is_held_at_what_saturates():
+    """The ADD of finfo.min as a constant: quantized from its value, its scale
+    (2.7e36) overflowed LiteRT's rescaling, and LiteRT aborted loading the file
+    (the export's probe refused it). Held at what still saturates the sum, the
+    file loads and verifies."""
+    rng = np.random.default_rng(2)
+    model = ConstantCausalBias()
+    x = rng.normal(size=(8, T, D)).astype(np.float32)
+    variables = model.init(jax.random.key(1), x[:1])
+    export = odmlq.export_tflite(model, [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")],
+                                 [x[:4], x[4:]], variables=variables, progress=False, benchmark=False)
+    assert export.verification.passed, str(export.verification)
+    (key,) = [k for k in export.scales.constants if export.plan.graph.op(k[0]).kind == "add"]
+    assert float(np.max(export.scales.constants[key].scale)) * 127 < 1e4
