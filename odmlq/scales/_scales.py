@@ -214,9 +214,12 @@ def _saturating(plan, op, value, edges: Mapping[str, TensorScale]):
     kernel's fixed-point multipliers stay in range (LiteRT aborted loading
     a file with BART's causal-mask ADD of ``finfo.min``):
 
-    - a MUL's multiplier (a mask's ``1e30 * (1 - m)``): twice what saturates
-      the output from one step of the input, so every nonzero input still
-      saturates;
+    - a MUL's multiplier (a mask's ``1e30 * (1 - m)``): half what saturates
+      the output from one step of the input, so every input of two steps or
+      more still saturates (a mask's 1 is the whole range) and the kernel's
+      rescaling is 1/2: LiteRT's int16 MUL shifts its int32 product of two
+      codes left by a rescaling's exponent, and a rescaling of 2 wrapped it
+      (65535 LSB off, DistilBERT's mask at int16);
     - an ADD's or SUB's term (an additive mask folded to a constant): twice
       the output's largest magnitude plus the input's, so every input still
       saturates.
@@ -228,7 +231,7 @@ def _saturating(plan, op, value, edges: Mapping[str, TensorScale]):
     if x is None or y is None or x.scale_axes or y.scale_axes:
         return value
     if op.kind == "mul":
-        bound = 2.0 * _largest(y) / float(np.max(x.scale))
+        bound = 0.5 * _largest(y) / float(np.max(x.scale))
     else:
         bound = 2.0 * _largest(y) + _largest(x)
     v = np.asarray(value, np.float64)

@@ -104,11 +104,14 @@ def test_mask_product_constant_is_cut_to_what_saturates(setup):
     mask_edge = scales.edges[plan.graph.op(key[0]).outputs[0]]
     # The positive sentinel sits at the top of its edge's range (Masked(top=True)) ...
     assert plan.edges[plan.graph.op(key[0]).outputs[0]].spec.calibration.top
-    # ... and the 1e30 is held as a value that still saturates it from one input step.
+    # ... and the 1e30 is held as half what saturates it from one input step: the
+    # mask's 1 (and any input of two steps) still saturates, and the MUL kernel
+    # rescales by 1/2 (at 2, LiteRT's int16 MUL wrapped its product: 65535 LSB).
     held = float(np.max(constant.scale)) * 127
     one_step = float(np.max(scales.edges[plan.graph.resolve(plan.graph.op(key[0]).inputs[0])].scale))
     top = float(np.max(mask_edge.scale)) * (127 - float(np.max(mask_edge.zero_point)))
-    assert top < held * one_step < 1e6
+    assert held * one_step == pytest.approx(top / 2, rel=0.02)
+    assert held * 1.0 > top
 
 
 def test_dynamic_export_keeps_activation_matmul_inputs_float(setup):
