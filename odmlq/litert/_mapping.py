@@ -57,22 +57,23 @@ def map_tensors(details: Sequence[dict], produced: set[int], plan, scales,
     return out
 
 
-def map_float_tensors(details: Sequence[dict], produced: Sequence[int], plan, scales) -> dict[str, int]:
+def map_float_tensors(details: Sequence[dict], produced: Sequence[int], plan, scales,
+                      ops: Sequence[dict] = (), inputs: Sequence[int] = ()) -> dict[str, int]:
     """Float plan edge id (not quantized in `scales`) -> index of the float32
     tensor that carries it: of the tensors whose names end in the edge (as
     `map_tensors` reads them) and that hold its number of values, the last
     one the interpreter writes (an op the converter lowers to several, such
-    as a transposed matmul, writes the edge's value last). A tensor named
-    for several fused locations (``a;b``) is its op's by the last one: one
-    that names the edge only in an earlier location is taken only where no
-    other tensor names it last (XGLM's token and position lookups share a
-    select whose tensor was named for both)."""
+    as a transposed matmul, writes the edge's value last). A tensor computed
+    from constants only (`ops`, the graph's `inputs`) carries no edge: a plan
+    edge depends on the model's inputs, and a fused name can name one (XGLM's
+    position lookup, folded to constants, was named for the token lookup too)."""
     order = {e: i for i, e in enumerate(plan.graph.edges)}
     by_index = {d["index"]: d for d in details}
-    out: dict[str, tuple[bool, int]] = {}
+    constant = _constant_derived(ops, inputs)
+    out: dict[str, int] = {}
     for index in produced:  # execution order: a later tensor of the same edge wins
         d = by_index.get(index)
-        if d is None or d["dtype"] != np.float32:
+        if d is None or d["dtype"] != np.float32 or index in constant:
             continue
         named = _edges_named(d["name"], order)
         if not named:
@@ -80,10 +81,23 @@ def map_float_tensors(details: Sequence[dict], produced: Sequence[int], plan, sc
         edge = max(named, key=order.get)
         if edge in scales.edges or plan.graph.edges[edge].alias is not None:
             continue
-        own = edge in _edges_named(d["name"].split(";")[-1], order)
-        if _size(d["shape"]) == _size(plan.graph.edges[edge].shape) and (own or not out.get(edge, (False,))[0]):
-            out[edge] = (own, index)
-    return {edge: index for edge, (_, index) in out.items()}
+        if _size(d["shape"]) == _size(plan.graph.edges[edge].shape):
+            out[edge] = index
+    return out
+
+
+def _constant_derived(ops: Sequence[dict], inputs: Sequence[int]) -> set[int]:
+    """Tensors computed from constants only: the outputs of ops (in execution
+    order) whose inputs are all constants (written by no op, no graph input)
+    or such outputs."""
+    written = {int(o) for op in ops for o in op["outputs"]}
+    live = {int(i) for i in inputs} | written
+    derived: set[int] = set()
+    for op in ops:
+        ins = [int(i) for i in op["inputs"] if int(i) >= 0]
+        if ins and all(i in derived or i not in live for i in ins):
+            derived.update(int(o) for o in op["outputs"])
+    return derived
 
 
 def _edges_named(name: str, order: dict[str, int]) -> list[str]:
