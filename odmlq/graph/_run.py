@@ -73,6 +73,8 @@ class GraphCache:
         itself, or, for a model whose ops depend on the batch size, its rows
         cut into batches of the plan's batch size (and a smaller last one)."""
         key = self._key_of(inputs)
+        if key in self._graphs:  # traced already with the plan's ops: every call of a shape after its first
+            return [inputs]
         size = self._batch_size(self.plan.graph)
         rows = {np.shape(x)[0] for x in jax.tree_util.tree_leaves(inputs) if np.ndim(x)}
         if key not in self._split:

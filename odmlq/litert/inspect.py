@@ -239,9 +239,10 @@ def format_summary(summary: ModelSummary) -> str:
     out += ["", "Op histogram",
             table(["op", "count"], [[k, str(v)] for k, v in summary.op_histogram.items()])]
     if summary.schema == "static":
+        entering, derived = sources(summary.ops, t, summary.inputs), _constant_derived(summary.ops, t)
         out += _section("Float islands", ["#", "op", "module", "why"], [
             [str(op.index), op.name, _module(op.module_path),
-             summary.why_float(op) or ""]
+             float_island_reason(op, t, entering, summary.outputs, derived) or ""]
             for op in summary.float_islands])
     else:
         out += ["", f"Float islands: none counted: a {_SCHEMA_WORDS[summary.schema]} model computes in float "
