@@ -127,16 +127,18 @@ class PlanHooks:
         return self.feed.get(edge_id, x)
 
     def on_constant(self, op_id: str, index: int, value: Any) -> Any:
-        ts = self.scales.constants.get((op_id, index))
-        if ts is None:
-            return value
         op = self.graph.op(op_id)
         folded = op.constants[index].value if index < len(op.constants) else None
         if folded is not None and np.shape(folded) == np.shape(value):
             # The value folded at trace time: what reaches here may be the steps computing it
-            # (a gather of a constant table at constant positions: transformers' rotary sines),
-            # which a converter leaves as ops, and its quantization with them.
+            # (a gather of a constant table at constant positions: transformers' rotary sines,
+            # Marian's sinusoidal positions), which a converter leaves as ops, and its
+            # quantization with them (or, in a float op, quantizes itself, as litert-converter's
+            # dynamic-range mode does, and dequantizes at every invocation).
             value = folded
+        ts = self.scales.constants.get((op_id, index))
+        if ts is None:
+            return value
         return self.materializer.constant(op, index, value, ts)
 
     def on_op(self, op_id: str, compute: Callable, *operands) -> list:

@@ -33,12 +33,13 @@ from odmlq.litert.spec import (
     pool_as_depthwise,
     pool_pads_with_zeros,
 )
-from odmlq.graph import MATMUL_KINDS, flat_params, replace_params
+from odmlq.graph import MATMUL_KINDS, evaluate_replacing, flat_params, replace_params
 from odmlq.scales import Scales, TensorScale, fake_quant_bias, folded_weights
 from odmlq.hooks import FakeQuant, PlanHooks
 from odmlq.litert._blockwise import Blockwise, payload, placeholder
 from odmlq.litert._check import blockwise_weights
 from odmlq.litert._external import Placeholder
+from odmlq.litert._mapping import INPUT_LAYOUT
 
 _DTYPES = {"int8": "i8", "int16": "i16", "int4": "i4"}
 
@@ -88,14 +89,15 @@ def dynamic_range_composite(x: jax.Array) -> jax.Array:
     return jax.lax.composite(lambda v, **kw: v, name="quant.fake_quant")(x, **attrs)
 
 
-def _native_layouts(plan) -> dict[str, tuple[tuple[int, ...], int]]:
-    """Parameter path -> (permutation to the kernel's layout, its channel axis).
+def _native_layouts(plan) -> dict[str, tuple[int, ...]]:
+    """Parameter path -> (permutation to the kernel's layout, its channel axis)
+    and, for a 1-D convolution's filter, its spatial axis (a unit axis follows it).
 
     FULLY_CONNECTED and CONV_2D store output channels first ((out, in), OHWI).
     A convolution with one input feature per group becomes DEPTHWISE_CONV_2D,
     which stores (1, H, W, out): output channels last.
     """
-    out: dict[str, tuple[tuple[int, ...], int]] = {}
+    out: dict[str, tuple] = {}
     for op in plan.graph.ops:
         for w in op.weights:
             if w.role != "weight" or not w.channel_axes or len(w.channel_axes) != 1:
@@ -103,9 +105,16 @@ def _native_layouts(plan) -> dict[str, tuple[tuple[int, ...], int]]:
             channel = w.channel_axes[0]
             others = [a for a in range(len(w.shape)) if a != channel]
             contraction = w.contraction_axes or ()
+            # A 1-D convolution's filter is stored as the 2-D kernel LiteRT runs
+            # it with (`_one_dimensional_as_two`): its spatial axis is followed by
+            # one of size 1, (O, W, 1, I) or, depthwise, (1, W, 1, O).
+            spatial = ((next(a for a in others if a not in contraction),)
+                       if op.kind == "conv" and len(w.shape) == 3 and len(contraction) == 1 else ())
             if op.kind == "conv" and len(contraction) == 1 and w.shape[contraction[0]] == 1:
                 rest = [a for a in others if a != contraction[0]]
-                out.setdefault(w.param, ((contraction[0], *rest, channel), len(w.shape) - 1))
+                out.setdefault(w.param, ((contraction[0], *rest, channel), len(w.shape) - 1, *spatial))
+            elif spatial:
+                out.setdefault(w.param, ((channel, *spatial, *contraction), 0, *spatial))
             else:
                 out.setdefault(w.param, ((channel, *others), 0))
     return out
@@ -116,7 +125,7 @@ def _annotated_weight(w: np.ndarray | jax.ShapeDtypeStruct, ts: TensorScale, lay
     `jax.ShapeDtypeStruct` (a placeholder) stands for zeros of its shape."""
     if layout is None or len(w.shape) < 2:
         return fake_quant_composite(_value(w), ts)
-    perm, channel = layout
+    perm, channel, *unit = layout
     if ts.scale_axes and perm[channel] != ts.scale_axes[0]:
         raise OdmlqError(f"Per-channel axis {ts.scale_axes[0]} is not the kernel's output-channel "
                          f"axis {perm[channel]}; LiteRT quantizes weights along output channels.")
@@ -124,8 +133,29 @@ def _annotated_weight(w: np.ndarray | jax.ShapeDtypeStruct, ts: TensorScale, lay
     native = (jax.ShapeDtypeStruct(tuple(w.shape[a] for a in perm), w.dtype)
               if isinstance(w, jax.ShapeDtypeStruct) else np.transpose(w, perm))
     ts_native = _permuted(ts, perm) if ts.scale_axes else ts
+    if unit:
+        # (O, W, I) as (O, W, 1, I), transposed to the parameter's axes with the
+        # unit axis after the spatial one, which is where the 2-D convolution
+        # adds it: the converter folds the two reshapes, and the transpose
+        # into its own filter layout, as for a 2-D filter.
+        after = perm.index(unit[0]) + 1
+        native4 = jnp.expand_dims(_value(native), after)
+        quantized = fake_quant_composite(native4, _with_unit_axis(ts_native, after),
+                                         channel + (channel >= after) if ts.scale_axes else None)
+        at = unit[0] + 1
+        axes = (*perm[:after], None, *perm[after:])
+        order = [axes.index(a - (a > at) if a != at else None) for a in range(4)]
+        return jnp.squeeze(jnp.transpose(quantized, order), at)
     quantized = fake_quant_composite(_value(native), ts_native, channel if ts.scale_axes else None)
     return jnp.transpose(quantized, inverse)
+
+
+def _with_unit_axis(ts: TensorScale, axis: int) -> TensorScale:
+    """`ts` for its tensor with an axis of size 1 inserted at `axis`."""
+    scale = np.expand_dims(ts.scale, axis) if np.ndim(ts.scale) else ts.scale
+    zp = ts.zero_point if ts.zero_point is None or not np.ndim(ts.zero_point) else np.expand_dims(ts.zero_point, axis)
+    return dataclasses.replace(ts, scale=scale, zero_point=zp,
+                               scale_axes=tuple(a + (a >= axis) for a in ts.scale_axes))
 
 
 def _permuted(ts: TensorScale, perm) -> TensorScale:
@@ -248,6 +278,9 @@ def _placeholder(param: str, shape, ts: TensorScale, layout, grid, blocks) -> Pl
     """The weight as `_external` writes it: its integers in the kernel's layout."""
     perm = layout[0] if layout is not None else tuple(range(len(shape)))
     native_shape = tuple(int(shape[a]) for a in perm)
+    if layout is not None and len(layout) > 2:  # a 1-D convolution's filter, with its unit axis
+        after = perm.index(layout[2]) + 1
+        native_shape = (*native_shape[:after], 1, *native_shape[after:])
     if blocks:  # int4 blocks: the payload's (out, in) integers, what the file holds
         return Placeholder(param, blocks[0].codes.shape, "int4", lambda: blocks[0].codes)
 
@@ -260,7 +293,7 @@ def _placeholder(param: str, shape, ts: TensorScale, layout, grid, blocks) -> Pl
         if t.zero_point is not None:
             q += np.asarray(t.zero_point, np.float32)
         np.clip(q, int(ts.qtype.qmin), int(ts.qtype.qmax), out=q)
-        return q.astype(np.int16 if ts.qtype.name == "int16" else np.int8)
+        return q.astype(np.int16 if ts.qtype.name == "int16" else np.int8).reshape(native_shape)
 
     return Placeholder(param, native_shape, str(ts.qtype.name), codes)
 
@@ -301,6 +334,7 @@ class Annotation(FakeQuant):
 
     def __init__(self, scales: Scales, graph, keep_float=frozenset()):
         self.scales, self.graph, self.keep_float = scales, graph, keep_float
+        self.marked_in_two_dimensions: set[str] = set()
 
     def integer_sums(self, op) -> bool:
         return False  # the converter makes the integer kernels
@@ -344,6 +378,9 @@ class Annotation(FakeQuant):
             return fake_quant_composite(x, ts)
 
     def dynamic_input(self, op, index, x, spec):
+        if op.kind == "conv" and np.ndim(x) == 3:
+            self.marked_in_two_dimensions.add(op.id)  # a 1-D convolution's input: `_one_dimensional_as_two`
+            return x
         with jax.named_scope(op.operands[index].edge):
             return dynamic_range_composite(x)
 
@@ -372,6 +409,8 @@ class Annotation(FakeQuant):
             out = scales.edges.get(op.outputs[0])
             if out is not None and out.qtype == "int16" and padded_max_pool_reads_nonnegative(op, self.graph):
                 return [_max_pool_padded_with_zeros(op, inputs[0])]
+        if op.kind == "conv":
+            return _one_dimensional_as_two(compute, inputs, op.id in self.marked_in_two_dimensions)
         if op.kind != "gelu" or op.attributes.get("approximate", True) or len(inputs) != 1:
             return compute(*inputs)
         if scales.edges.get(op.outputs[0]) is None and any(e in scales.edges for e in op.inputs):
@@ -386,6 +425,45 @@ class Annotation(FakeQuant):
             return [_gelu_erf(inputs[0])]
         gelu = jax.lax.composite(lambda x, **_: compute(x)[0], name="tfl.gelu")
         return [gelu(inputs[0], approximate=np.bool_(False))]
+
+
+def _one_dimensional_as_two(compute, inputs, dynamic: bool) -> list:
+    """The op with each 1-D convolution in it computed as a 2-D one over a
+    spatial axis of size 1 after the spatial axis (NWC as NW1C, WIO as W1IO),
+    the unit axis dropped from its result; other convolutions as they are.
+
+    litert-converter 0.5.0 makes CONV_2D of a 1-D convolution itself where the
+    filter is an int8 constant, but fails in its dynamic-range mode ('Invalid
+    ranks') and, with int8 weights and float inputs, transposes the
+    dequantized filter at every invocation. Given the 2-D form, it folds the
+    filter's layout in both (wav2vec2's feature extractor)."""
+    closed = jax.make_jaxpr(compute)(*inputs)
+    two = functools.partial(_as_two_dimensional, dynamic=dynamic)
+    ones = {i: two for i, e in enumerate(closed.jaxpr.eqns)
+            if e.primitive.name == "conv_general_dilated" and len(e.params["window_strides"]) == 1}
+    if not ones:
+        return compute(*inputs)
+    return evaluate_replacing(closed, inputs, ones)
+
+
+def _as_two_dimensional(eqn, ins, dynamic: bool) -> list:
+    params = eqn.params
+
+    def unit_after_spatial(spec):
+        at = spec[2] + 1
+        return (*(a + (a >= at) for a in spec), at), at
+
+    (lhs, lat), (rhs, rat), (out, oat) = map(unit_after_spatial, params["dimension_numbers"])
+    rest = {k: v for k, v in params.items() if k not in (
+        "dimension_numbers", "window_strides", "padding", "lhs_dilation", "rhs_dilation")}
+    with jax.named_scope(INPUT_LAYOUT):
+        x = jax.lax.expand_dims(ins[0], (lat,))
+    y = jax.lax.conv_general_dilated_p.bind(
+        dynamic_range_composite(x) if dynamic else x, jax.lax.expand_dims(ins[1], (rat,)),
+        dimension_numbers=jax.lax.ConvDimensionNumbers(lhs, rhs, out),
+        window_strides=(*params["window_strides"], 1), padding=(*params["padding"], (0, 0)),
+        lhs_dilation=(*params["lhs_dilation"], 1), rhs_dilation=(*params["rhs_dilation"], 1), **rest)
+    return [jax.lax.squeeze(y, (oat,))]
 
 
 def _max_pool_padded_with_zeros(op, x: jax.Array) -> jax.Array:

@@ -16,6 +16,10 @@ import numpy as np
 __all__ = ["as_edge", "dequantize_tensor", "float_island_outputs", "map_conversions", "map_float_tensors", "map_tensors",
            "params_match", "produced_tensors"]
 
+# The scope of what the export computes from an op's input, inside the op's
+# own scope, to lay it out for its kernel (a 1-D convolution's input given an
+# axis of size 1): such a tensor is named for no edge.
+INPUT_LAYOUT = "input_layout"
 _JIT_PREFIX = re.compile(r"^jit\((?:[^()]|\([^()]*\))*\)/")
 
 
@@ -107,6 +111,8 @@ def _edges_named(name: str, order: dict[str, int]) -> list[str]:
     named = []
     for location in name.split(";"):
         parts = _JIT_PREFIX.sub("", location).split("/")
+        if INPUT_LAYOUT in parts:
+            continue  # an op's input laid out for its kernel (`_annotate`): not the op's output
         named += [e for e in ("/".join(parts[:n]) for n in range(1, len(parts) + 1)) if e in order]
     return named
 
