@@ -376,6 +376,12 @@ _PRIMITIVES = {
 }
 
 
+# Ops whose integer outputs are their integer inputs' values, moved.
+_MOVING_INTEGERS = frozenset({
+    "GATHER", "GATHER_ND", "SELECT", "SELECT_V2", "RESHAPE", "SQUEEZE", "EXPAND_DIMS", "TRANSPOSE", "SLICE",
+    "STRIDED_SLICE", "CONCATENATION", "BROADCAST_TO", "DEQUANTIZE"})
+
+
 def _schema(ops, tensors, derived: set[int]) -> str:
     """'static', 'dynamic', 'weight_only' or 'float' (see `ModelSummary.schema`)."""
     def integer(i: int) -> bool:
@@ -383,8 +389,10 @@ def _schema(ops, tensors, derived: set[int]) -> str:
 
     # A STABLEHLO_COMPOSITE left in the graph is a quantization the
     # converter did not lower: the model was meant to compute in integers.
-    if any(integer(i) and i not in derived for op in ops for i in (*op.inputs, *op.outputs)) or any(
-            op.name == "STABLEHLO_COMPOSITE" for op in ops):
+    # Ops that only move integers (an int8 table's rows gathered, then
+    # dequantized, in a dynamic-range file) do not compute in them.
+    if any(integer(i) and i not in derived for op in ops if op.name not in _MOVING_INTEGERS
+           for i in (*op.inputs, *op.outputs)) or any(op.name == "STABLEHLO_COMPOSITE" for op in ops):
         return "static"
     if any(integer(i) for op in ops if op.name != "DEQUANTIZE" for i in op.inputs if i in derived):
         return "dynamic"

@@ -9,8 +9,9 @@ import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from tests.zoo.models import (SEED, ZooModel, _image_batches, _key, _token_batches, _token_example,
+from tests.zoo.models import (SEED, ZooModel, _image_batches, _key, _token_batches, _token_example, _tokens,
                               randomize_batchnorm_linen)
 
 
@@ -42,6 +43,61 @@ class HFImageModel(nn.Module):
     def __call__(self, pixel_values):
         x = jnp.transpose(pixel_values, (0, 2, 3, 1))
         return self.inner(x, deterministic=True, return_dict=False)[0]
+
+
+class HFSeq2SeqModel(nn.Module):
+    """(input_ids, attention_mask, decoder_input_ids) -> the decoder's first output
+    (BART-style models: positions and the decoder's mask built inside)."""
+
+    inner: nn.Module
+
+    def __call__(self, input_ids, attention_mask, decoder_input_ids):
+        def positions(ids):
+            return jnp.broadcast_to(jnp.arange(ids.shape[-1]), ids.shape)
+
+        out = self.inner(input_ids, attention_mask, decoder_input_ids, jnp.ones_like(decoder_input_ids),
+                         positions(input_ids), positions(decoder_input_ids), deterministic=True,
+                         return_dict=False)
+        return out[0]
+
+
+class HFAudioModel(nn.Module):
+    """input_values (batch, samples) -> the encoder's last hidden state."""
+
+    inner: nn.Module
+
+    def __call__(self, input_values):
+        return self.inner(input_values, deterministic=True, return_dict=False)[0]
+
+
+def _seq2seq_batches(seq: int, target: int, vocab: int):
+    def make(n_batches: int, batch_size: int, seed: int) -> list[tuple[np.ndarray, ...]]:
+        rng = np.random.default_rng(seed)
+        out = []
+        for _ in range(n_batches):
+            ids, mask = _tokens(rng, batch_size, seq, vocab, min_len=seq // 2)
+            decoder_ids, _ = _tokens(rng, batch_size, target, vocab, min_len=target, lengths=[target] * batch_size)
+            out.append((ids, mask, decoder_ids))
+        return out
+    return make
+
+
+def _audio_batches(samples: int):
+    """Audio-like float32 waves: a few tones of random pitch and loudness, and noise,
+    each normalized to zero mean and unit variance (as Wav2Vec2's feature extractor does)."""
+    def make(n_batches: int, batch_size: int, seed: int) -> list[tuple[np.ndarray, ...]]:
+        rng = np.random.default_rng(seed)
+        t = np.arange(samples) / 16000.0
+        out = []
+        for _ in range(n_batches):
+            pitch = rng.uniform(80, 2000, (batch_size, 3, 1))
+            loud = rng.uniform(0.05, 0.5, (batch_size, 3, 1))
+            wave = (loud * np.sin(2 * np.pi * pitch * t + rng.uniform(0, 6.3, (batch_size, 3, 1)))).sum(1)
+            wave = wave + 0.02 * rng.standard_normal(wave.shape)
+            wave = (wave - wave.mean(1, keepdims=True)) / np.sqrt(wave.var(1, keepdims=True) + 1e-7)
+            out.append((wave.astype(np.float32),))
+        return out
+    return make
 
 
 def _hf_init(model_cls, config, **kwargs):
@@ -159,3 +215,33 @@ def hf_resnet() -> ZooModel:
     variables = randomize_batchnorm_linen(_hf_variables(params))
     make = _image_batches(32, 32, 3, nchw=True, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
     return ZooModel("hf_resnet", model, variables, make(1, 1, SEED + 1)[0], make, "cnn")
+
+
+def hf_marian() -> ZooModel:
+    """Marian (BART-style encoder-decoder): sinusoidal positions, a constant table taken
+    at constant positions, and a causal mask folded to a constant of 0 and finfo.min."""
+    from transformers import FlaxMarianMTModel, MarianConfig
+
+    config = MarianConfig(vocab_size=1000, d_model=64, encoder_layers=2, decoder_layers=2,
+                          encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+                          decoder_ffn_dim=128, max_position_embeddings=64, decoder_start_token_id=1,
+                          pad_token_id=0)
+    hf, params = _hf_init(FlaxMarianMTModel, config)
+    make = _seq2seq_batches(16, 8, config.vocab_size)
+    return ZooModel("hf_marian", HFSeq2SeqModel(hf.module), _hf_variables(params), make(1, 1, SEED + 1)[0],
+                    make, "transformer")
+
+
+def hf_wav2vec2() -> ZooModel:
+    """Wav2Vec2: a feature extractor of strided 1-D convolutions with LayerNorm, a grouped
+    1-D positional convolution, then a transformer encoder."""
+    from transformers import FlaxWav2Vec2Model, Wav2Vec2Config
+
+    config = Wav2Vec2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                            conv_dim=(32, 32, 32), conv_stride=(5, 2, 2), conv_kernel=(10, 3, 3),
+                            num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
+                            do_stable_layer_norm=True, feat_extract_norm="layer")
+    hf, params = _hf_init(FlaxWav2Vec2Model, config, input_shape=(1, 1600))
+    make = _audio_batches(1600)
+    return ZooModel("hf_wav2vec2", HFAudioModel(hf.module), _hf_variables(params), make(1, 1, SEED + 1)[0],
+                    make, "audio")

@@ -65,7 +65,7 @@ class ZooModel:
     variables: Any
     example_inputs: tuple[np.ndarray, ...]
     make_batches: Callable[[int, int, int], list[tuple[np.ndarray, ...]]]
-    family: str  # 'cnn' or 'transformer'
+    family: str  # 'cnn', 'transformer' or 'audio' (the test floors: tests/zoo/test_zoo.py)
 
     def apply(self, *inputs):
         """The float model's output on `inputs`."""
@@ -461,7 +461,7 @@ def transformer_lm_linen() -> ZooModel:
 # transformers' Flax models: tests/zoo/hf_models.py (it reads the helpers above).
 
 from tests.zoo.hf_models import (hf_bert, hf_bloom, hf_distilbert, hf_gpt2, hf_gpt_neo, hf_gptj,  # noqa: E402
-                                  hf_llama, hf_resnet, hf_vit)
+                                  hf_llama, hf_marian, hf_resnet, hf_vit, hf_wav2vec2)
 
 
 ZOO: dict[str, Callable[[], ZooModel]] = {
@@ -477,6 +477,8 @@ ZOO: dict[str, Callable[[], ZooModel]] = {
     "hf_distilbert": hf_distilbert,
     "hf_bloom": hf_bloom,
     "hf_gptj": hf_gptj,
+    "hf_marian": hf_marian,
+    "hf_wav2vec2": hf_wav2vec2,
 }
 
 NEEDS_TRANSFORMERS = frozenset(name for name in ZOO if name.startswith("hf_"))

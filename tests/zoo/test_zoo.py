@@ -43,7 +43,7 @@ def _params():
 @pytest.mark.parametrize("name", _params())
 def test_float_model_runs(name):
     z = _zoo_model(name)
-    assert z.family in ("cnn", "transformer")
+    assert z.family in FLOOR_DB
     assert all(isinstance(x, np.ndarray) and x.shape[0] == 1 for x in z.example_inputs)
     assert z.num_params < 2_000_000
     apply = jax.jit(z.apply)
@@ -63,8 +63,10 @@ def _sqnr_db(reference, value) -> float:
     return float(10 * np.log10(np.sum(reference ** 2) / max(np.sum((reference - value) ** 2), 1e-30)))
 
 
-# Output SQNR floors against float JAX on held-out inputs (the real-models issue).
-FLOOR_DB = {"cnn": 30.0, "transformer": 25.0}
+# Output SQNR floors against float JAX on held-out inputs (the real-models issue). Audio
+# (Wav2Vec2) measures 22-24 dB at int8: its first LayerNorm's norm factor, over
+# features of raw audio, spans a wide range in one per-tensor int8 scale (26.7 dB there).
+FLOOR_DB = {"cnn": 30.0, "transformer": 25.0, "audio": 20.0}
 
 
 @functools.cache
@@ -135,3 +137,23 @@ def test_compare_lines_up_xla_and_litert_edge_by_edge(name):
         assert out.sqnr_db >= FLOOR_DB[z.family] - 3.0  # two samples, not the floor's eight
     xla_lsb = [e.runs["xla"].simulate_lsb for e in lined_up if e.runs["xla"].simulate_lsb is not None]
     assert xla_lsb and max(xla_lsb) <= 2.0, max(xla_lsb)
+
+
+DYNAMIC_RULES = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8", act_dynamic=True)]
+
+
+@pytest.mark.parametrize("name", _params())
+def test_dynamic_range_export_verifies_and_meets_its_floor(name):
+    """The one-line dynamic-range rule (int8 weights, inputs quantized at run
+    time) and no other option: the file computes what simulate does, op by op
+    (within 1e-4 of each op's largest value; the export raises otherwise), and
+    no weight is dequantized or transposed at every invocation (refused too)."""
+    z = _zoo_model(name)
+    result = odmlq.export_tflite(z.model, DYNAMIC_RULES, z.make_batches(2, 8, 0), variables=z.variables,
+                                 benchmark=False)
+    assert result.verification.passed, str(result.verification)
+    assert result.summary.schema == "dynamic", result.summary.schema
+    (held_out,) = z.make_batches(1, 16, 99)
+    reference = np.asarray(z.apply(*held_out))
+    simulated = odmlq.simulate(z.model, result.plan, result.scales, *held_out, variables=z.variables)
+    assert _sqnr_db(reference, simulated) >= FLOOR_DB[z.family]
