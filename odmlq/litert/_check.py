@@ -110,10 +110,11 @@ def check_plan(plan: Plan, *, allow_float_ops: bool = False) -> list[str]:
                 raise PlanError(f"{where}: output {edge_id!r} is {spec.qtype}; LiteRT activations are "
                                 f"{' or '.join(_LITERT_ACT_QTYPES)}. Change act_qtype.")
             # LiteRT's hybrid kernels quantize a dynamic input per batch row (a
-            # matmul's: per row of every axis but the contracted last one):
-            # those per-channel forms are what they compute.
-            rows = tuple(range(len(plan.graph.edges[edge_id].shape) - 1))
-            if spec.scale_axes and not (spec.dynamic and tuple(spec.scale_axes) in ((0,), rows)):
+            # matmul's: per row of the leading axes, its contracted trailing ones
+            # flattened, as FULLY_CONNECTED reads a (B, T, heads, head dim) input
+            # of Flax's DenseGeneral): those per-channel forms are what they compute.
+            rows = tuple(range(len(spec.scale_axes)))
+            if spec.scale_axes and not (spec.dynamic and tuple(spec.scale_axes) == rows):
                 raise PlanError(f"{where}: output {edge_id!r} is per-channel; LiteRT activations "
                                 "are per-tensor (dynamic ones may be per batch row, PerChannel(0)). Use "
                                 "act_granularity=PerTensor().")

@@ -224,3 +224,28 @@ def test_dynamic_matmul_inputs_are_quantized_per_row_as_the_hybrid_kernel_does()
     xla = odmlq.ptq(model, result.plan, variables, result.calibration)
     simulated = odmlq.simulate(model, result.plan, result.scales, x, variables=variables)
     np.testing.assert_allclose(np.asarray(xla(x)), np.asarray(simulated), rtol=1e-5, atol=1e-5)
+
+
+class _HeadsOut(nn.Module):
+    """Flax attention's output projection: a DenseGeneral contracting (heads, head dim)."""
+
+    @nn.compact
+    def __call__(self, x):
+        heads = nn.DenseGeneral((4, 8), name="split")(x)  # (batch, tokens, 4, 8)
+        return nn.DenseGeneral(16, axis=(-2, -1), name="merge")(nn.relu(heads))
+
+
+def test_a_dynamic_input_contracted_over_two_trailing_axes_is_quantized_per_row_and_verifies():
+    """FULLY_CONNECTED flattens (batch, tokens, heads, head dim) into rows of
+    heads x head dim and quantizes each row: one range per (batch, token). The
+    plan says so, and the export (refused before: 'per-channel') verifies."""
+    rng = np.random.default_rng(0)
+    x = (rng.normal(size=(16, 6, 16)) * rng.uniform(0.1, 4, size=(16, 6, 1))).astype(np.float32)
+    model = _HeadsOut()
+    variables = model.init(jax.random.key(0), x[:1])
+    rules = [R(".*", weight_qtype="int8", act_qtype="int8", act_dynamic=True)]
+    result = odmlq.export_tflite(model, rules, [x[:8]], variables=variables, benchmark=False)
+    assert result.verification.passed, str(result.verification)
+    merged = [e for e in result.plan.edges.values() if e.spec is not None and e.spec.dynamic
+              and len(result.plan.graph.edges[e.edge].shape) == 4]
+    assert merged and all(tuple(e.spec.scale_axes) == (0, 1) for e in merged), merged
