@@ -38,6 +38,10 @@ from odmlq.qarray import compute_scale
 from odmlq.qtypes import qtype as lookup_qtype
 from odmlq.scales import Scales, TensorScale, fake_quant_bias
 
+# Ops whose float constants litert-converter matches with the steps computing
+# them (an average pool's window counts, a reduce_window of ones: AVERAGE_POOL_2D).
+_PATTERN_CONSTANTS = frozenset({"avg_pool"})
+
 __all__ = ["FakeQuant", "Materializer", "PlanHooks", "dynamic_fake_quant", "dynamic_quantize", "dynamic_scale"]
 
 
@@ -128,15 +132,16 @@ class PlanHooks:
 
     def on_constant(self, op_id: str, index: int, value: Any) -> Any:
         op = self.graph.op(op_id)
+        ts = self.scales.constants.get((op_id, index))
         folded = op.constants[index].value if index < len(op.constants) else None
-        if folded is not None and np.shape(folded) == np.shape(value):
+        if (folded is not None and np.shape(folded) == np.shape(value)
+                and (ts is not None or op.kind not in _PATTERN_CONSTANTS)):
             # The value folded at trace time: what reaches here may be the steps computing it
             # (a gather of a constant table at constant positions: transformers' rotary sines,
             # Marian's sinusoidal positions), which a converter leaves as ops, and its
             # quantization with them (or, in a float op, quantizes itself, as litert-converter's
             # dynamic-range mode does, and dequantizes at every invocation).
             value = folded
-        ts = self.scales.constants.get((op_id, index))
         if ts is None:
             return value
         return self.materializer.constant(op, index, value, ts)

@@ -72,6 +72,8 @@ class _Walker:
         # value id -> the bool value it is the float cast of (a mask made
         # float, ``mask.astype(jnp.float32)``), and the steps that cast.
         self.bool_casts: dict[int, Any] = {}
+        # value id -> the integer value it is the float cast of.
+        self.integer_casts: dict[int, Any] = {}
         self.cast_steps: list = []
         # id(step) of the steps that compute from parameters alone.
         self.from_params: set[int] = set()
@@ -109,6 +111,15 @@ class _Walker:
             key = next(k for k in ("call_jaxpr", "fun_jaxpr", "jaxpr") if k in eqn.params)
             return self.inline(eqn, key, ins, env, stack, steps)
         mask = self.mask_of(name, eqn, ins)
+        if isinstance(mask, tuple):
+            # An integer mask cast to float and compared with zero (CLIP's
+            # ``jnp.logical_and`` of a mask made float): the integers compared,
+            # exactly; the float cast is then dropped like a bool mask's.
+            integer, compare = mask
+            out = self.new(eqn.outvars[0].aval)
+            env[eqn.outvars[0]] = out
+            steps += self.walk_function(compare, [integer], out, stack)
+            return
         if mask is not None:
             # A float mask compared back to bool (``mask > 0``, ``mask != 0``,
             # ``mask.astype(bool)``, as attention code does): the bool mask
@@ -129,10 +140,14 @@ class _Walker:
             step.kind = NAMED_KINDS.get(eqn.params["name"], eqn.params["name"])
             step.fn = _inline_call(eqn.params["jaxpr"])
         step.einsum = _einsum_of(stack)
-        if (name == "convert_element_type" and eqn.invars[0].aval.dtype == np.bool_
-                and np.issubdtype(eqn.outvars[0].aval.dtype, np.floating) and not self.is_weight(ins[0])):
-            self.bool_casts[outs[0]] = ins[0]
-            self.cast_steps.append(step)
+        if (name == "convert_element_type" and np.issubdtype(eqn.outvars[0].aval.dtype, np.floating)
+                and not self.is_weight(ins[0])):
+            if eqn.invars[0].aval.dtype == np.bool_:
+                self.bool_casts[outs[0]] = ins[0]
+                self.cast_steps.append(step)
+            elif np.issubdtype(eqn.invars[0].aval.dtype, np.integer):
+                self.integer_casts[outs[0]] = ins[0]
+                self.cast_steps.append(step)
         if all(self.is_weight(r) for r in ins):
             if any(self.weights[r].params for r in ins if not isinstance(r, _Lit)):
                 self.from_params.add(id(step))
@@ -145,9 +160,12 @@ class _Walker:
     def mask_of(self, name: str, eqn, ins: list):
         """The bool mask a comparison of a float-cast mask with zero gives back
         (``cast(m) > 0``, ``cast(m) != 0``, ``0 < cast(m)``), or that a cast of
-        it to bool gives back; None for anything else."""
+        it to bool gives back; for a float-cast integer mask, ``(m, compare)``:
+        the same comparison of the integers; None for anything else."""
         if name == "convert_element_type":
             if eqn.outvars[0].aval.dtype == np.bool_ and not isinstance(ins[0], _Lit):
+                if ins[0] in self.integer_casts:
+                    return (self.integer_casts[ins[0]], lambda m: m != 0)
                 return self.bool_casts.get(ins[0])
             return None
         if name not in ("gt", "ne", "lt") or len(ins) != 2:
@@ -156,11 +174,19 @@ class _Walker:
         for i in ((cast_at,) if cast_at is not None else (0, 1)):
             other = ins[1 - i]
             r = ins[i]
-            if isinstance(r, _Lit) or r not in self.bool_casts:
+            if isinstance(r, _Lit) or (r not in self.bool_casts and r not in self.integer_casts):
                 continue
             value = other.value if isinstance(other, _Lit) else self.constants.get(other)
             if value is None or np.any(np.asarray(value) != 0):
                 continue
+            if r in self.integer_casts:
+                integer = self.integer_casts[r]
+                if tuple(eqn.outvars[0].aval.shape) != tuple(self.avals[integer].shape):
+                    return None
+                positive = name != "ne"  # m > 0 and 0 < m (a cast's order kept: gt reads it first)
+                if name == "gt" and i == 1:
+                    return (integer, lambda m: m < 0)
+                return (integer, (lambda m: m > 0) if positive else (lambda m: m != 0))
             if name == "gt" and i == 1:
                 continue  # 0 > cast(m) is never true
             mask = self.bool_casts[r]

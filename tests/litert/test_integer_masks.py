@@ -182,3 +182,41 @@ def test_a_constant_mask_bias_is_held_at_what_saturates():
     assert export.verification.passed, str(export.verification)
     (key,) = [k for k in export.scales.constants if export.plan.graph.op(k[0]).kind == "add"]
     assert float(np.max(export.scales.constants[key].scale)) * 127 < 1e4
+
+
+class LogicalAndMask(nn.Module):
+    """CLIP's text attention: the int32 mask made float, then ``jnp.logical_and``
+    with a causal mask (which compares the floats with zero) and back to an
+    additive bias."""
+
+    @nn.compact
+    def __call__(self, x, mask):
+        t = x.shape[1]
+        causal = jnp.tril(jnp.ones((t, t), bool))[None, None]
+        combined = jnp.logical_and(mask[:, None, None, :].astype(jnp.float32), causal).astype(jnp.int32)
+        bias = jax.lax.select(combined > 0, jnp.zeros(combined.shape, jnp.float32),
+                              jnp.full(combined.shape, jnp.finfo(jnp.float32).min))
+        q, k = nn.Dense(D, name="q")(x), nn.Dense(D, name="k")(x)
+        scores = jnp.einsum("btd,bsd->bts", q, k) + bias[:, 0]
+        return nn.Dense(D, name="out")(jnp.einsum("bts,bsd->btd", nn.softmax(scores, axis=-1), x))
+
+
+def test_an_integer_mask_made_float_and_compared_with_zero_is_compared_as_integers():
+    rng = np.random.default_rng(2)
+    model = LogicalAndMask()
+    x, mask = _batch(rng, 1)
+    variables = model.init(jax.random.key(0), x, mask)
+    rules = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
+    plan = odmlq.plan(model, rules, x, mask, variables=variables)
+    # The comparison reads the int32 mask: nothing float (let alone quantized) is compared.
+    compares = [op for op in plan.graph.ops if op.kind in ("ne", "gt", "lt")]
+    assert compares and all(plan.graph.edges[plan.graph.resolve(e)].dtype == "int32"
+                            for op in compares for e in op.inputs), [(op.id, op.inputs) for op in compares]
+    assert not any(op.kind == "convert_element_type" and plan.graph.edges[op.outputs[0]].dtype == "float32"
+                   for op in plan.graph.ops)
+    held_out = _batch(rng, 1)  # (the plan's batch size)
+    np.testing.assert_array_equal(np.asarray(plan.graph.evaluate(variables, *held_out)),
+                                  np.asarray(model.apply(variables, *held_out)))
+    export = odmlq.export_tflite(model, rules, [_batch(rng, 4) for _ in range(4)], variables=variables,
+                                 progress=False, benchmark=False)
+    assert export.verification.passed and export.summary.float_islands == (), str(export.verification)
