@@ -33,13 +33,13 @@ from odmlq.litert.spec import (
     pool_as_depthwise,
     pool_pads_with_zeros,
 )
-from odmlq.graph import MATMUL_KINDS, evaluate_replacing, flat_params, replace_params
+from odmlq.graph import MATMUL_KINDS, flat_params, replace_params
 from odmlq.scales import Scales, TensorScale, fake_quant_bias, folded_weights
 from odmlq.hooks import FakeQuant, PlanHooks
 from odmlq.litert._blockwise import Blockwise, payload, placeholder
 from odmlq.litert._check import blockwise_weights
 from odmlq.litert._external import Placeholder
-from odmlq.litert._mapping import INPUT_LAYOUT
+from odmlq.litert._conv1d import one_dimensional_as_two, with_unit_axis
 
 _DTYPES = {"int8": "i8", "int16": "i16", "int4": "i4"}
 
@@ -106,7 +106,7 @@ def _native_layouts(plan) -> dict[str, tuple[int, ...]]:
             others = [a for a in range(len(w.shape)) if a != channel]
             contraction = w.contraction_axes or ()
             # A 1-D convolution's filter is stored as the 2-D kernel LiteRT runs
-            # it with (`_one_dimensional_as_two`): its spatial axis is followed by
+            # it with (`_conv1d.one_dimensional_as_two`): its spatial axis is followed by
             # one of size 1, (O, W, 1, I) or, depthwise, (1, W, 1, O).
             spatial = ((next(a for a in others if a not in contraction),)
                        if op.kind == "conv" and len(w.shape) == 3 and len(contraction) == 1 else ())
@@ -140,7 +140,7 @@ def _annotated_weight(w: np.ndarray | jax.ShapeDtypeStruct, ts: TensorScale, lay
         # into its own filter layout, as for a 2-D filter.
         after = perm.index(unit[0]) + 1
         native4 = jnp.expand_dims(_value(native), after)
-        quantized = fake_quant_composite(native4, _with_unit_axis(ts_native, after),
+        quantized = fake_quant_composite(native4, with_unit_axis(ts_native, after),
                                          channel + (channel >= after) if ts.scale_axes else None)
         at = unit[0] + 1
         axes = (*perm[:after], None, *perm[after:])
@@ -148,14 +148,6 @@ def _annotated_weight(w: np.ndarray | jax.ShapeDtypeStruct, ts: TensorScale, lay
         return jnp.squeeze(jnp.transpose(quantized, order), at)
     quantized = fake_quant_composite(_value(native), ts_native, channel if ts.scale_axes else None)
     return jnp.transpose(quantized, inverse)
-
-
-def _with_unit_axis(ts: TensorScale, axis: int) -> TensorScale:
-    """`ts` for its tensor with an axis of size 1 inserted at `axis`."""
-    scale = np.expand_dims(ts.scale, axis) if np.ndim(ts.scale) else ts.scale
-    zp = ts.zero_point if ts.zero_point is None or not np.ndim(ts.zero_point) else np.expand_dims(ts.zero_point, axis)
-    return dataclasses.replace(ts, scale=scale, zero_point=zp,
-                               scale_axes=tuple(a + (a >= axis) for a in ts.scale_axes))
 
 
 def _permuted(ts: TensorScale, perm) -> TensorScale:
@@ -379,7 +371,7 @@ class Annotation(FakeQuant):
 
     def dynamic_input(self, op, index, x, spec):
         if op.kind == "conv" and np.ndim(x) == 3:
-            self.marked_in_two_dimensions.add(op.id)  # a 1-D convolution's input: `_one_dimensional_as_two`
+            self.marked_in_two_dimensions.add(op.id)  # a 1-D convolution's input: `_conv1d`
             return x
         with jax.named_scope(op.operands[index].edge):
             return dynamic_range_composite(x)
@@ -410,7 +402,8 @@ class Annotation(FakeQuant):
             if out is not None and out.qtype == "int16" and padded_max_pool_reads_nonnegative(op, self.graph):
                 return [_max_pool_padded_with_zeros(op, inputs[0])]
         if op.kind == "conv":
-            return _one_dimensional_as_two(compute, inputs, op.id in self.marked_in_two_dimensions)
+            mark = dynamic_range_composite if op.id in self.marked_in_two_dimensions else None
+            return one_dimensional_as_two(compute, inputs, mark)
         if op.kind != "gelu" or op.attributes.get("approximate", True) or len(inputs) != 1:
             return compute(*inputs)
         if scales.edges.get(op.outputs[0]) is None and any(e in scales.edges for e in op.inputs):
@@ -425,45 +418,6 @@ class Annotation(FakeQuant):
             return [_gelu_erf(inputs[0])]
         gelu = jax.lax.composite(lambda x, **_: compute(x)[0], name="tfl.gelu")
         return [gelu(inputs[0], approximate=np.bool_(False))]
-
-
-def _one_dimensional_as_two(compute, inputs, dynamic: bool) -> list:
-    """The op with each 1-D convolution in it computed as a 2-D one over a
-    spatial axis of size 1 after the spatial axis (NWC as NW1C, WIO as W1IO),
-    the unit axis dropped from its result; other convolutions as they are.
-
-    litert-converter 0.5.0 makes CONV_2D of a 1-D convolution itself where the
-    filter is an int8 constant, but fails in its dynamic-range mode ('Invalid
-    ranks') and, with int8 weights and float inputs, transposes the
-    dequantized filter at every invocation. Given the 2-D form, it folds the
-    filter's layout in both (wav2vec2's feature extractor)."""
-    closed = jax.make_jaxpr(compute)(*inputs)
-    two = functools.partial(_as_two_dimensional, dynamic=dynamic)
-    ones = {i: two for i, e in enumerate(closed.jaxpr.eqns)
-            if e.primitive.name == "conv_general_dilated" and len(e.params["window_strides"]) == 1}
-    if not ones:
-        return compute(*inputs)
-    return evaluate_replacing(closed, inputs, ones)
-
-
-def _as_two_dimensional(eqn, ins, dynamic: bool) -> list:
-    params = eqn.params
-
-    def unit_after_spatial(spec):
-        at = spec[2] + 1
-        return (*(a + (a >= at) for a in spec), at), at
-
-    (lhs, lat), (rhs, rat), (out, oat) = map(unit_after_spatial, params["dimension_numbers"])
-    rest = {k: v for k, v in params.items() if k not in (
-        "dimension_numbers", "window_strides", "padding", "lhs_dilation", "rhs_dilation")}
-    with jax.named_scope(INPUT_LAYOUT):
-        x = jax.lax.expand_dims(ins[0], (lat,))
-    y = jax.lax.conv_general_dilated_p.bind(
-        dynamic_range_composite(x) if dynamic else x, jax.lax.expand_dims(ins[1], (rat,)),
-        dimension_numbers=jax.lax.ConvDimensionNumbers(lhs, rhs, out),
-        window_strides=(*params["window_strides"], 1), padding=(*params["padding"], (0, 0)),
-        lhs_dilation=(*params["lhs_dilation"], 1), rhs_dilation=(*params["rhs_dilation"], 1), **rest)
-    return [jax.lax.squeeze(y, (oat,))]
 
 
 def _max_pool_padded_with_zeros(op, x: jax.Array) -> jax.Array:
