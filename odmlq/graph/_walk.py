@@ -170,8 +170,7 @@ class _Walker:
             return None
         if name not in ("gt", "ne", "lt") or len(ins) != 2:
             return None
-        cast_at = 1 if name == "lt" else None
-        for i in ((cast_at,) if cast_at is not None else (0, 1)):
+        for i in (0, 1):
             other = ins[1 - i]
             r = ins[i]
             if isinstance(r, _Lit) or (r not in self.bool_casts and r not in self.integer_casts):
@@ -183,12 +182,13 @@ class _Walker:
                 integer = self.integer_casts[r]
                 if tuple(eqn.outvars[0].aval.shape) != tuple(self.avals[integer].shape):
                     return None
-                positive = name != "ne"  # m > 0 and 0 < m (a cast's order kept: gt reads it first)
-                if name == "gt" and i == 1:
-                    return (integer, lambda m: m < 0)
-                return (integer, (lambda m: m > 0) if positive else (lambda m: m != 0))
-            if name == "gt" and i == 1:
-                continue  # 0 > cast(m) is never true
+                if name == "ne":
+                    return (integer, lambda m: m != 0)
+                if (name == "gt") == (i == 0):
+                    return (integer, lambda m: m > 0)  # cast(m) > 0, 0 < cast(m)
+                return (integer, lambda m: m < 0)  # 0 > cast(m), cast(m) < 0
+            if name != "ne" and (name == "gt") != (i == 0):
+                continue  # 0 > cast(m) and cast(m) < 0 are never true of a bool mask
             mask = self.bool_casts[r]
             if tuple(eqn.outvars[0].aval.shape) == tuple(self.avals[mask].shape):
                 return mask

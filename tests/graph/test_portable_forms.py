@@ -112,3 +112,22 @@ def test_blocks_of_a_table_run_along_its_rows_for_lookup_and_tied_projection():
     error = np.asarray(qmodel(tokens)) - reference
     # int4 weights at 4 bits of 32-wide blocks on random weights: about 18 dB; 12 dB is a collapse's margin.
     assert 10 * np.log10(np.sum(reference ** 2) / np.sum(error ** 2)) >= 12.0
+
+
+@pytest.mark.parametrize("compare", [
+    lambda f: f != 0, lambda f: f > 0, lambda f: 0 < f, lambda f: 0 > f, lambda f: f < 0,
+    lambda f: f.astype(bool)], ids=["ne", "gt", "zero_lt", "zero_gt", "lt", "to_bool"])
+def test_an_integer_made_float_and_compared_with_zero_is_compared_as_integers(compare):
+    """``cast(m) != 0`` (and > 0, 0 < m, 0 > m, < 0, a cast to bool) of an int32 input: the
+    traced comparison reads the integers, the float cast is gone, the values equal."""
+    def fn(params, m):
+        return jnp.where(compare(m.astype(jnp.float32)), params["a"], -2.0)
+
+    m = np.array([[3, 0, -2, 1, 0, 7]], np.int32)
+    params = {"a": np.float32(1.5)}
+    graph = trace(fn, m, variables=params)
+    assert not any(op.kind == "convert_element_type" for op in graph.ops), [op.kind for op in graph.ops]
+    compares = [op for op in graph.ops if op.kind in ("ne", "gt", "lt")]
+    assert compares and all(graph.edges[graph.resolve(e)].dtype == "int32" for op in compares for e in op.inputs)
+    other = np.array([[-1, 5, 0, 0, 2, -9]], np.int32)
+    np.testing.assert_array_equal(np.asarray(graph.evaluate(params, other)), np.asarray(fn(params, other)))
