@@ -229,7 +229,8 @@ OP_SPEC: dict[str, OpSpec] = {
     "dot_general": OpSpec(_BOTH, fuses=_FUSES, becomes="FULLY_CONNECTED, BATCH_MATMUL"),
     "einsum": OpSpec(_BOTH, fuses=_FUSES, becomes="FULLY_CONNECTED, BATCH_MATMUL"),
     "conv": OpSpec(_BOTH, fuses=_FUSES, limitation=_transposed_conv, becomes="CONV_2D, DEPTHWISE_CONV_2D",
-                   note="transposed convolutions refused (TRANSPOSE_CONV reads a dequantized kernel)"),
+                   note="1-D: the 2-D kernel over an axis of size 1; transposed convolutions refused "
+                        "(TRANSPOSE_CONV reads a dequantized kernel)"),
     "add": OpSpec(_BOTH, limitation=_int16_add_operands, fuses=_FUSES, becomes="ADD",
                   note="int16: activations of one shape (constants are stored broadcast)"),
     "sub": OpSpec(_BOTH, fuses=_FUSES, becomes="SUB"),
