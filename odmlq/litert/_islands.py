@@ -6,6 +6,17 @@ from __future__ import annotations
 FLOAT_DTYPES = frozenset({"float16", "float32", "float64", "bfloat16"})
 
 
+def constant_derived(ops, constants) -> set[int]:
+    """`constants` and the tensors computed from them only: the outputs of ops
+    (``(inputs, outputs)`` index pairs, in execution order) that read nothing else."""
+    derived = set(constants)
+    for inputs, outputs in ops:
+        ins = [int(i) for i in inputs if int(i) >= 0]
+        if ins and all(i in derived for i in ins):
+            derived.update(int(o) for o in outputs)
+    return derived
+
+
 def casts_integers(op, tensors) -> bool:
     """A CAST of integer (or bool) tensors to float: a mask or positions entering the float
     domain, quantized after it as a graph input is."""

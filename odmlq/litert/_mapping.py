@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from odmlq.litert._islands import constant_derived
+
 __all__ = ["as_edge", "dequantize_tensor", "float_island_outputs", "map_conversions", "map_float_tensors", "map_tensors",
            "params_match", "produced_tensors"]
 
@@ -73,7 +75,10 @@ def map_float_tensors(details: Sequence[dict], produced: Sequence[int], plan, sc
     position lookup, folded to constants, was named for the token lookup too)."""
     order = {e: i for i, e in enumerate(plan.graph.edges)}
     by_index = {d["index"]: d for d in details}
-    constant = _constant_derived(ops, inputs)
+    # Constants are the tensors ops read that no op writes and that are not graph inputs.
+    live = {int(o) for op in ops for o in op["outputs"]} | {int(i) for i in inputs}
+    constant = constant_derived(((op["inputs"], op["outputs"]) for op in ops),
+                                {int(i) for op in ops for i in op["inputs"] if int(i) >= 0} - live)
     out: dict[str, int] = {}
     for index in produced:  # execution order: a later tensor of the same edge wins
         d = by_index.get(index)
@@ -88,20 +93,6 @@ def map_float_tensors(details: Sequence[dict], produced: Sequence[int], plan, sc
         if _size(d["shape"]) == _size(plan.graph.edges[edge].shape):
             out[edge] = index
     return out
-
-
-def _constant_derived(ops: Sequence[dict], inputs: Sequence[int]) -> set[int]:
-    """Tensors computed from constants only: the outputs of ops (in execution
-    order) whose inputs are all constants (written by no op, no graph input)
-    or such outputs."""
-    written = {int(o) for op in ops for o in op["outputs"]}
-    live = {int(i) for i in inputs} | written
-    derived: set[int] = set()
-    for op in ops:
-        ins = [int(i) for i in op["inputs"] if int(i) >= 0]
-        if ins and all(i in derived or i not in live for i in ins):
-            derived.update(int(o) for o in op["outputs"])
-    return derived
 
 
 def _edges_named(name: str, order: dict[str, int]) -> list[str]:

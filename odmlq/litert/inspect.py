@@ -23,7 +23,7 @@ from ai_edge_litert import schema_py_generated as schema
 
 from odmlq.plan import text_table as table
 from odmlq.errors import OdmlqError
-from odmlq.litert._islands import float_island_reason, sources
+from odmlq.litert._islands import constant_derived, float_island_reason, sources
 
 _FILE_IDENTIFIER = b"TFL3"
 _DTYPE_NAMES = {v: k.lower() for k, v in vars(schema.TensorType).items() if not k.startswith("_")}
@@ -453,12 +453,7 @@ def _indices(array) -> list[int]:
 
 def _constant_derived(ops, tensors) -> set[int]:
     """Tensors that are constants or computed from constants only (ops are in execution order)."""
-    derived = {x.index for x in tensors if x.is_constant}
-    for op in ops:
-        ins = [i for i in op.inputs if i >= 0]
-        if ins and all(i in derived for i in ins):
-            derived.update(op.outputs)
-    return derived
+    return constant_derived(((op.inputs, op.outputs) for op in ops), (x.index for x in tensors if x.is_constant))
 
 
 def _quantization(x: TensorInfo) -> str:
