@@ -26,6 +26,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -164,11 +166,15 @@ class PlanHooks:
                                                          self.scales.derived[(op_id, index)])
         if op.attributes.get("fold") and self._folded(op):
             # The kernel arrives folded (`fold_params`); the BatchNorm becomes its bias.
-            bias = folded_bias(op, operands)
-            if op_id in self.scales.shifts:  # a balanced sum's offset (`Plan.balanced_sums`)
-                bias = bias + self.scales.shifts[op_id]
-            bias = self.materializer.folded_bias(op, bias, self.scales.op_biases.get(op_id))
-            operands = folded_operands(op, operands, bias)
+            # Computed on the host where the parameters are constants and the materializer
+            # asks for it (the LiteRT export lays the bias out again: `_conv_transpose`).
+            with (jax.ensure_compile_time_eval() if getattr(self.materializer, "host_folds", False)
+                  else contextlib.nullcontext()):
+                bias = folded_bias(op, operands)
+                if op_id in self.scales.shifts:  # a balanced sum's offset (`Plan.balanced_sums`)
+                    bias = bias + self.scales.shifts[op_id]
+                bias = self.materializer.folded_bias(op, bias, self.scales.op_biases.get(op_id))
+                operands = folded_operands(op, operands, bias)
         if grids is not None:
             compute = self._exact(op, compute, operands, grids)
         return self.materializer.op(op, compute, operands)

@@ -40,6 +40,7 @@ from odmlq.litert._blockwise import Blockwise, payload, placeholder
 from odmlq.litert._check import blockwise_weights
 from odmlq.litert._external import Placeholder
 from odmlq.litert._conv1d import one_dimensional_as_two, with_unit_axis
+from odmlq.litert._conv_transpose import as_phases, host_value
 
 _DTYPES = {"int8": "i8", "int16": "i16", "int4": "i4"}
 
@@ -224,10 +225,18 @@ def annotated_function(graph, plan, scales: Scales, params: Any,
             if o.param is not None:
                 readers.setdefault(o.param, set()).add(op.id)
     float_only = {p for p in scales.weights if readers.get(p) and readers[p] <= keep_float}
+    # A transposed convolution's kernel is laid out as its phases' filter, a constant of
+    # the converted file (`_conv_transpose`), also where the other weights are written after it.
+    phase_kernels = {o.param for op in plan.graph.ops if op.kind == "conv" and op.attributes.get("transposed")
+                     for o in op.operands if o.role == "weight"}
     placeholders = {} if not external_weights else {
         p: _placeholder(p, np.shape(values[p]), scales.weights[p], layouts.get(p), grid,
                         [b for b in payloads if b.param == p])
-        for p in scales.weights if p not in float_only and np.ndim(values[p]) >= 2}
+        for p in scales.weights if p not in float_only | phase_kernels and np.ndim(values[p]) >= 2}
+
+    def host_grid(p):
+        with jax.ensure_compile_time_eval():
+            return grid(p)
 
     def fn(*inputs):
         new = {}
@@ -241,14 +250,14 @@ def annotated_function(graph, plan, scales: Scales, params: Any,
                 elif p in placeholders:
                     new[p] = _annotated_weight(_zeros(np.shape(values[p])), ts, layouts.get(p))
                 else:
-                    new[p] = _annotated_weight(on_grid[p], ts, layouts.get(p))
+                    new[p] = _annotated_weight(on_grid[p] if p in on_grid else host_grid(p), ts, layouts.get(p))
         for p, s in scales.biases.items():
             new[p] = fake_quant_bias(jnp.asarray(values[p]), s)
         qparams = replace_params(params, new)
 
         # The graph evaluated may be a re-trace of the plan's at other input shapes:
         # full-shape int16 operands take its shapes.
-        return PlanHooks(plan, scales, Annotation(scales, graph, keep_float)).evaluate(graph, qparams, *inputs)
+        return PlanHooks(plan, scales, Annotation(scales, graph, keep_float, host_grid)).evaluate(graph, qparams, *inputs)
 
     return Annotated(fn, payloads, list(placeholders.values()))
 
@@ -324,8 +333,12 @@ class Annotation(FakeQuant):
       which lowers to nothing, keeps it float.
     """
 
-    def __init__(self, scales: Scales, graph, keep_float=frozenset()):
+    host_folds = True  # a folded BatchNorm's bias as a constant (`hooks`)
+
+    def __init__(self, scales: Scales, graph, keep_float=frozenset(), grid=None):
         self.scales, self.graph, self.keep_float = scales, graph, keep_float
+        self.grid = grid  # param -> its values on its grid (host), for kernels laid out here
+        self.activated: set[str] = set()  # ReLUs applied where a transposed convolution's phases are
         self.marked_in_two_dimensions: set[str] = set()
 
     def integer_sums(self, op) -> bool:
@@ -370,8 +383,9 @@ class Annotation(FakeQuant):
             return fake_quant_composite(x, ts)
 
     def dynamic_input(self, op, index, x, spec):
-        if op.kind == "conv" and np.ndim(x) == 3:
-            self.marked_in_two_dimensions.add(op.id)  # a 1-D convolution's input: `_conv1d`
+        if op.kind == "conv" and (np.ndim(x) == 3 or op.attributes.get("transposed")):
+            # A 1-D convolution's input (`_conv1d`), a transposed one's (`_conv_transpose`).
+            self.marked_in_two_dimensions.add(op.id)
             return x
         with jax.named_scope(op.operands[index].edge):
             return dynamic_range_composite(x)
@@ -391,6 +405,8 @@ class Annotation(FakeQuant):
 
     def _compute(self, op, compute, inputs):
         scales = self.scales
+        if op.id in self.activated:
+            return list(inputs)  # applied to a transposed convolution's phases (`_phases`)
         if op.kind == "avg_pool" and len(inputs) == 1:
             out = scales.edges.get(op.outputs[0])
             if out is not None and pool_as_depthwise(op, out.qtype):
@@ -403,6 +419,10 @@ class Annotation(FakeQuant):
                 return [_max_pool_padded_with_zeros(op, inputs[0])]
         if op.kind == "conv":
             mark = dynamic_range_composite if op.id in self.marked_in_two_dimensions else None
+            if op.attributes.get("transposed"):
+                phases = self._phases(op, compute, inputs, mark)
+                if phases is not None:
+                    return phases
             return one_dimensional_as_two(compute, inputs, mark)
         if op.kind != "gelu" or op.attributes.get("approximate", True) or len(inputs) != 1:
             return compute(*inputs)
@@ -418,6 +438,62 @@ class Annotation(FakeQuant):
             return [_gelu_erf(inputs[0])]
         gelu = jax.lax.composite(lambda x, **_: compute(x)[0], name="tfl.gelu")
         return [gelu(inputs[0], approximate=np.bool_(False))]
+
+
+    def _phases(self, op, compute, inputs, mark):
+        """A transposed convolution as one CONV_2D of its phases (`_conv_transpose`)."""
+        weights = {}
+        for i, o in enumerate(op.operands):
+            if o.role == "weight" and o.param in self.scales.weights and self.grid is not None:
+                weights[i] = self.grid(o.param)
+            elif o.role == "weight" and host_value(inputs[i]) is not None:
+                weights[i] = host_value(inputs[i])
+        out = self.scales.edges.get(op.outputs[0]) if len(op.outputs) == 1 else None
+        activation = None
+        if out is None and len(op.outputs) == 1:
+            # A ReLU the plan fuses into the convolution: applied and quantized on the
+            # phases too (it changes nothing after that), so that CONV_2D reads and
+            # writes integers however the phases are cropped.
+            readers = [o for o in self.graph.ops if op.outputs[0] in (self.graph.resolve(e) for e in o.inputs)]
+            if len(readers) == 1 and readers[0].kind in ("relu", "relu6") and len(readers[0].outputs) == 1:
+                out = self.scales.edges.get(readers[0].outputs[0])
+                if out is not None and not out.scale_axes:
+                    self.activated.add(readers[0].id)  # then the identity (`_compute`)
+                    if not _clamps_as(out, readers[0].kind):
+                        activation = jax.nn.relu if readers[0].kind == "relu" else jax.nn.relu6
+
+        def out_quantize(x):
+            if out is None or out.scale_axes:
+                return x
+            return fake_quant_composite(x if activation is None else activation(x), out)
+
+        def quantize_weight(native, index, out_axis):
+            ts = self.scales.weights.get(op.operands[index].param)
+            if ts is None:
+                return jnp.asarray(native)
+            if not ts.scale_axes:
+                return fake_quant_composite(jnp.asarray(native), ts)
+            if ts.scale_axes != (out_axis,):
+                raise OdmlqError(f"Op {op.id!r}: the kernel's scales run along axis {ts.scale_axes[0]}, not "
+                                 f"its output channels ({out_axis}); LiteRT quantizes weights along output "
+                                 "channels. Quantize this weight per channel along its outputs, or per tensor.")
+            scale = np.tile(np.asarray(ts.scale, np.float32).reshape(-1), native.shape[0] // np.size(ts.scale))
+            zero = None if ts.zero_point is None else np.tile(
+                np.asarray(ts.zero_point).reshape(-1), native.shape[0] // np.size(ts.scale)).reshape(-1, 1, 1, 1)
+            phase = dataclasses.replace(ts, scale=scale.reshape(-1, 1, 1, 1), zero_point=zero, scale_axes=(0,))
+            return fake_quant_composite(jnp.asarray(native), phase, 0)
+
+        return as_phases(compute, inputs, weights, out_quantize, mark, quantize_weight)
+
+
+def _clamps_as(ts: TensorScale, kind: str) -> bool:
+    """Whether quantizing to `ts` alone computes the ReLU (or ReLU6) too: its
+    grid starts at 0 (and, for ReLU6, ends at 6 or below). Then the converter
+    writes no RELU op, which XNNPACK does not run in int8."""
+    qmin, qmax = ts.qtype.range(ts.narrow_range)
+    zero = 0.0 if ts.zero_point is None else float(np.asarray(ts.zero_point).reshape(()))
+    scale = float(np.asarray(ts.scale).reshape(()))
+    return qmin == zero and (kind == "relu" or (qmax - zero) * scale <= 6.0)
 
 
 def _max_pool_padded_with_zeros(op, x: jax.Array) -> jax.Array:

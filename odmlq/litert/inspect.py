@@ -21,6 +21,7 @@ import struct
 import numpy as np
 from ai_edge_litert import schema_py_generated as schema
 
+from odmlq.litert._mapping import INPUT_LAYOUT as _INPUT_LAYOUT
 from odmlq.plan import text_table as table
 from odmlq.errors import OdmlqError
 from odmlq.litert._islands import constant_derived, float_island_reason, sources
@@ -168,7 +169,9 @@ def module_path_from_tensor_name(name: str) -> str | None:
     for location in name.split(";"):
         match = _JIT_PREFIX.match(location)
         if match:
-            return location[match.end():].rpartition("/")[0]
+            path = location[match.end():].rpartition("/")[0]
+            # An op's input laid out for its kernel (`_mapping.INPUT_LAYOUT`) is the op's.
+            return "/".join(p for p in path.split("/") if p != _INPUT_LAYOUT)
     return None
 
 

@@ -144,13 +144,14 @@ def _int16_padded_max_pool(op, qtype: str, graph) -> str | None:
 
 
 def _transposed_conv(op, qtype: str, graph) -> str | None:
-    if not op.attributes.get("transposed"):
-        return None
+    if not op.attributes.get("transposed") or op.attributes.get("transposed_by_phases"):
+        return None  # none, or one CONV_2D of its phases (`litert/_conv_transpose`)
     return ("a transposed convolution (input dilation, as nn.ConvTranspose and lax.conv_transpose "
-            "write it): litert-converter 0.5.0 lowers it to TRANSPOSE_CONV reading its kernel reversed "
-            "and transposed, which it does at every invocation on a dequantized int8 kernel (slower "
-            "than float). Keep it in float with Rule(..., skip=True) and allow_float_ops=True, or "
-            "upsample another way (jax.image.resize, then a convolution)")
+            "write it) with a window stride, kernel dilation or feature groups besides, or over more "
+            "than two spatial axes: LiteRT runs it only as TRANSPOSE_CONV, which litert-converter 0.5.0 "
+            "makes reading a dequantized int8 kernel reversed at every invocation (slower than float). "
+            "Keep it in float with Rule(..., skip=True) and allow_float_ops=True, or write it as "
+            "nn.ConvTranspose and lax.conv_transpose do (the stride as input dilation, one group)")
 
 
 def _int16_gather(op, qtype: str, graph) -> str | None:
@@ -229,8 +230,8 @@ OP_SPEC: dict[str, OpSpec] = {
     "dot_general": OpSpec(_BOTH, fuses=_FUSES, becomes="FULLY_CONNECTED, BATCH_MATMUL"),
     "einsum": OpSpec(_BOTH, fuses=_FUSES, becomes="FULLY_CONNECTED, BATCH_MATMUL"),
     "conv": OpSpec(_BOTH, fuses=_FUSES, limitation=_transposed_conv, becomes="CONV_2D, DEPTHWISE_CONV_2D",
-                   note="1-D: the 2-D kernel over an axis of size 1; transposed convolutions refused "
-                        "(TRANSPOSE_CONV reads a dequantized kernel)"),
+                   note="1-D: the 2-D kernel over an axis of size 1; transposed: one CONV_2D of its "
+                        "phases, interleaved (window stride 1, one group, 1-D or 2-D; others refused)"),
     "add": OpSpec(_BOTH, limitation=_int16_add_operands, fuses=_FUSES, becomes="ADD",
                   note="int16: activations of one shape (constants are stored broadcast)"),
     "sub": OpSpec(_BOTH, fuses=_FUSES, becomes="SUB"),

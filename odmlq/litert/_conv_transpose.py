@@ -1,0 +1,266 @@
+"""Transposed convolutions as one CONV_2D of their phases (internal; used by `_annotate`).
+
+A transposed convolution (``lax.conv_transpose``, ``nn.ConvTranspose``: a
+convolution over its input dilated by the stride ``s``) computes output
+position ``s m + r`` from the kernel taps ``t = t0(r) + s u`` alone. Each of
+the ``s`` phases ``r`` (``s_h s_w`` in 2-D) is an ordinary convolution of the
+undilated input with those taps; stacked along the output channels, they are
+one stride-1 convolution whose output channel ``(r, c)`` holds phase ``r`` of
+channel ``c``, and a reshape and transpose interleave the phases (a
+depth-to-space), a slice dropping the positions past the output's end.
+
+litert-converter 0.5.0 makes TRANSPOSE_CONV of the dilated convolution
+itself, reversing its kernel with a REVERSE_V2 op: with int8 weights, a
+dequantized kernel reversed at every invocation; in float, with a padding
+it has no form for (a 3x3 kernel, stride 2, Flax's 'SAME'), an output of
+the wrong size. The phase kernel is computed here from the weight's values
+(its integers, each phase channel on its channel's scale), so the file
+holds it as CONV_2D's constant filter: the same integers, the same sums per
+output value, one XNNPACK-run kernel. Other ops of the op after the
+convolution (a bias, a folded BatchNorm, a fused ReLU), elementwise with
+per-channel operands, run on the phases before they are interleaved, so the
+converter fuses them into the CONV_2D; the output is quantized there and
+moved as integers.
+
+Handled: any number of spatial axes (a 1-D one as 2-D over an axis of size
+1), window stride 1, no kernel dilation, one feature group
+(`transposed_supported`); the plan refuses the others.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jcore
+
+from odmlq.litert._mapping import INPUT_LAYOUT
+
+__all__ = ["as_phases", "host_value", "transposed_supported"]
+
+_ELEMENTWISE = frozenset({"add", "sub", "mul", "div", "max", "min", "neg"})
+
+
+def transposed_supported(params) -> str | None:
+    """Why a dilated-input convolution's parameters have no phase form (None: they have)."""
+    if any(s != 1 for s in params["window_strides"]):
+        return "a window stride besides the input dilation"
+    if any(d != 1 for d in params["rhs_dilation"]):
+        return "a dilated kernel"
+    if params["feature_group_count"] != 1 or params["batch_group_count"] != 1:
+        return "grouped features"
+    if len(params["lhs_dilation"]) > 2:
+        return "more than two spatial axes"
+    return None
+
+
+def as_phases(compute, inputs, weights, out_quantize, mark=None, quantize_weight=None):
+    """The op's outputs with its transposed convolution computed by phases
+    (see the module doc); None when it has none this handles.
+
+    Args:
+      weights: operand index -> the weight's host values (on its grid where
+        it is quantized), for the convolution's kernel.
+      out_quantize: ``x -> x`` quantized as the op's output edge (identity
+        where it is float).
+      mark: the dynamic-range marker, put on the laid-out input.
+      quantize_weight: ``(phase kernel OHWI, the kernel's op input index,
+        its output-channel axis) -> the filter``:
+        a constant, quantized as the weight is (each phase channel on its
+        channel's scale).
+    """
+    closed = jax.make_jaxpr(compute)(*inputs)
+    jaxpr = closed.jaxpr
+    convs = [i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "conv_general_dilated"
+             and any(d != 1 for d in e.params["lhs_dilation"]) and transposed_supported(e.params) is None]
+    if len(convs) != 1:
+        return None
+    at = convs[0]
+    rhs = _concrete(closed, jaxpr.eqns[at].invars[1], {i: v for i, v in weights.items()})
+    if rhs is None:
+        return None
+    rhs_index = next((i for i, v in enumerate(jaxpr.invars) if v is jaxpr.eqns[at].invars[1]), None)
+    if rhs_index is None:
+        return None  # a kernel computed in the op: its scales are not the weight's
+    env, phases = {}, {}
+
+    def read(a):
+        return a.val if isinstance(a, jcore.Literal) else env[a]
+
+    for v, c in zip(jaxpr.constvars, closed.consts):
+        env[v] = c
+    for v, a in zip(jaxpr.invars, inputs):
+        env[v] = a
+    layout = None
+    for i, eqn in enumerate(jaxpr.eqns):
+        if i == at:
+            layout = _Phases(eqn.params, eqn.invars[0].aval.shape, rhs.shape, eqn.outvars[0].aval.shape)
+            phases[eqn.outvars[0]] = layout.convolve(read(eqn.invars[0]), rhs, mark, quantize_weight, rhs_index)
+            continue
+        lifted = [a for a in eqn.invars if not isinstance(a, jcore.Literal) and a in phases]
+        if lifted:
+            operands = layout.lift(eqn, phases, read) if eqn.primitive.name in _ELEMENTWISE else None
+            if operands is not None:
+                if eqn.primitive.name == "sub" and eqn.invars[0] in phases and eqn.invars[1] not in phases:
+                    # As an addition, which the converter fuses into the CONV_2D (a folded
+                    # BatchNorm's bias arrives as a subtrahend).
+                    phases[eqn.outvars[0]] = operands[0] + (-operands[1])
+                else:
+                    phases[eqn.outvars[0]] = eqn.primitive.bind(*operands, **eqn.params)
+                continue
+            for a in lifted:  # interleaved here: what follows reads the op's own layout
+                env[a] = layout.interleave(phases.pop(a))
+        outs = eqn.primitive.bind(*[read(a) for a in eqn.invars], **eqn.primitive.get_bind_params(eqn.params))
+        for v, o in zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]):
+            env[v] = o
+    results = []
+    for a in jaxpr.outvars:
+        if not isinstance(a, jcore.Literal) and a in phases:
+            with jax.named_scope(INPUT_LAYOUT):
+                quantized = out_quantize(phases[a])
+            results.append(layout.interleave(quantized))
+        else:
+            results.append(read(a))
+    return results
+
+
+def host_value(value) -> np.ndarray | None:
+    """`value` as a numpy array, or None where it is traced."""
+    try:
+        return np.asarray(value)
+    except jax.errors.TracerArrayConversionError:
+        return None
+
+
+def _concrete(closed, var, values: dict) -> np.ndarray | None:
+    """`var`'s value computed on the host from the op inputs in `values`
+    (index -> array), or None where it depends on another input."""
+    jaxpr = closed.jaxpr
+    env = {v: np.asarray(c) for v, c in zip(jaxpr.constvars, closed.consts)}
+    for i, v in enumerate(jaxpr.invars):
+        if i in values:
+            env[v] = np.asarray(values[i])
+    with jax.ensure_compile_time_eval():
+        for eqn in jaxpr.eqns:
+            if any(not isinstance(a, jcore.Literal) and a not in env for a in eqn.invars):
+                continue
+            ins = [a.val if isinstance(a, jcore.Literal) else env[a] for a in eqn.invars]
+            outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+            for v, o in zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]):
+                env[v] = o
+            if var in env:
+                break
+    return None if var not in env else np.asarray(env[var], np.float32)
+
+
+class _Phases:
+    """The geometry of one transposed convolution's phases."""
+
+    def __init__(self, params, in_shape, kernel_shape, out_shape):
+        self.lhs_spec, self.rhs_spec, self.out_spec = params["dimension_numbers"]
+        self.strides = tuple(int(s) for s in params["lhs_dilation"])
+        spatial = len(self.strides)
+        self.out_shape = tuple(int(d) for d in out_shape)
+        self.sizes = tuple(int(self.out_shape[self.out_spec[2 + j]]) for j in range(spatial))
+        self.count = int(np.prod(self.strides))
+        self.axes = []  # per spatial axis: (tap index per phase and position, positions, input window)
+        for j in range(spatial):
+            self.axes.append(_axis(int(self.strides[j]), int(params["padding"][j][0]),
+                                   int(in_shape[self.lhs_spec[2 + j]]), int(kernel_shape[self.rhs_spec[2 + j]]),
+                                   self.sizes[j]))
+
+    def convolve(self, x, rhs, mark, quantize_weight, rhs_index):
+        spatial = len(self.strides)
+        with jax.named_scope(INPUT_LAYOUT):
+            x = jnp.transpose(x, (self.lhs_spec[0], *self.lhs_spec[2:], self.lhs_spec[1]))  # (N, spatial, C)
+            for j, (_, _, (start, stop, left, right)) in enumerate(self.axes):
+                x = jax.lax.slice_in_dim(x, start, stop, axis=1 + j)
+                if left or right:
+                    pads = [(0, 0, 0)] * x.ndim
+                    pads[1 + j] = (left, right, 0)
+                    x = jax.lax.pad(x, np.zeros((), x.dtype), pads)
+            if spatial == 1:
+                x = x[:, :, None, :]
+            if mark is not None:
+                x = mark(x)
+        kernel = np.transpose(rhs, (*self.rhs_spec[2:], self.rhs_spec[1], self.rhs_spec[0]))  # (spatial, I, O)
+        for j, (taps, _, _) in enumerate(self.axes):
+            # One zero tap at the end stands for the taps a phase does not have.
+            padded = np.concatenate([kernel, np.zeros_like(np.take(kernel, [0], axis=2 * j))], axis=2 * j)
+            kernel = np.take(padded, taps, axis=2 * j)  # that axis becomes (phase, position)
+        # (r_1, L_1, ..., I, O) -> OHWI with channel (r_1, ..., o): phases major.
+        order = [2 * j for j in range(spatial)]
+        positions = [2 * j + 1 for j in range(spatial)]
+        n = kernel.ndim
+        native = np.transpose(kernel, (*order, n - 1, *positions, n - 2))
+        native = native.reshape(self.count * kernel.shape[-1], *native.shape[spatial + 1:])
+        if spatial == 1:
+            native = native[:, :, None, :]
+        with jax.named_scope(INPUT_LAYOUT):
+            filt = quantize_weight(native, rhs_index, self.rhs_spec[0])
+            return jax.lax.conv_general_dilated(x, jnp.transpose(filt, (1, 2, 3, 0)), (1, 1), "VALID",
+                                                dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    def lift(self, eqn, phases, read):
+        """The elementwise op's operands on the phases: the lifted ones as
+        they are, per-channel ones repeated for every phase; None where an
+        operand is neither."""
+        channels = self.out_shape[self.out_spec[1]]
+        rank = len(self.out_shape)
+        out = []
+        for a in eqn.invars:
+            if not isinstance(a, jcore.Literal) and a in phases:
+                out.append(phases[a])
+                continue
+            value = read(a)
+            shape = np.shape(value)
+            if len(shape) == 0:
+                out.append(value)
+                continue
+            if len(shape) != rank or any(d != 1 for i, d in enumerate(shape) if i != self.out_spec[1]):
+                return None
+            if shape[self.out_spec[1]] not in (1, channels):
+                return None
+            # A constant (a bias) repeated on the host: the converter fuses it into the CONV_2D.
+            host = host_value(value)
+            xp, value = (jnp, value) if host is None else (np, host)
+            vector = xp.broadcast_to(xp.reshape(value, (shape[self.out_spec[1]],)), (channels,))
+            out.append(xp.reshape(xp.tile(vector, self.count), (1, 1, 1, self.count * channels)))
+        return out
+
+    def interleave(self, p):
+        """The phase tensor ``(N, M_1, M_2, phases * C)`` in the op's output layout."""
+        with jax.named_scope(INPUT_LAYOUT):
+            batch, m1, m2, _ = p.shape
+            s1 = self.strides[0]
+            s2 = self.strides[1] if len(self.strides) > 1 else 1
+            channels = p.shape[-1] // self.count
+            y = jnp.reshape(p, (batch * m1, m2, s1, s2, channels))
+            y = jnp.transpose(y, (0, 2, 1, 3, 4))
+            y = jnp.reshape(y, (batch, m1 * s1, m2 * s2, channels))
+            y = y[:, :self.sizes[0], :(self.sizes[1] if len(self.sizes) > 1 else 1)]
+            if len(self.strides) == 1:
+                y = y[:, :, 0]
+            canonical = (self.out_spec[0], *self.out_spec[2:], self.out_spec[1])
+        return jnp.transpose(y, tuple(int(i) for i in np.argsort(canonical)))
+
+
+def _axis(s: int, lo: int, size: int, kernel: int, out_size: int):
+    """One spatial axis: (tap per (phase, position), positions per phase,
+    (input start, stop, zeros before, zeros after)). Phase ``r`` reads taps
+    ``t0 + s u`` (``t0 = (lo - r) mod s``) at inputs ``m + c_r + u``."""
+    rows = []
+    for r in range(s):
+        t0 = (lo - r) % s
+        rows.append((t0, (r + t0 - lo) // s, max(0, -(-(kernel - t0) // s))))
+    first = min(c for _, c, _ in rows)
+    length = max(1, max(c - first + k for _, c, k in rows))
+    taps = np.full((s, length), kernel, np.int64)  # index `kernel`: the zero tap
+    for r, (t0, c, k) in enumerate(rows):
+        for u in range(k):
+            taps[r, c - first + u] = t0 + s * u
+    positions = -(-out_size // s)
+    last = positions - 1 + first + length - 1  # the last input position read
+    start, left = (first, 0) if first > 0 else (0, -first)
+    stop, right = (last + 1, 0) if last < size else (size, last - size + 1)
+    return taps, positions, (start, stop, left, right)
