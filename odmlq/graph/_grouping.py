@@ -390,12 +390,11 @@ class _Builder:
             attributes["transposed"] = any(d != 1 for d in conv.eqn.params.get("lhs_dilation") or ())
             if attributes["transposed"]:
                 # One a stride-1 convolution of its phases computes (`litert/_conv_transpose`):
-                # no window stride or kernel dilation besides, one group, at most 2-D.
+                # no window stride besides, one group, at most 2-D.
                 p = conv.eqn.params
                 attributes["transposed_by_phases"] = bool(
-                    all(s == 1 for s in p["window_strides"]) and all(d == 1 for d in p["rhs_dilation"])
-                    and p["feature_group_count"] == 1 and p["batch_group_count"] == 1
-                    and len(p["window_strides"]) <= 2)
+                    all(s == 1 for s in p["window_strides"]) and p["feature_group_count"] == 1
+                    and p["batch_group_count"] == 1 and len(p["window_strides"]) <= 2)
             attributes["pointwise"] = pointwise(conv.eqn)
         if rec.kind in ("avg_pool", "max_pool"):
             window = rec.steps[0].eqn.params["window_dimensions"]

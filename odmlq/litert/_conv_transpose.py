@@ -22,9 +22,9 @@ per-channel operands, run on the phases before they are interleaved, so the
 converter fuses them into the CONV_2D; the output is quantized there and
 moved as integers.
 
-Handled: any number of spatial axes (a 1-D one as 2-D over an axis of size
-1), window stride 1, no kernel dilation, one feature group
-(`transposed_supported`); the plan refuses the others.
+Handled: one or two spatial axes (a 1-D one as 2-D over an axis of size
+1), window stride 1, one feature group, any kernel dilation (written out as
+zeros between the taps) (`transposed_supported`); the plan refuses the others.
 """
 
 from __future__ import annotations
@@ -45,8 +45,6 @@ def transposed_supported(params) -> str | None:
     """Why a dilated-input convolution's parameters have no phase form (None: they have)."""
     if any(s != 1 for s in params["window_strides"]):
         return "a window stride besides the input dilation"
-    if any(d != 1 for d in params["rhs_dilation"]):
-        return "a dilated kernel"
     if params["feature_group_count"] != 1 or params["batch_group_count"] != 1:
         return "grouped features"
     if len(params["lhs_dilation"]) > 2:
@@ -79,6 +77,7 @@ def as_phases(compute, inputs, weights, out_quantize, mark=None, quantize_weight
     rhs = _concrete(closed, jaxpr.eqns[at].invars[1], {i: v for i, v in weights.items()})
     if rhs is None:
         return None
+    rhs = _dilated(rhs, jaxpr.eqns[at].params)
     rhs_index = next((i for i, v in enumerate(jaxpr.invars) if v is jaxpr.eqns[at].invars[1]), None)
     if rhs_index is None:
         return None  # a kernel computed in the op: its scales are not the weight's
@@ -122,6 +121,22 @@ def as_phases(compute, inputs, weights, out_quantize, mark=None, quantize_weight
         else:
             results.append(read(a))
     return results
+
+
+def _dilated(rhs: np.ndarray, params) -> np.ndarray:
+    """The kernel with its dilation written out: zeros between its taps."""
+    spec = params["dimension_numbers"].rhs_spec
+    for j, d in enumerate(params["rhs_dilation"]):
+        if d != 1:
+            axis = spec[2 + j]
+            shape = list(rhs.shape)
+            shape[axis] = (shape[axis] - 1) * d + 1
+            out = np.zeros(shape, rhs.dtype)
+            index = [slice(None)] * rhs.ndim
+            index[axis] = slice(None, None, d)
+            out[tuple(index)] = rhs
+            rhs = out
+    return rhs
 
 
 def host_value(value) -> np.ndarray | None:

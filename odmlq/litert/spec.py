@@ -147,11 +147,11 @@ def _transposed_conv(op, qtype: str, graph) -> str | None:
     if not op.attributes.get("transposed") or op.attributes.get("transposed_by_phases"):
         return None  # none, or one CONV_2D of its phases (`litert/_conv_transpose`)
     return ("a transposed convolution (input dilation, as nn.ConvTranspose and lax.conv_transpose "
-            "write it) with a window stride, kernel dilation or feature groups besides, or over more "
-            "than two spatial axes: LiteRT runs it only as TRANSPOSE_CONV, which litert-converter 0.5.0 "
-            "makes reading a dequantized int8 kernel reversed at every invocation (slower than float). "
-            "Keep it in float with Rule(..., skip=True) and allow_float_ops=True, or write it as "
-            "nn.ConvTranspose and lax.conv_transpose do (the stride as input dilation, one group)")
+            "write it) with a window stride or feature groups besides, or over more than two spatial "
+            "axes: LiteRT has only TRANSPOSE_CONV for it, which litert-converter 0.5.0 fails to make "
+            "or makes reading a dequantized int8 kernel at every invocation. Write it as "
+            "nn.ConvTranspose and lax.conv_transpose do (the stride as input dilation, one group, "
+            "1-D or 2-D), or upsample another way (jax.image.resize, then a convolution)")
 
 
 def _int16_gather(op, qtype: str, graph) -> str | None:
@@ -231,7 +231,8 @@ OP_SPEC: dict[str, OpSpec] = {
     "einsum": OpSpec(_BOTH, fuses=_FUSES, becomes="FULLY_CONNECTED, BATCH_MATMUL"),
     "conv": OpSpec(_BOTH, fuses=_FUSES, limitation=_transposed_conv, becomes="CONV_2D, DEPTHWISE_CONV_2D",
                    note="1-D: the 2-D kernel over an axis of size 1; transposed: one CONV_2D of its "
-                        "phases, interleaved (window stride 1, one group, 1-D or 2-D; others refused)"),
+                        "phases, interleaved (window stride 1, one group, 1-D or 2-D; others refused: "
+                        "litert-converter 0.5.0's TRANSPOSE_CONV reads a dequantized kernel)"),
     "add": OpSpec(_BOTH, limitation=_int16_add_operands, fuses=_FUSES, becomes="ADD",
                   note="int16: activations of one shape (constants are stored broadcast)"),
     "sub": OpSpec(_BOTH, fuses=_FUSES, becomes="SUB"),

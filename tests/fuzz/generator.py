@@ -94,7 +94,7 @@ class FuzzCnn(nn.Module):
                 b, h, w, c = x.shape
                 x = jax.image.resize(x, (b, 2 * h, 2 * w, c), block[1])
             elif kind == "conv_transpose":
-                x = nn.ConvTranspose(block[1], (2, 2), strides=(2, 2))(x)
+                x = nn.ConvTranspose(block[1], (block[2], block[2]), strides=(2, 2))(x)
             elif kind == "scale":
                 x = x * block[1] + block[2]
         x = jnp.mean(x, axis=(1, 2))
@@ -212,12 +212,12 @@ def _cnn_blocks(rng) -> tuple:
                 blocks.append(("avgpool_same", 3))
         elif r < 0.88 and size <= 12:
             # Upsampling: an interpolating resize, or a transposed convolution
-            # (refused before any work: TRANSPOSE_CONV reads a dequantized kernel).
+            # (stride 2, 'SAME': kernels smaller than, equal to and larger than the stride).
             if rng.random() < 0.8:
                 blocks.append(("resize", str(rng.choice(["bilinear", "nearest"]))))
             else:
                 features = int(rng.choice([4, 8]))
-                blocks.append(("conv_transpose", features))
+                blocks.append(("conv_transpose", features, int(rng.choice([2, 3, 4]))))
                 channels = features
             size *= 2
         elif r < 0.9:

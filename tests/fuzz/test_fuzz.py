@@ -16,7 +16,7 @@ import pytest
 from tests.fuzz.generator import HARD_FAILURES, case_family, make_case, run_case
 
 # The first 24, and one each with a resize, a padded average pool and a
-# transposed convolution (refused before conversion).
+# transposed convolution.
 FAST_SEEDS = (*range(24), 34, 77, 116)
 SLOW_SEEDS = tuple(s for s in range(24, 327) if s not in FAST_SEEDS)  # 300 seeds
 
