@@ -11,6 +11,8 @@ processor would, token ids in the vocabulary with padded attention masks).
   7x7 stem and max pool, global mean, Dense head), 16 base filters, 32x32x3.
 - ``cnn_nnx``: an NNX CNN with Conv, BatchNorm, Dropout and an ``nnx.Rngs``
   attribute (``self.rngs``), in eval mode.
+- ``unet_linen``: a U-Net (tests/zoo/unet.py): BatchNorm convolutions, max
+  pools, transposed convolutions up, skip concatenations, per-pixel logits.
 - ``transformer_lm_linen``: a decoder-only TransformerLM as Flax's
   examples/lm1b writes it (shift right, nn.Embed, sinusoidal positions, causal +
   padding mask, pre-LayerNorm MultiHeadDotProductAttention and ReLU MLP), every
@@ -462,11 +464,13 @@ def transformer_lm_linen() -> ZooModel:
 
 from tests.zoo.hf_models import (hf_bert, hf_bloom, hf_distilbert, hf_gpt2, hf_gpt_neo, hf_gptj,  # noqa: E402
                                   hf_llama, hf_marian, hf_resnet, hf_vit, hf_wav2vec2)
+from tests.zoo.unet import unet_linen  # noqa: E402
 
 
 ZOO: dict[str, Callable[[], ZooModel]] = {
     "resnet18_linen": resnet18_linen,
     "cnn_nnx": cnn_nnx,
+    "unet_linen": unet_linen,
     "transformer_lm_linen": transformer_lm_linen,
     "hf_bert": hf_bert,
     "hf_vit": hf_vit,
