@@ -14,7 +14,7 @@ import numpy as np
 from odmlq.graph import _patterns
 from odmlq.graph._program import _Lit, _OpSteps, _OpRec, _Program, _Region, _Step
 from odmlq.graph._walk import _map_axes, _Walker
-from odmlq.graph._linear import pointwise
+from odmlq.graph._linear import pointwise, transposed_by_phases
 from odmlq.graph._graph import MATMUL_KINDS, MAX_CONSTANT_SIZE, Edge, Op, Operand
 
 
@@ -389,12 +389,7 @@ class _Builder:
             # Input dilation: a transposed convolution (nn.ConvTranspose, lax.conv_transpose).
             attributes["transposed"] = any(d != 1 for d in conv.eqn.params.get("lhs_dilation") or ())
             if attributes["transposed"]:
-                # One a stride-1 convolution of its phases computes (`litert/_conv_transpose`):
-                # no window stride besides, one group, at most 2-D.
-                p = conv.eqn.params
-                attributes["transposed_by_phases"] = bool(
-                    all(s == 1 for s in p["window_strides"]) and p["feature_group_count"] == 1
-                    and p["batch_group_count"] == 1 and len(p["window_strides"]) <= 2)
+                attributes["transposed_by_phases"] = transposed_by_phases(conv.eqn.params)
             attributes["pointwise"] = pointwise(conv.eqn)
         if rec.kind in ("avg_pool", "max_pool"):
             window = rec.steps[0].eqn.params["window_dimensions"]

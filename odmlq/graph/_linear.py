@@ -148,13 +148,56 @@ def _conv_inputs(params: dict, x: jax.Array, w_shape: tuple[int, ...]):
     return layout, patches.reshape(-1, groups, taps)
 
 
+def transposed_by_phases(params) -> bool:
+    """Whether a transposed convolution (input dilation) is a stride-1
+    convolution of its stride phases, interleaved (`odmlq.litert._conv_transpose`):
+    no window stride besides, one feature group, one or two spatial axes."""
+    return bool(any(d != 1 for d in params["lhs_dilation"]) and all(s == 1 for s in params["window_strides"])
+                and params["feature_group_count"] == 1 and params["batch_group_count"] == 1
+                and len(params["window_strides"]) <= 2)
+
+
+def phase_axis(s: int, lo: int, size: int, kernel: int, out_size: int):
+    """One spatial axis of a transposed convolution (input dilation `s`, low
+    padding `lo`, `size` inputs, a `kernel` of that extent, dilation written
+    out, `out_size` outputs) as a stride-1 convolution of its phases: (tap
+    per (phase, position): ``kernel`` for none, positions per phase, (input
+    start, stop, zeros before, zeros after)). Phase ``r`` reads taps
+    ``t0 + s u`` (``t0 = (lo - r) mod s``) at inputs ``m + c_r + u``
+    (`odmlq.litert._conv_transpose`)."""
+    rows = []
+    for r in range(s):
+        t0 = (lo - r) % s
+        rows.append((t0, (r + t0 - lo) // s, max(0, -(-(kernel - t0) // s))))
+    first = min(c for _, c, _ in rows)
+    length = max(1, max(c - first + k for _, c, k in rows))
+    taps = np.full((s, length), kernel, np.int64)  # index `kernel`: the zero tap
+    for r, (t0, c, k) in enumerate(rows):
+        for u in range(k):
+            taps[r, c - first + u] = t0 + s * u
+    positions = -(-out_size // s)
+    last = positions - 1 + first + length - 1  # the last input position read
+    start, left = (first, 0) if first > 0 else (0, -first)
+    stop, right = (last + 1, 0) if last < size else (size, last - size + 1)
+    return taps, positions, (start, stop, left, right)
+
+
 def pointwise(conv_eqn) -> int | None:
     """The input's feature axis if a ``conv_general_dilated`` is a matmul over
     pixels (a 1x1 kernel, stride 1, no padding or dilation, one feature group:
-    XNNPACK runs it as a matrix multiplication whose rows are the pixels), else None."""
+    XNNPACK runs it as a matrix multiplication whose rows are the pixels; or a
+    transposed one whose phases' filter is 1x1), else None."""
     p = conv_eqn.params
     numbers = p["dimension_numbers"]
     kernel = conv_eqn.invars[1].aval.shape
+    if transposed_by_phases(p):
+        # Its phases' convolution has a 1x1 filter (a 2x2 kernel at stride 2, 'SAME').
+        sizes = conv_eqn.invars[0].aval.shape, conv_eqn.outvars[0].aval.shape
+        single = all(phase_axis(int(s), int(p["padding"][j][0]), int(sizes[0][numbers.lhs_spec[2 + j]]),
+                                (int(kernel[numbers.rhs_spec[2 + j]]) - 1) * int(p["rhs_dilation"][j]) + 1,
+                                int(sizes[1][numbers.out_spec[2 + j]]))[0].shape[1] == 1
+                     for j, s in enumerate(p["lhs_dilation"]))
+        return int(numbers.lhs_spec[1]) if single else None
     plain = (all(kernel[i] == 1 for i in numbers.rhs_spec[2:]) and all(s == 1 for s in p["window_strides"])
              and all(tuple(pad) == (0, 0) for pad in p["padding"])
              and all(d == 1 for d in tuple(p.get("lhs_dilation") or ()) + tuple(p.get("rhs_dilation") or ()))

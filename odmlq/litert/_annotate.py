@@ -439,7 +439,6 @@ class Annotation(FakeQuant):
         gelu = jax.lax.composite(lambda x, **_: compute(x)[0], name="tfl.gelu")
         return [gelu(inputs[0], approximate=np.bool_(False))]
 
-
     def _phases(self, op, compute, inputs, mark):
         """A transposed convolution as one CONV_2D of its phases (`_conv_transpose`)."""
         weights = {}
@@ -483,7 +482,7 @@ class Annotation(FakeQuant):
             phase = dataclasses.replace(ts, scale=scale.reshape(-1, 1, 1, 1), zero_point=zero, scale_axes=(0,))
             return fake_quant_composite(jnp.asarray(native), phase, 0)
 
-        return as_phases(compute, inputs, weights, out_quantize, mark, quantize_weight)
+        return as_phases(compute, inputs, weights, out_quantize, quantize_weight, mark)
 
 
 def _clamps_as(ts: TensorScale, kind: str) -> bool:

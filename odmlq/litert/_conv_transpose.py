@@ -24,7 +24,8 @@ moved as integers.
 
 Handled: one or two spatial axes (a 1-D one as 2-D over an axis of size
 1), window stride 1, one feature group, any kernel dilation (written out as
-zeros between the taps) (`transposed_supported`); the plan refuses the others.
+zeros between the taps) (`odmlq.graph.transposed_by_phases`); the plan
+refuses the others.
 """
 
 from __future__ import annotations
@@ -34,25 +35,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
+from odmlq.graph import phase_axis, transposed_by_phases
 from odmlq.litert._mapping import INPUT_LAYOUT
 
-__all__ = ["as_phases", "host_value", "transposed_supported"]
+__all__ = ["as_phases", "host_value"]
 
 _ELEMENTWISE = frozenset({"add", "sub", "mul", "div", "max", "min", "neg"})
 
 
-def transposed_supported(params) -> str | None:
-    """Why a dilated-input convolution's parameters have no phase form (None: they have)."""
-    if any(s != 1 for s in params["window_strides"]):
-        return "a window stride besides the input dilation"
-    if params["feature_group_count"] != 1 or params["batch_group_count"] != 1:
-        return "grouped features"
-    if len(params["lhs_dilation"]) > 2:
-        return "more than two spatial axes"
-    return None
-
-
-def as_phases(compute, inputs, weights, out_quantize, mark=None, quantize_weight=None):
+def as_phases(compute, inputs, weights, out_quantize, quantize_weight, mark=None):
     """The op's outputs with its transposed convolution computed by phases
     (see the module doc); None when it has none this handles.
 
@@ -61,20 +52,19 @@ def as_phases(compute, inputs, weights, out_quantize, mark=None, quantize_weight
         it is quantized), for the convolution's kernel.
       out_quantize: ``x -> x`` quantized as the op's output edge (identity
         where it is float).
-      mark: the dynamic-range marker, put on the laid-out input.
       quantize_weight: ``(phase kernel OHWI, the kernel's op input index,
-        its output-channel axis) -> the filter``:
-        a constant, quantized as the weight is (each phase channel on its
-        channel's scale).
+        its output-channel axis) -> the filter``: a constant, quantized as
+        the weight is (each phase channel on its channel's scale).
+      mark: the dynamic-range marker, put on the laid-out input.
     """
     closed = jax.make_jaxpr(compute)(*inputs)
     jaxpr = closed.jaxpr
-    convs = [i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "conv_general_dilated"
-             and any(d != 1 for d in e.params["lhs_dilation"]) and transposed_supported(e.params) is None]
+    convs = [i for i, e in enumerate(jaxpr.eqns)
+             if e.primitive.name == "conv_general_dilated" and transposed_by_phases(e.params)]
     if len(convs) != 1:
         return None
     at = convs[0]
-    rhs = _concrete(closed, jaxpr.eqns[at].invars[1], {i: v for i, v in weights.items()})
+    rhs = _concrete(closed, jaxpr.eqns[at].invars[1], weights)
     if rhs is None:
         return None
     rhs = _dilated(rhs, jaxpr.eqns[at].params)
@@ -180,7 +170,7 @@ class _Phases:
         self.count = int(np.prod(self.strides))
         self.axes = []  # per spatial axis: (tap index per phase and position, positions, input window)
         for j in range(spatial):
-            self.axes.append(_axis(int(self.strides[j]), int(params["padding"][j][0]),
+            self.axes.append(phase_axis(int(self.strides[j]), int(params["padding"][j][0]),
                                    int(in_shape[self.lhs_spec[2 + j]]), int(kernel_shape[self.rhs_spec[2 + j]]),
                                    self.sizes[j]))
 
@@ -258,24 +248,3 @@ class _Phases:
                 y = y[:, :, 0]
             canonical = (self.out_spec[0], *self.out_spec[2:], self.out_spec[1])
         return jnp.transpose(y, tuple(int(i) for i in np.argsort(canonical)))
-
-
-def _axis(s: int, lo: int, size: int, kernel: int, out_size: int):
-    """One spatial axis: (tap per (phase, position), positions per phase,
-    (input start, stop, zeros before, zeros after)). Phase ``r`` reads taps
-    ``t0 + s u`` (``t0 = (lo - r) mod s``) at inputs ``m + c_r + u``."""
-    rows = []
-    for r in range(s):
-        t0 = (lo - r) % s
-        rows.append((t0, (r + t0 - lo) // s, max(0, -(-(kernel - t0) // s))))
-    first = min(c for _, c, _ in rows)
-    length = max(1, max(c - first + k for _, c, k in rows))
-    taps = np.full((s, length), kernel, np.int64)  # index `kernel`: the zero tap
-    for r, (t0, c, k) in enumerate(rows):
-        for u in range(k):
-            taps[r, c - first + u] = t0 + s * u
-    positions = -(-out_size // s)
-    last = positions - 1 + first + length - 1  # the last input position read
-    start, left = (first, 0) if first > 0 else (0, -first)
-    stop, right = (last + 1, 0) if last < size else (size, last - size + 1)
-    return taps, positions, (start, stop, left, right)

@@ -85,7 +85,7 @@ def test_a_float_transposed_convolution_is_one_conv_2d_of_the_model_s_own_size(k
 
 
 @pytest.mark.parametrize("schema", list(SCHEMAS))
-@pytest.mark.parametrize("kernel, stride, padding", GEOMETRIES[:2])
+@pytest.mark.parametrize("kernel, stride, padding", GEOMETRIES[:3])
 def test_a_quantized_transposed_convolution_is_a_conv_2d_with_a_constant_integer_filter(schema, kernel, stride,
                                                                                        padding):
     model, variables, x = _model(kernel=kernel, stride=stride, padding=padding)
@@ -215,7 +215,7 @@ def test_the_phases_compute_the_transposed_convolution_exactly_in_float(case):
     def filt(native, index, axis):
         return native
 
-    got = as_phases(compute, [x, w, b], {1: w}, lambda p: p, quantize_weight=filt)
+    got = as_phases(compute, [x, w, b], {1: w}, lambda p: p, filt)
     expected = compute(x, w, b)
     assert got[0].shape == expected[0].shape
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(expected[0]), rtol=1e-5, atol=1e-5)
