@@ -1,4 +1,4 @@
-"""Running a .tflite the way the tests compare it: one row per invoke."""
+"""Running a .tflite the way the tests compare it: one row per invoke; simulate against float."""
 
 import numpy as np
 
@@ -15,3 +15,10 @@ def litert_rows(tflite: bytes, rows) -> np.ndarray:
         runner.invoke()
         outputs.append(runner.get_tensor(out["index"])[0])
     return np.stack(outputs)
+
+
+def simulate_sqnr_db(model, result, inputs: np.ndarray, variables) -> float:
+    """Output SQNR (dB) of `simulate`, with an export's plan and calibration, against the float model."""
+    simulated = np.asarray(odmlq.simulate(model, result.plan, result.calibration, inputs, variables=variables))
+    reference = np.asarray(model.apply(variables, inputs), np.float64)
+    return float(10 * np.log10(np.sum(reference ** 2) / np.sum((reference - simulated) ** 2)))

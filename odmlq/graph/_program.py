@@ -255,9 +255,11 @@ def _run_scan(region: _Region, ins: list, hooks: _Hooks) -> list:
     return [*carry, *ys]
 
 
-def evaluate_replacing(closed, args, replace: Mapping[int, Callable]) -> list:
+def evaluate_replacing(closed, args, replace: Mapping[int, Callable], each: Callable | None = None) -> list:
     """Evaluates a closed jaxpr (a traced op), with some equations replaced:
-    ``replace[i](eqn, ins)`` -> the outputs of equation `i`."""
+    ``replace[i](eqn, ins)`` -> the outputs of equation `i`; ``each(eqn,
+    ins)``, where given, is asked first for every other equation's outputs
+    (None: the equation as it is)."""
     jaxpr = closed.jaxpr
     env = {}
 
@@ -270,9 +272,8 @@ def evaluate_replacing(closed, args, replace: Mapping[int, Callable]) -> list:
         env[v] = a
     for i, eqn in enumerate(jaxpr.eqns):
         ins = [read(a) for a in eqn.invars]
-        if i in replace:
-            outs = replace[i](eqn, ins)
-        else:
+        outs = replace[i](eqn, ins) if i in replace else None if each is None else each(eqn, ins)
+        if outs is None:
             outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
             outs = outs if eqn.primitive.multiple_results else [outs]
         for v, o in zip(eqn.outvars, outs):

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from odmlq.graph import phase_axis, transposed_by_phases
+from odmlq.graph import evaluate_replacing, phase_axis, transposed_by_phases
 from odmlq.litert._mapping import INPUT_LAYOUT
 
 __all__ = ["as_phases", "host_value"]
@@ -71,46 +71,40 @@ def as_phases(compute, inputs, weights, out_quantize, quantize_weight, mark=None
     rhs_index = next((i for i, v in enumerate(jaxpr.invars) if v is jaxpr.eqns[at].invars[1]), None)
     if rhs_index is None:
         return None  # a kernel computed in the op: its scales are not the weight's
-    env, phases = {}, {}
+    layout = _Phases(jaxpr.eqns[at].params, jaxpr.eqns[at].invars[0].aval.shape, rhs.shape,
+                     jaxpr.eqns[at].outvars[0].aval.shape)
 
-    def read(a):
-        return a.val if isinstance(a, jcore.Literal) else env[a]
+    def convolve(eqn, ins):
+        return [_OnPhases(layout.convolve(ins[0], rhs, mark, quantize_weight, rhs_index))]
 
-    for v, c in zip(jaxpr.constvars, closed.consts):
-        env[v] = c
-    for v, a in zip(jaxpr.invars, inputs):
-        env[v] = a
-    layout = None
-    for i, eqn in enumerate(jaxpr.eqns):
-        if i == at:
-            layout = _Phases(eqn.params, eqn.invars[0].aval.shape, rhs.shape, eqn.outvars[0].aval.shape)
-            phases[eqn.outvars[0]] = layout.convolve(read(eqn.invars[0]), rhs, mark, quantize_weight, rhs_index)
-            continue
-        lifted = [a for a in eqn.invars if not isinstance(a, jcore.Literal) and a in phases]
-        if lifted:
-            operands = layout.lift(eqn, phases, read) if eqn.primitive.name in _ELEMENTWISE else None
-            if operands is not None:
-                if eqn.primitive.name == "sub" and eqn.invars[0] in phases and eqn.invars[1] not in phases:
-                    # As an addition, which the converter fuses into the CONV_2D (a folded
-                    # BatchNorm's bias arrives as a subtrahend).
-                    phases[eqn.outvars[0]] = operands[0] + (-operands[1])
-                else:
-                    phases[eqn.outvars[0]] = eqn.primitive.bind(*operands, **eqn.params)
-                continue
-            for a in lifted:  # interleaved here: what follows reads the op's own layout
-                env[a] = layout.interleave(phases.pop(a))
-        outs = eqn.primitive.bind(*[read(a) for a in eqn.invars], **eqn.primitive.get_bind_params(eqn.params))
-        for v, o in zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]):
-            env[v] = o
+    def each(eqn, ins):
+        if not any(isinstance(x, _OnPhases) for x in ins):
+            return None
+        operands = layout.lift(eqn, ins) if eqn.primitive.name in _ELEMENTWISE else None
+        if operands is None:  # interleaved here: what follows reads the op's own layout
+            ins = [layout.interleave(x.value) if isinstance(x, _OnPhases) else x for x in ins]
+            out = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+            return out if eqn.primitive.multiple_results else [out]
+        if eqn.primitive.name == "sub" and isinstance(ins[0], _OnPhases) and not isinstance(ins[1], _OnPhases):
+            # As an addition, which the converter fuses into the CONV_2D (a folded
+            # BatchNorm's bias arrives as a subtrahend).
+            return [_OnPhases(operands[0] + (-operands[1]))]
+        return [_OnPhases(eqn.primitive.bind(*operands, **eqn.params))]
+
     results = []
-    for a in jaxpr.outvars:
-        if not isinstance(a, jcore.Literal) and a in phases:
+    for y in evaluate_replacing(closed, inputs, {at: convolve}, each):
+        if isinstance(y, _OnPhases):
             with jax.named_scope(INPUT_LAYOUT):
-                quantized = out_quantize(phases[a])
-            results.append(layout.interleave(quantized))
-        else:
-            results.append(read(a))
+                y = layout.interleave(out_quantize(y.value))
+        results.append(y)
     return results
+
+
+class _OnPhases:
+    """A value of the op computed on the phases (not yet interleaved)."""
+
+    def __init__(self, value):
+        self.value = value
 
 
 def _dilated(rhs: np.ndarray, params) -> np.ndarray:
@@ -206,18 +200,17 @@ class _Phases:
             return jax.lax.conv_general_dilated(x, jnp.transpose(filt, (1, 2, 3, 0)), (1, 1), "VALID",
                                                 dimension_numbers=("NHWC", "HWIO", "NHWC"))
 
-    def lift(self, eqn, phases, read):
-        """The elementwise op's operands on the phases: the lifted ones as
+    def lift(self, eqn, ins):
+        """The elementwise op's operands on the phases: those computed there as
         they are, per-channel ones repeated for every phase; None where an
         operand is neither."""
         channels = self.out_shape[self.out_spec[1]]
         rank = len(self.out_shape)
         out = []
-        for a in eqn.invars:
-            if not isinstance(a, jcore.Literal) and a in phases:
-                out.append(phases[a])
+        for value in ins:
+            if isinstance(value, _OnPhases):
+                out.append(value.value)
                 continue
-            value = read(a)
             shape = np.shape(value)
             if len(shape) == 0:
                 out.append(value)

@@ -16,6 +16,7 @@ import pytest
 
 import odmlq
 from odmlq.litert.inspect import inspect
+from tests._runs import simulate_sqnr_db
 from tests.litert.test_external import _external_buffers
 
 R = odmlq.Rule
@@ -71,10 +72,7 @@ def test_a_one_dimensional_convolution_is_a_two_dimensional_kernel_in_every_sche
                 if op.name == "TRANSPOSE" or schema != "weight_only"], summary.op_histogram
     if schema in ("int8", "weight_only"):
         assert result.delegation.partitions == 1 and not result.delegation.outside, result.delegation
-    held_out = x[8:]
-    simulated = np.asarray(odmlq.simulate(model, result.plan, result.calibration, held_out, variables=variables))
-    reference = np.asarray(model.apply(variables, held_out))
-    sqnr = 10 * np.log10(np.sum(reference ** 2) / np.sum((reference - simulated) ** 2))
+    sqnr = simulate_sqnr_db(model, result, x[8:], variables)
     # int8 weights (and int8 activations) on four layers: the file (equal to simulate,
     # above) stays within the usual 25 dB of float at least.
     assert sqnr > 25, (schema, sqnr)

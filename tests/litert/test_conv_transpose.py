@@ -19,6 +19,7 @@ import pytest
 import odmlq
 from odmlq.litert._conv_transpose import as_phases
 from odmlq.litert.inspect import inspect
+from tests._runs import litert_rows, simulate_sqnr_db
 from tests.litert.test_external import _external_buffers
 
 R = odmlq.Rule
@@ -74,10 +75,7 @@ def test_a_float_transposed_convolution_is_one_conv_2d_of_the_model_s_own_size(k
     histogram = _histogram(result.tflite)
     assert "TRANSPOSE_CONV" not in histogram and "REVERSE_V2" not in histogram, histogram
     assert histogram["CONV_2D"] == 3, histogram
-    interpreter = odmlq.litert.interpreter(result.tflite)
-    interpreter.set_tensor(interpreter.get_input_details()[0]["index"], x[8:9])
-    interpreter.invoke()
-    got = interpreter.get_tensor(interpreter.get_output_details()[0]["index"])
+    got = litert_rows(result.tflite, x[8:9])
     expected = np.asarray(model.apply(variables, x[8:9]))
     assert got.shape == expected.shape
     # float32 sums in another order: a few ulps of the output's largest value.
@@ -106,10 +104,7 @@ def test_a_quantized_transposed_convolution_is_a_conv_2d_with_a_constant_integer
     if schema == "int8":
         assert not summary.float_islands, summary.float_islands
         assert result.delegation.partitions == 1 and not result.delegation.outside, result.delegation
-    held_out = x[16:]
-    simulated = np.asarray(odmlq.simulate(model, result.plan, result.calibration, held_out, variables=variables))
-    reference = np.asarray(model.apply(variables, held_out))
-    sqnr = 10 * np.log10(np.sum(reference ** 2) / np.sum((reference - simulated) ** 2))
+    sqnr = simulate_sqnr_db(model, result, x[16:], variables)
     # Three layers of int8 weights (and int8 activations): within the usual 25 dB of float.
     assert sqnr > 25, (schema, sqnr)
 
@@ -135,13 +130,7 @@ def test_transposed_filters_stay_in_the_file_when_the_other_weights_are_written_
     external = odmlq.export_tflite(model, SCHEMAS["int8"], [x[:16]], external_weights=True, **common)
     assert external.verification.passed, str(external.verification)
     assert len(_external_buffers(external.tflite)) == 2  # the two plain convolutions' filters
-    outputs = []
-    for tflite in (inline.tflite, external.tflite):
-        interpreter = odmlq.litert.interpreter(tflite)
-        interpreter.set_tensor(interpreter.get_input_details()[0]["index"], x[16:17])
-        interpreter.invoke()
-        outputs.append(interpreter.get_tensor(interpreter.get_output_details()[0]["index"]))
-    np.testing.assert_array_equal(outputs[0], outputs[1])
+    np.testing.assert_array_equal(litert_rows(inline.tflite, x[16:]), litert_rows(external.tflite, x[16:]))
 
 
 @pytest.mark.parametrize("schema", ["int8", "float"])
@@ -162,11 +151,8 @@ def test_a_transposed_convolution_with_a_dilated_kernel_computes_what_the_model_
     result = odmlq.export_tflite(model, rules, [x[:16]], variables=variables, benchmark=False, progress=False)
     assert result.verification.passed, str(result.verification)
     assert "TRANSPOSE_CONV" not in _histogram(result.tflite)
-    interpreter = odmlq.litert.interpreter(result.tflite)
-    interpreter.set_tensor(interpreter.get_input_details()[0]["index"], x[16:17])
-    interpreter.invoke()
-    got = interpreter.get_tensor(interpreter.get_output_details()[0]["index"])
-    expected = np.asarray(model.apply(variables, x[16:17]))
+    got = litert_rows(result.tflite, x[16:])
+    expected = np.asarray(model.apply(variables, x[16:]))
     sqnr = 10 * np.log10(np.sum(expected ** 2) / max(np.sum((expected - got) ** 2), 1e-30))
     # float: float32 sums in another order; int8: one layer of int8 weights and activations.
     assert sqnr > (100 if schema == "float" else 30), sqnr
