@@ -1,7 +1,4 @@
-"""Groups traced steps into ops, names them, and lays out edges.
-
-Internal; see graph.py for the resulting structure.
-"""
+"""Groups traced steps into ops, names them, and lays out edges (internal; graph.py: the result)."""
 
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ from odmlq.litert._blockwise import Blockwise, payload, placeholder
 from odmlq.litert._check import blockwise_weights
 from odmlq.litert._external import Placeholder
 from odmlq.litert._conv1d import one_dimensional_as_two, with_unit_axis
-from odmlq.litert._conv_transpose import as_phases, host_value
+from odmlq.litert._conv_transpose import annotated_phases
 
 _DTYPES = {"int8": "i8", "int16": "i16", "int4": "i4"}
 
@@ -420,7 +420,7 @@ class Annotation(FakeQuant):
         if op.kind == "conv":
             mark = dynamic_range_composite if op.id in self.marked_in_two_dimensions else None
             if op.attributes.get("transposed"):
-                phases = self._phases(op, compute, inputs, mark)
+                phases = annotated_phases(self, op, compute, inputs, mark, fake_quant_composite)
                 if phases is not None:
                     return phases
             return one_dimensional_as_two(compute, inputs, mark)
@@ -438,61 +438,6 @@ class Annotation(FakeQuant):
             return [_gelu_erf(inputs[0])]
         gelu = jax.lax.composite(lambda x, **_: compute(x)[0], name="tfl.gelu")
         return [gelu(inputs[0], approximate=np.bool_(False))]
-
-    def _phases(self, op, compute, inputs, mark):
-        """A transposed convolution as one CONV_2D of its phases (`_conv_transpose`)."""
-        weights = {}
-        for i, o in enumerate(op.operands):
-            if o.role == "weight" and o.param in self.scales.weights and self.grid is not None:
-                weights[i] = self.grid(o.param)
-            elif o.role == "weight" and host_value(inputs[i]) is not None:
-                weights[i] = host_value(inputs[i])
-        out = self.scales.edges.get(op.outputs[0]) if len(op.outputs) == 1 else None
-        activation = None
-        if out is None and len(op.outputs) == 1:
-            # A ReLU the plan fuses into the convolution: applied and quantized on the
-            # phases too (it changes nothing after that), so that CONV_2D reads and
-            # writes integers however the phases are cropped.
-            readers = [o for o in self.graph.ops if op.outputs[0] in (self.graph.resolve(e) for e in o.inputs)]
-            if len(readers) == 1 and readers[0].kind in ("relu", "relu6") and len(readers[0].outputs) == 1:
-                out = self.scales.edges.get(readers[0].outputs[0])
-                if out is not None and not out.scale_axes:
-                    self.activated.add(readers[0].id)  # then the identity (`_compute`)
-                    if not _clamps_as(out, readers[0].kind):
-                        activation = jax.nn.relu if readers[0].kind == "relu" else jax.nn.relu6
-
-        def out_quantize(x):
-            if out is None or out.scale_axes:
-                return x
-            return fake_quant_composite(x if activation is None else activation(x), out)
-
-        def quantize_weight(native, index, out_axis):
-            ts = self.scales.weights.get(op.operands[index].param)
-            if ts is None:
-                return jnp.asarray(native)
-            if not ts.scale_axes:
-                return fake_quant_composite(jnp.asarray(native), ts)
-            if ts.scale_axes != (out_axis,):
-                raise OdmlqError(f"Op {op.id!r}: the kernel's scales run along axis {ts.scale_axes[0]}, not "
-                                 f"its output channels ({out_axis}); LiteRT quantizes weights along output "
-                                 "channels. Quantize this weight per channel along its outputs, or per tensor.")
-            scale = np.tile(np.asarray(ts.scale, np.float32).reshape(-1), native.shape[0] // np.size(ts.scale))
-            zero = None if ts.zero_point is None else np.tile(
-                np.asarray(ts.zero_point).reshape(-1), native.shape[0] // np.size(ts.scale)).reshape(-1, 1, 1, 1)
-            phase = dataclasses.replace(ts, scale=scale.reshape(-1, 1, 1, 1), zero_point=zero, scale_axes=(0,))
-            return fake_quant_composite(jnp.asarray(native), phase, 0)
-
-        return as_phases(compute, inputs, weights, out_quantize, quantize_weight, mark)
-
-
-def _clamps_as(ts: TensorScale, kind: str) -> bool:
-    """Whether quantizing to `ts` alone computes the ReLU (or ReLU6) too: its
-    grid starts at 0 (and, for ReLU6, ends at 6 or below). Then the converter
-    writes no RELU op, which XNNPACK does not run in int8."""
-    qmin, qmax = ts.qtype.range(ts.narrow_range)
-    zero = 0.0 if ts.zero_point is None else float(np.asarray(ts.zero_point).reshape(()))
-    scale = float(np.asarray(ts.scale).reshape(()))
-    return qmin == zero and (kind == "relu" or (qmax - zero) * scale <= 6.0)
 
 
 def _max_pool_padded_with_zeros(op, x: jax.Array) -> jax.Array:

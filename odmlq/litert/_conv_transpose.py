@@ -30,15 +30,19 @@ refuses the others.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
+from odmlq.errors import OdmlqError
 from odmlq.graph import evaluate_replacing, phase_axis, transposed_by_phases
 from odmlq.litert._mapping import INPUT_LAYOUT
+from odmlq.scales import TensorScale
 
-__all__ = ["as_phases", "host_value"]
+__all__ = ["annotated_phases", "as_phases", "host_value"]
 
 _ELEMENTWISE = frozenset({"add", "sub", "mul", "div", "max", "min", "neg"})
 
@@ -241,3 +245,64 @@ class _Phases:
                 y = y[:, :, 0]
             canonical = (self.out_spec[0], *self.out_spec[2:], self.out_spec[1])
         return jnp.transpose(y, tuple(int(i) for i in np.argsort(canonical)))
+
+
+def annotated_phases(annotation, op, compute, inputs, mark, fake_quant_composite):
+    """The LiteRT materializer's (`_annotate.Annotation`) transposed convolution:
+    `as_phases` with the weight's integers and scales, the op's output
+    quantization (or, where the plan fuses a ReLU after it, that ReLU's,
+    which then passes its input on: `Annotation.activated`), and
+    `fake_quant_composite` for both."""
+    weights = {}
+    for i, o in enumerate(op.operands):
+        if o.role == "weight" and o.param in annotation.scales.weights and annotation.grid is not None:
+            weights[i] = annotation.grid(o.param)
+        elif o.role == "weight" and host_value(inputs[i]) is not None:
+            weights[i] = host_value(inputs[i])
+    out = annotation.scales.edges.get(op.outputs[0]) if len(op.outputs) == 1 else None
+    activation = None
+    if out is None and len(op.outputs) == 1:
+        # A ReLU the plan fuses into the convolution: applied and quantized on the
+        # phases too (it changes nothing after that), so that CONV_2D reads and
+        # writes integers however the phases are cropped.
+        graph = annotation.graph
+        readers = [o for o in graph.ops if op.outputs[0] in (graph.resolve(e) for e in o.inputs)]
+        if len(readers) == 1 and readers[0].kind in ("relu", "relu6") and len(readers[0].outputs) == 1:
+            out = annotation.scales.edges.get(readers[0].outputs[0])
+            if out is not None and not out.scale_axes:
+                annotation.activated.add(readers[0].id)  # then the identity (`Annotation._compute`)
+                if not _clamps_as(out, readers[0].kind):
+                    activation = jax.nn.relu if readers[0].kind == "relu" else jax.nn.relu6
+
+    def out_quantize(x):
+        if out is None or out.scale_axes:
+            return x
+        return fake_quant_composite(x if activation is None else activation(x), out)
+
+    def quantize_weight(native, index, out_axis):
+        ts = annotation.scales.weights.get(op.operands[index].param)
+        if ts is None:
+            return jnp.asarray(native)
+        if not ts.scale_axes:
+            return fake_quant_composite(jnp.asarray(native), ts)
+        if ts.scale_axes != (out_axis,):
+            raise OdmlqError(f"Op {op.id!r}: the kernel's scales run along axis {ts.scale_axes[0]}, not "
+                             f"its output channels ({out_axis}); LiteRT quantizes weights along output "
+                             "channels. Quantize this weight per channel along its outputs, or per tensor.")
+        scale = np.tile(np.asarray(ts.scale, np.float32).reshape(-1), native.shape[0] // np.size(ts.scale))
+        zero = None if ts.zero_point is None else np.tile(
+            np.asarray(ts.zero_point).reshape(-1), native.shape[0] // np.size(ts.scale)).reshape(-1, 1, 1, 1)
+        phase = dataclasses.replace(ts, scale=scale.reshape(-1, 1, 1, 1), zero_point=zero, scale_axes=(0,))
+        return fake_quant_composite(jnp.asarray(native), phase, 0)
+
+    return as_phases(compute, inputs, weights, out_quantize, quantize_weight, mark)
+
+
+def _clamps_as(ts: TensorScale, kind: str) -> bool:
+    """Whether quantizing to `ts` alone computes the ReLU (or ReLU6) too: its
+    grid starts at 0 (and, for ReLU6, ends at 6 or below). Then the converter
+    writes no RELU op, which XNNPACK does not run in int8."""
+    qmin, qmax = ts.qtype.range(ts.narrow_range)
+    zero = 0.0 if ts.zero_point is None else float(np.asarray(ts.zero_point).reshape(()))
+    scale = float(np.asarray(ts.scale).reshape(()))
+    return qmin == zero and (kind == "relu" or (qmax - zero) * scale <= 6.0)

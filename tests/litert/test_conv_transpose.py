@@ -82,6 +82,28 @@ def test_a_float_transposed_convolution_is_one_conv_2d_of_the_model_s_own_size(k
     np.testing.assert_allclose(got, expected, atol=1e-5 * np.abs(expected).max())
 
 
+def test_the_transposed_convolution_the_converter_lowered_to_another_shape_exports_at_the_model_s():
+    """litert-converter 0.5.0 lowers Flax's 3x3 stride-2 SAME ConvTranspose after a
+    Dense to a TRANSPOSE_CONV of another output shape (14x14 for 12x12), even in
+    float; verification refused that file by name. The phases' CONV_2D has the
+    model's shape, in int8 and with every op kept in float."""
+
+    class Up(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.ConvTranspose(4, (3, 3), strides=(2, 2), name="up")(nn.Dense(3, name="fc")(x))
+
+    x = np.random.default_rng(0).normal(size=(24, 6, 6, 3)).astype(np.float32)
+    model = Up()
+    variables = model.init(jax.random.key(0), x[:1])
+    expected = np.asarray(model.apply(variables, x[16:]))
+    assert expected.shape[1:] == (12, 12, 4)
+    for rules in (SCHEMAS["int8"], [R(".*", skip=True)]):
+        result = odmlq.export_tflite(model, rules, [x[:8], x[8:16]], variables=variables, progress=False)
+        assert result.verification.passed, str(result.verification)
+        assert litert_rows(result.tflite, x[16:]).shape == expected.shape
+
+
 @pytest.mark.parametrize("schema", list(SCHEMAS))
 @pytest.mark.parametrize("kernel, stride, padding", GEOMETRIES[:3])
 def test_a_quantized_transposed_convolution_is_a_conv_2d_with_a_constant_integer_filter(schema, kernel, stride,

@@ -260,14 +260,6 @@ def test_gelu_kernel_computes_the_traced_form(approximate):
     assert [op.builtinOptions.approximate for op in gelus] == [approximate]
 
 
-class _ConvTranspose(nn.Module):
-    kernel: int = 2
-
-    @nn.compact
-    def __call__(self, x):
-        return nn.ConvTranspose(4, (self.kernel, self.kernel), strides=(2, 2), name="up")(nn.Dense(3, name="fc")(x))
-
-
 _REFUSED = {
     # GREATER and ARG_MAX run on dequantized values (litert-converter 0.5.0, measured).
     "where": (_Fn(lambda x: jnp.where(x > 0, x, 0.1 * x)), (8,), "int8",
@@ -292,23 +284,6 @@ def test_ops_without_an_integer_kernel_are_refused_before_work_and_run_in_float_
         odmlq.litert.check_plan(plan)
     result = odmlq.export_tflite(model, rules, batches, variables=variables, allow_float_ops=True)
     assert result.verification.passed, str(result.verification)
-
-
-def test_a_transposed_convolution_the_converter_lowered_to_other_shapes_exports_at_the_model_s():
-    """litert-converter 0.5.0 lowers Flax's 3x3 stride-2 SAME ConvTranspose to a
-    TRANSPOSE_CONV of another output shape (14x14 for 12x12), even in float;
-    verification refused that file by name. The export now computes it as one
-    CONV_2D of its phases (`odmlq.litert._conv_transpose`), at the model's shape."""
-    model = _ConvTranspose(kernel=3)
-    batches = _batches((6, 6, 3))
-    variables = model.init(jax.random.key(0), batches[0][:1])
-    expected = np.asarray(model.apply(variables, batches[0][:1]))
-    assert expected.shape == (1, 12, 12, 4)
-    for rules in ([odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")], [odmlq.Rule(".*", skip=True)]):
-        result = odmlq.export_tflite(model, rules, batches, variables=variables)
-        assert result.verification.passed, str(result.verification)
-        interpreter = odmlq.litert.interpreter(result.tflite)
-        assert tuple(interpreter.get_output_details()[0]["shape"]) == expected.shape
 
 
 def test_softmax_over_another_axis_is_refused_before_work():
