@@ -182,6 +182,16 @@ def phase_axis(s: int, lo: int, size: int, kernel: int, out_size: int):
     return taps, positions, (start, stop, left, right)
 
 
+def phase_axes(params, in_shape, kernel_shape, out_shape) -> list:
+    """`phase_axis` for each spatial axis of a transposed convolution with these
+    parameters and shapes (the kernel's as stored: its dilation is written out here)."""
+    lhs, rhs, out = params["dimension_numbers"]
+    return [phase_axis(int(s), int(params["padding"][j][0]), int(in_shape[lhs[2 + j]]),
+                       (int(kernel_shape[rhs[2 + j]]) - 1) * int(params["rhs_dilation"][j]) + 1,
+                       int(out_shape[out[2 + j]]))
+            for j, s in enumerate(params["lhs_dilation"])]
+
+
 def pointwise(conv_eqn) -> int | None:
     """The input's feature axis if a ``conv_general_dilated`` is a matmul over
     pixels (a 1x1 kernel, stride 1, no padding or dilation, one feature group:
@@ -192,12 +202,8 @@ def pointwise(conv_eqn) -> int | None:
     kernel = conv_eqn.invars[1].aval.shape
     if transposed_by_phases(p):
         # Its phases' convolution has a 1x1 filter (a 2x2 kernel at stride 2, 'SAME').
-        sizes = conv_eqn.invars[0].aval.shape, conv_eqn.outvars[0].aval.shape
-        single = all(phase_axis(int(s), int(p["padding"][j][0]), int(sizes[0][numbers.lhs_spec[2 + j]]),
-                                (int(kernel[numbers.rhs_spec[2 + j]]) - 1) * int(p["rhs_dilation"][j]) + 1,
-                                int(sizes[1][numbers.out_spec[2 + j]]))[0].shape[1] == 1
-                     for j, s in enumerate(p["lhs_dilation"]))
-        return int(numbers.lhs_spec[1]) if single else None
+        axes = phase_axes(p, conv_eqn.invars[0].aval.shape, kernel, conv_eqn.outvars[0].aval.shape)
+        return int(numbers.lhs_spec[1]) if all(taps.shape[1] == 1 for taps, _, _ in axes) else None
     plain = (all(kernel[i] == 1 for i in numbers.rhs_spec[2:]) and all(s == 1 for s in p["window_strides"])
              and all(tuple(pad) == (0, 0) for pad in p["padding"])
              and all(d == 1 for d in tuple(p.get("lhs_dilation") or ()) + tuple(p.get("rhs_dilation") or ()))

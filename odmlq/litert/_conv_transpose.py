@@ -38,7 +38,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from odmlq.errors import OdmlqError
-from odmlq.graph import evaluate_replacing, phase_axis, transposed_by_phases
+from odmlq.graph import evaluate_replacing, phase_axes, transposed_by_phases
 from odmlq.litert._mapping import INPUT_LAYOUT
 from odmlq.scales import TensorScale
 
@@ -71,12 +71,12 @@ def as_phases(compute, inputs, weights, out_quantize, quantize_weight, mark=None
     rhs = _concrete(closed, jaxpr.eqns[at].invars[1], weights)
     if rhs is None:
         return None
-    rhs = _dilated(rhs, jaxpr.eqns[at].params)
     rhs_index = next((i for i, v in enumerate(jaxpr.invars) if v is jaxpr.eqns[at].invars[1]), None)
     if rhs_index is None:
         return None  # a kernel computed in the op: its scales are not the weight's
     layout = _Phases(jaxpr.eqns[at].params, jaxpr.eqns[at].invars[0].aval.shape, rhs.shape,
                      jaxpr.eqns[at].outvars[0].aval.shape)
+    rhs = _dilated(rhs, jaxpr.eqns[at].params)
 
     def convolve(eqn, ins):
         return [_OnPhases(layout.convolve(ins[0], rhs, mark, quantize_weight, rhs_index))]
@@ -162,15 +162,11 @@ class _Phases:
     def __init__(self, params, in_shape, kernel_shape, out_shape):
         self.lhs_spec, self.rhs_spec, self.out_spec = params["dimension_numbers"]
         self.strides = tuple(int(s) for s in params["lhs_dilation"])
-        spatial = len(self.strides)
         self.out_shape = tuple(int(d) for d in out_shape)
-        self.sizes = tuple(int(self.out_shape[self.out_spec[2 + j]]) for j in range(spatial))
+        self.sizes = tuple(int(self.out_shape[self.out_spec[2 + j]]) for j in range(len(self.strides)))
         self.count = int(np.prod(self.strides))
-        self.axes = []  # per spatial axis: (tap index per phase and position, positions, input window)
-        for j in range(spatial):
-            self.axes.append(phase_axis(int(self.strides[j]), int(params["padding"][j][0]),
-                                   int(in_shape[self.lhs_spec[2 + j]]), int(kernel_shape[self.rhs_spec[2 + j]]),
-                                   self.sizes[j]))
+        # Per spatial axis: (tap index per phase and position, positions, input window).
+        self.axes = phase_axes(params, in_shape, kernel_shape, out_shape)
 
     def convolve(self, x, rhs, mark, quantize_weight, rhs_index):
         spatial = len(self.strides)
@@ -266,7 +262,7 @@ def annotated_phases(annotation, op, compute, inputs, mark, fake_quant_composite
         # phases too (it changes nothing after that), so that CONV_2D reads and
         # writes integers however the phases are cropped.
         graph = annotation.graph
-        readers = [o for o in graph.ops if op.outputs[0] in (graph.resolve(e) for e in o.inputs)]
+        readers = [graph.op(c) for c in graph.edges[graph.resolve(op.outputs[0])].consumers]
         if len(readers) == 1 and readers[0].kind in ("relu", "relu6") and len(readers[0].outputs) == 1:
             out = annotation.scales.edges.get(readers[0].outputs[0])
             if out is not None and not out.scale_axes:
