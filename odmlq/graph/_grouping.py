@@ -299,6 +299,7 @@ class _Builder:
         rec.id = "<scan>"
         self.name_body_inputs(program, rec, region, nc)
         self.name_and_lay_out(body, rec.body)
+        self.alias_started_carries(region, nc)
         body_ops = self.ops[inner_start:]
         paths = [op.module_path for op in body_ops] or [self.module_path(rec)]
         rec.module_path = os.path.commonpath(["/" + p for p in paths]).strip("/")
@@ -321,6 +322,20 @@ class _Builder:
                 continue
             outer = program.edge_of.get(r)
             self.add_edge(body, v, f"<scan>:in_{i}", producer=None, alias=outer)
+
+    def alias_started_carries(self, region: _Region, nc: int) -> None:
+        """A carry the model starts from a constant (an RNN's zero state) has no
+        outer edge to alias: from the second step on it carries what the body
+        wrote to it, so it aliases that output (one quantization for the state
+        at every step, the start included)."""
+        body = region.body
+        for i in range(region.eqn.params["num_carry"]):
+            name = body.edge_of.get(body.invars[nc + i])
+            written = body.outvars[i]
+            if (name is None or self.edges[name].alias is not None or isinstance(written, _Lit)
+                    or body.edge_of.get(written) in (None, name)):
+                continue
+            self.edges[name] = dataclasses.replace(self.edges[name], alias=body.edge_of[written])
 
     def rename_body_inputs(self, body: _Program, scan_id: str) -> None:
         for v, name in list(body.edge_of.items()):

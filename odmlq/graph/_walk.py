@@ -20,7 +20,7 @@ from odmlq.graph._program import _eval_eqn, _inline_call, _Lit, _Program, _Regio
 # (silu and swish are not: x * sigmoid(x) is traced as its LOGISTIC and MUL,
 # each an integer kernel, with the sigmoid's own edge between them.)
 NAMED_FUNCTIONS = frozenset({
-    "relu", "relu6", "hard_sigmoid", "hard_silu", "hard_swish",
+    "relu", "relu6", "hard_silu", "hard_swish",
     "hard_tanh", "elu", "selu", "celu", "leaky_relu", "softplus", "soft_sign",
     "log_sigmoid", "sigmoid", "gelu", "glu", "log_softmax", "softmax",
     "squareplus", "mish", "sparse_plus",
@@ -240,7 +240,9 @@ class _Walker:
         with jax.ensure_compile_time_eval():
             outs = _eval_eqn(step.eqn, values)
         for v, x in zip(step.outs, outs):
-            self.constants[v] = np.asarray(x)
+            # A PRNG key (``jax.random.key``, as nn.RNN makes one to initialize its
+            # carry) has no NumPy form; it is kept as the key array.
+            self.constants[v] = x if _is_key(x) else np.asarray(x)
 
     def walk_function(self, fn, operands: list, out: int, stack: str) -> list | None:
         """The steps of ``fn(*operands)`` walked like the model's own, its
@@ -287,6 +289,10 @@ class _Walker:
         self.walk(body_jaxpr, consts, env, stack, body_steps)
         outvars = [self.ref(env, o) for o in body_jaxpr.outvars]
         return _Region(eqn=eqn, ins=ins, outs=outs, body=_Program(invars, body_steps, outvars), stack=stack)
+
+
+def _is_key(x) -> bool:
+    return jax.dtypes.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key)
 
 
 def _join(prefix: str, stack: str) -> str:

@@ -32,6 +32,7 @@ from odmlq.litert.spec import (
     padded_max_pool_reads_nonnegative,
     pool_as_depthwise,
     pool_pads_with_zeros,
+    scalar_divisor,
 )
 from odmlq.graph import MATMUL_KINDS, flat_params, replace_params
 from odmlq.scales import Scales, TensorScale, fake_quant_bias, folded_weights
@@ -345,7 +346,7 @@ class Annotation(FakeQuant):
         return False  # the converter makes the integer kernels
 
     def edge(self, edge_id, x, ts):
-        if ts.scale_axes:
+        if ts.scale_axes or self._moved_beyond_five_axes(edge_id, x):
             return x
         with jax.named_scope(edge_id):
             return fake_quant_composite(x, ts)
@@ -390,6 +391,27 @@ class Annotation(FakeQuant):
         with jax.named_scope(op.operands[index].edge):
             return dynamic_range_composite(x)
 
+    def _moved_beyond_five_axes(self, edge_id: str, x) -> bool:
+        """A reshape or transpose output of more than 5 axes (a pixel shuffle's
+        depth-to-space: NHWC to 6 axes, transposed, back to NHWC) is left
+        unmarked: litert-converter 0.5.0 cannot lower a 6-axis quantize marker
+        (its clamp fails to legalize), and the layout op keeps its input's
+        scale anyway, so the converter carries the integers through."""
+        if np.ndim(x) <= 5:
+            return False
+        producer = self.graph.edges[edge_id].producer
+        return producer is not None and self.graph.op(producer).kind in _LAYOUT_KINDS
+
+    def _reciprocal(self, op, divisor: float) -> jax.Array:
+        """1 / divisor, quantized as the divisor is (a float op's plain float)."""
+        value = np.asarray(1.0 / divisor, np.float32)
+        ts = self.scales.constants.get((op.id, 0))  # the op's one constant
+        if ts is None:
+            return value
+        ts = _reciprocal_scale(ts, float(value))
+        with jax.named_scope(f"{op.id}/constant_0"):
+            return fake_quant_composite(ts.fake_quant(jnp.asarray(value)), ts)
+
     def op(self, op, compute, inputs):
         """jax.nn.gelu(approximate=False) is recognised only as a composite: its
         erfc is expanded into a polynomial before the converter could match
@@ -417,6 +439,13 @@ class Annotation(FakeQuant):
             out = scales.edges.get(op.outputs[0])
             if out is not None and out.qtype == "int16" and padded_max_pool_reads_nonnegative(op, self.graph):
                 return [_max_pool_padded_with_zeros(op, inputs[0])]
+        if op.kind == "div" and scales.edges.get(op.outputs[0]) is not None:
+            divisor = scalar_divisor(op)
+            if divisor is not None:
+                # XNNPACK has no integer DIV (each one split the graph: the
+                # attention's 1/sqrt(d) in transformers, hard_sigmoid's 1/6);
+                # its integer MUL by the reciprocal gives the same quotient.
+                return [inputs[0] * self._reciprocal(op, divisor)]
         if op.kind == "conv":
             mark = dynamic_range_composite if op.id in self.marked_in_two_dimensions else None
             if op.attributes.get("transposed"):
@@ -438,6 +467,13 @@ class Annotation(FakeQuant):
             return [_gelu_erf(inputs[0])]
         gelu = jax.lax.composite(lambda x, **_: compute(x)[0], name="tfl.gelu")
         return [gelu(inputs[0], approximate=np.bool_(False))]
+
+
+def _reciprocal_scale(ts: TensorScale, reciprocal: float) -> TensorScale:
+    """A scalar's quantization in the divisor's qtype, at its largest integer (exact)."""
+    qt = ts.qtype
+    return dataclasses.replace(ts, scale=np.asarray(abs(reciprocal) / qt.qmax, np.float32),
+                               zero_point=None if ts.zero_point is None else np.zeros_like(ts.zero_point))
 
 
 def _max_pool_padded_with_zeros(op, x: jax.Array) -> jax.Array:

@@ -222,6 +222,20 @@ def pool_pads_with_zeros(op) -> bool:
     return op.kind == "avg_pool" and _padded(op) and bool(op.attributes.get("counts_padding"))
 
 
+def scalar_divisor(op) -> float | None:
+    """The divisor of a ``div`` by a non-zero constant scalar (``x / 6``, an
+    attention's ``q / sqrt(d)``), which LiteRT computes as a MUL by its
+    reciprocal where the quotient is quantized: XNNPACK has no integer DIV,
+    so each one split the graph. None for any other div."""
+    if op.kind != "div" or len(op.operands) != 2 or op.operands[0].role != "input":
+        return None
+    divisor = op.operands[1]
+    if divisor.role != "constant" or divisor.value is None or np.size(divisor.value) != 1:
+        return None
+    value = float(np.asarray(divisor.value).reshape(()))
+    return value if value != 0.0 and np.isfinite(value) else None
+
+
 _INT8 = frozenset({"int8"})
 
 _NO_INT16 = "litert-converter 0.5.0 takes no int16 operand for 'tfl.{}' (conversion fails)"
@@ -237,7 +251,8 @@ OP_SPEC: dict[str, OpSpec] = {
                   note="int16: activations of one shape (constants are stored broadcast)"),
     "sub": OpSpec(_BOTH, fuses=_FUSES, becomes="SUB"),
     "mul": OpSpec(_BOTH, fuses=_FUSES, becomes="MUL"),
-    "div": OpSpec(_BOTH, becomes="DIV"),
+    "div": OpSpec(_BOTH, becomes="DIV, MUL", note="by a constant scalar: MUL by its reciprocal "
+                  "(XNNPACK has no integer DIV)"),
     "relu": OpSpec(_BOTH, becomes="RELU (or fused)"),
     # int16: fused into the op before it only (no int16 RELU6 kernel of its own).
     "relu6": OpSpec(_INT8, becomes="RELU6 (or fused)", refused={"int16": _NO_INT16.format("relu6")},

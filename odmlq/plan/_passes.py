@@ -105,7 +105,8 @@ def fuse_activations(graph: Graph, by_edge: dict, constraints) -> None:
         if edge.is_output or len(edge.consumers) != 1 or plan is None or plan.spec is None:
             continue
         consumer = graph.op(edge.consumers[0])
-        if by_edge[consumer.outputs[0]].spec is None:
+        out = by_edge.get(consumer.outputs[0]) if consumer.outputs else None
+        if out is None or out.spec is None:  # a loop's outputs are aliases, planned last
             continue
         _, fuses = constraints(op, plan.spec.qtype)
         if consumer.kind in fuses:
