@@ -313,7 +313,9 @@ class _Builder:
             alias = body.edge_of.get(inner) if not isinstance(inner, _Lit) else None
             self.add_edge(program, v, name, producer=rec.id, alias=alias)
             self.path_of_value[v] = rec.module_path
-        self.ops.insert(position, self.make_op(rec, program, names))
+        loop = self.make_op(rec, program, names)
+        loop.attributes.update(num_carry=int(region.eqn.params["num_carry"]), length=int(region.eqn.params["length"]))
+        self.ops.insert(position, loop)
 
     def name_body_inputs(self, program, rec, region, nc):
         body = region.body

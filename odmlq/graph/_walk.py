@@ -203,15 +203,19 @@ class _Walker:
 
     def steps_from_params(self, steps: list, outvars: list) -> set[int]:
         """id(step) of the steps of no op to compute eagerly: those computing
-        from parameters, and the constant steps only they read (a gather's
-        fill value); not the constants an activation op reads (an average
-        pool's window counts, which the converter matches as a pattern)."""
+        from parameters, and the constant steps only they or loops read (a
+        gather's fill value, a loop's start value); not the constants an
+        activation op reads (an average pool's window counts, which the
+        converter matches as a pattern)."""
         readers: dict[int, list[int]] = {}
         for step in steps:
             for r in step.ins:
                 if not isinstance(r, _Lit):
                     readers.setdefault(r, []).append(id(step))
         out = set(self.from_params)
+        # A loop's start values (an RNN's zero state) too: the first step then
+        # reads a constant, as the unrolled loop's later steps read activations.
+        loops = {id(step) for step in steps if isinstance(step, _Region)}
         exported = {r for r in outvars if not isinstance(r, _Lit)}
         for step in reversed(steps):
             if id(step) in out or isinstance(step, _Region) or not step.outs:
@@ -219,7 +223,8 @@ class _Walker:
             if not all(self.is_weight(r) for r in step.ins):
                 continue
             reads = [s for v in step.outs for s in readers.get(v, ())]
-            if reads and all(s in out for s in reads) and not any(v in exported for v in step.outs):
+            if (reads and all(s in out or s in loops for s in reads)
+                    and not any(v in exported for v in step.outs)):
                 out.add(id(step))
         return out
 

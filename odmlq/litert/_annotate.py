@@ -384,6 +384,12 @@ class Annotation(FakeQuant):
             return fake_quant_composite(x, ts)
 
     def dynamic_input(self, op, index, x, spec):
+        if not isinstance(x, jax.core.Tracer):
+            # A constant (a loop's start state, computed at trace time) reaches the
+            # kernel at run time: folded with it, the converter made the marker an
+            # int8 tensor the hybrid kernel refuses, and the weight it shares with
+            # the loop's later steps a float one.
+            x = jax.lax.optimization_barrier(jnp.asarray(x))
         if op.kind == "conv" and (np.ndim(x) == 3 or op.attributes.get("transposed")):
             # A 1-D convolution's input (`_conv1d`), a transposed one's (`_conv_transpose`).
             self.marked_in_two_dimensions.add(op.id)

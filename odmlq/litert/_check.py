@@ -9,6 +9,8 @@ and what to change.
 
 from __future__ import annotations
 
+import re
+
 from odmlq.constraints import SharedWithInputs
 from odmlq.errors import OdmlqError, PlanError
 from odmlq.litert.spec import OP_SPEC, SAME_AS_INPUT, TARGET, WITHOUT_KERNEL, pool_as_depthwise
@@ -90,6 +92,8 @@ def check_plan(plan: Plan, *, allow_float_ops: bool = False) -> list[str]:
                                 "time). Give convolutions weight_qtype='int8' (e.g. Rule(..., op='conv', "
                                 "weight_qtype='int8', act_qtype='int8', act_dynamic=True) before this rule), "
                                 "or use int4 weights with a static or weight-only schema.")
+        if op.kind == "scan":
+            _check_loop(plan, op, where)
         _check_one_activation_type(plan, op, where)
         read = [e for e in op.inputs if plan.edges[e].spec is not None and not plan.edges[e].spec.dynamic]
         if read and op.outputs and not any(plan.graph.edges[e].is_float for e in op.outputs):
@@ -148,6 +152,29 @@ def check_plan(plan: Plan, *, allow_float_ops: bool = False) -> list[str]:
                     raise FloatOpsError(message + ".")
                 float_ops.append(op.id)
     return float_ops
+
+
+def _check_loop(plan: Plan, op, where: str) -> None:
+    """A loop is unrolled into the file: its per-step outputs are joined by a
+    CONCATENATION, which litert-converter 0.5.0 takes in int8 only, and a
+    layer-stacked weight would need one scale set per step, which the export
+    does not slice yet."""
+    stacked = [w.param for o in plan.graph.ops if o.region == op.id for w in plan.ops[o.id].weights
+               if w.spec is not None and any(x.param == w.param and x.stacked_axes for x in o.operands)]
+    if stacked:
+        raise PlanError(f"{where}: weight {stacked[0]!r} stacks layers along a loop axis (nn.scan); the "
+                        "LiteRT export unrolls loops but does not slice per-layer scales yet. Write the "
+                        "layers as a Python loop (one module each), or keep the loop in float with "
+                        "Rule(<its module>, skip=True) and allow_float_ops=True.")
+    per_step = [e for e in op.outputs[op.attributes.get("num_carry", len(op.outputs)):]
+                if plan.edges[e].spec is not None and plan.edges[e].spec.qtype == "int16"
+                and plan.graph.edges[e].consumers]
+    if per_step:
+        raise PlanError(f"{where}: the loop's per-step output {per_step[0]!r} is int16; its steps are "
+                        "joined by a CONCATENATION, and litert-converter 0.5.0 takes no int16 operand for "
+                        f"'tfl.concatenation' (conversion fails). Give the loop's module act_qtype='int8' "
+                        f"(Rule({re.escape(op.module_path)!r}, weight_qtype='int8', act_qtype='int8') "
+                        "before this rule).")
 
 
 def _kernel_limitation(op, qtype: str, graph) -> str | None:
