@@ -300,6 +300,7 @@ OP_SPEC: dict[str, OpSpec] = {
     "reshape": OpSpec(_BOTH, SAME_AS_INPUT, becomes="RESHAPE"),
     "squeeze": OpSpec(_BOTH, SAME_AS_INPUT, becomes="RESHAPE"),
     "transpose": OpSpec(_BOTH, SAME_AS_INPUT, becomes="TRANSPOSE"),
+    "rev": OpSpec(_BOTH, SAME_AS_INPUT, becomes="REVERSE_V2", note="jnp.flip; XNNPACK does not run it"),
     "broadcast_in_dim": OpSpec(_BOTH, SAME_AS_INPUT, becomes="RESHAPE", limitation=_copying_broadcast,
                                note="one that copies values more than 16 times (BROADCAST_TO) is refused"),
     "max_pool": OpSpec(_BOTH, SAME_AS_INPUT, limitation=_int16_padded_max_pool, becomes="MAX_POOL_2D",

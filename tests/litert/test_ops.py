@@ -144,6 +144,11 @@ CASES = {
     "tanh": Case(_Fn(jnp.tanh), (8,), "TANH"),
     "hard_swish": Case(_Fn(jax.nn.hard_swish), (8,), "HARD_SWISH"),
     "hard_swish_written_out": Case(_Fn(lambda x: x * nn.relu6(x + 3.0) / 6.0), (8,), "HARD_SWISH"),
+    # MobileNetV3's gate: ADD (RELU6 fused) and a MUL by 1/6, all XNNPACK's.
+    "hard_sigmoid": Case(_Fn(jax.nn.hard_sigmoid), (8,), ("ADD", "MUL"), input_scale=3.0),
+    # A pixel shuffle (depth to space) through 6 axes: the 6-axis edges move integers unmarked.
+    "pixel_shuffle": Case(_Fn(lambda x: x.reshape(x.shape[0], 4, 5, 2, 2, 2).transpose(0, 1, 3, 2, 4, 5)
+                              .reshape(x.shape[0], 8, 10, 2), features=8), (4, 5, 3), "TRANSPOSE"),
     "gelu_tanh": Case(_Fn(lambda x: jax.nn.gelu(x, approximate=True)), (8,), "GELU"),
     "gelu_exact": Case(_Fn(lambda x: jax.nn.gelu(x, approximate=False)), (8,), "GELU"),
     # Unpadded: a depthwise convolution with weights 1/4, which XNNPACK takes
@@ -167,6 +172,7 @@ CASES = {
     "concatenate_with_input": Case(_Concat(with_input=True), (8,), ("CONCATENATION", "LOGISTIC")),
     "flatten": Case(_Fn(lambda x: x.reshape((x.shape[0], -1)), features=4), (3, 5), "RESHAPE"),
     "transpose": Case(_Fn(lambda x: jnp.transpose(x, (0, 2, 1)), features=4), (3, 5), "TRANSPOSE"),
+    "flip": Case(_Fn(lambda x: jnp.flip(x, axis=1), features=4), (3, 5), "REVERSE_V2"),
     "mean": Case(_Fn(lambda x: jnp.mean(x, axis=1), features=4), (6, 5), "MEAN"),
     "square": Case(_Fn(jnp.square), (8,), "MUL"),
     "rsqrt": Case(_Fn(lambda x: jax.lax.rsqrt(x * x + 1.0)), (8,), "RSQRT"),
