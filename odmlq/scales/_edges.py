@@ -167,13 +167,38 @@ def _share_with_inputs(plan, out: dict[str, TensorScale]) -> None:
         if target.scale_axes:
             continue
         for edge_id in dict.fromkeys(op.inputs):
-            edge = graph.edges[edge_id]
-            if (edge_id not in out or edge.alias is not None or edge_id in aliased or edge.is_output
-                    or edge.consumers != (op.id,) or out[edge_id].qtype != target.qtype):
-                continue
-            if not isinstance(plan.edges[edge_id].constraint, (type(None), SharedWithInputs)):
-                continue
-            out[edge_id] = reshaped(target, len(edge.shape))
+            chain = _free_chain(plan, edge_id, op.id, out, aliased, target)
+            for e in chain:
+                out[e] = reshaped(target, len(graph.edges[e].shape))
+
+
+# Ops that move their input's integers (their output keeps the input's scale),
+# through which litert-converter 0.5.0 carries a shared scale back to the
+# producer that computes them.
+_MOVING_KINDS = frozenset({"reshape", "squeeze", "transpose", "rev", "slice", "broadcast_in_dim", "gather"})
+
+
+def _free_chain(plan, edge_id: str, reader: str, out, aliased, target) -> list[str]:
+    """The edges that take the shared scale of `reader`'s output for its input
+    `edge_id`: the edge itself where its producer is free to requantize (or it
+    is a model input); through ops that only move integers, each read by the
+    next alone (a transpose or flip before a concatenation), the whole chain up
+    to such a producer; none where the chain reaches a constrained one."""
+    graph, chain = plan.graph, []
+    while True:
+        edge = graph.edges[edge_id]
+        if (edge_id not in out or edge.alias is not None or edge_id in aliased or edge.is_output
+                or edge.consumers != (reader,) or out[edge_id].qtype != target.qtype):
+            return []
+        chain.append(edge_id)
+        constraint = plan.edges[edge_id].constraint
+        if isinstance(constraint, (type(None), SharedWithInputs)):
+            return chain
+        producer = graph.op(edge.producer) if edge.producer is not None else None
+        moved = [] if producer is None else [e for e in producer.inputs if graph.edges[e].is_float]
+        if (not isinstance(constraint, SameAsInput) or producer.kind not in _MOVING_KINDS or len(moved) != 1):
+            return []
+        edge_id, reader = moved[0], producer.id  # (a gather's table: its indices are integers)
 
 
 # Ops whose integer output can take no value between multiples of a step set

@@ -53,9 +53,12 @@ def conv_bn():
 @pytest.mark.parametrize("name", list(ALGORITHMS))
 def test_xla_and_litert_hold_the_same_integers_on_every_static_edge(conv_bn, name):
     """Both read the algorithm's rounded weights and ranges from the Scales; both
-    sum the same integers. Measured on 128 held-out images: 0 LSB on all
-    541,952 edge values, for every algorithm here (integer kernels could round a
-    half step apart; none does)."""
+    sum the same integers. Measured on 128 held-out images, every algorithm here:
+    0 LSB on all 3,251,712 edge values on an Intel Xeon host; on an AMD EPYC host
+    one logit of 1,280 ('nearest') 1 LSB apart: both requantize the same integer
+    sum, in float32 with scales multiplied in another order, and a sum within
+    float32 rounding of a half step rounds either way. So: at most 1 LSB, on at
+    most 0.1% of an edge's values."""
     model, variables, digits = conv_bn
     rules = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8", **ALGORITHMS[name])]
     export = odmlq.export_tflite(model, rules, batches(digits.x_calibration, 64), variables=variables,
@@ -69,4 +72,5 @@ def test_xla_and_litert_hold_the_same_integers_on_every_static_edge(conv_bn, nam
     assert set(litert.edges) == set(export.scales.edges)  # every static edge has its tensor
     for edge, ts in export.scales.edges.items():
         lsb = np.abs(np.asarray(xla[edge]).reshape(-1) - litert.edges[edge].reshape(-1)) / np.min(ts.scale)
-        assert lsb.max() == 0.0, (name, edge, float(lsb.max()), int(np.count_nonzero(lsb)))
+        off = int(np.count_nonzero(lsb > 1e-3))
+        assert lsb.max() <= 1.0 + 1e-3 and off <= 1e-3 * lsb.size, (name, edge, float(lsb.max()), off)

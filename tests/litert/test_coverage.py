@@ -52,7 +52,7 @@ KIND_CASE = {
     "softmax": "softmax", "reshape": "flatten", "squeeze": "squeeze", "transpose": "transpose",
     "broadcast_in_dim": "broadcast", "max_pool": "max_pool", "slice": "slice", "split": "split",
     "select_n": "select", "exp": "exp", "log": "log", "abs": "abs", "leaky_relu": "leaky_relu",
-    "pad": "pad",
+    "pad": "pad", "rev": "flip",
     # jax 0.10 traces jax.nn.sigmoid as the logistic primitive; the entry serves a named call.
     "sigmoid": None,
 }
@@ -111,7 +111,7 @@ _WITHOUT = {
     "erf": jax.scipy.special.erf, "sin": jnp.sin, "cos": jnp.cos, "pow": lambda x: jnp.abs(x) ** 1.5,
     "cumsum": lambda x: jnp.cumsum(x, axis=-1), "selu": nn.selu, "celu": nn.celu,
     "soft_sign": nn.soft_sign, "log_sigmoid": nn.log_sigmoid, "mish": jax.nn.mish,
-    "hard_tanh": nn.hard_tanh, "hard_sigmoid": nn.hard_sigmoid, "glu": nn.glu,
+    "hard_tanh": nn.hard_tanh, "glu": nn.glu,
     "squareplus": jax.nn.squareplus, "sparse_plus": jax.nn.sparse_plus,
 }
 # Comparisons and ARG_MAX/ARG_MIN read a quantized input and write no float:

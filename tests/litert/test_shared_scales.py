@@ -1,0 +1,56 @@
+"""A CONCATENATION reads every input at its output's scale. litert-converter
+0.5.0 carries that scale back through ops that only move integers (TRANSPOSE,
+REVERSE_V2, GATHER, RESHAPE) to the op that computes them, which then
+requantizes straight to it. The plan does the same (`scales._edges._free_chain`):
+before, a flipped or transposed input of a concatenation came out of the
+converter at another scale than the plan's, and verification refused the file
+(the bidirectional LSTM of tests/zoo/text_rnn.py, reversing its backward pass)."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import odmlq
+
+INT8 = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
+_ORDER = np.array([4, 2, 0, 1, 3])
+
+MOVES = {
+    "flip": lambda a: jnp.flip(a, 1),
+    "transpose": lambda a: jnp.swapaxes(jnp.swapaxes(a, 1, 2), 1, 2),
+    "gather": lambda a: jnp.take(a, _ORDER, axis=1),
+    "flip_of_transpose": lambda a: jnp.flip(jnp.transpose(jnp.transpose(a, (0, 2, 1)), (0, 2, 1)), 1),
+}
+
+
+class _MovedIntoConcatenation(nn.Module):
+    move: str
+
+    @nn.compact
+    def __call__(self, x):
+        a = nn.Dense(4, name="a")(x)
+        b = nn.Dense(4, name="b")(x) * 3.0  # a wider range: the concatenation's scale is b's
+        return jnp.concatenate([MOVES[self.move](a), b], -1)
+
+
+@pytest.mark.parametrize("move", sorted(MOVES))
+def test_a_moved_input_of_a_concatenation_takes_its_scale_back_to_the_op_computing_it(move):
+    model = _MovedIntoConcatenation(move)
+    rng = np.random.default_rng(0)
+    batches = [rng.normal(size=(8, 5, 6)).astype(np.float32) for _ in range(3)]
+    variables = model.init(jax.random.key(0), batches[0][:1])
+    result = odmlq.export_tflite(model, INT8, batches, variables=variables, benchmark=False)
+    report = result.verification
+    assert report.passed, str(report)
+    # 1 LSB per op: an integer kernel may round a half step the other way.
+    assert all(check.max_lsb <= 1.0 + 1e-3 for check in report.checks), str(report)
+    assert result.summary.float_islands == ()
+    concatenation = next(op for op in result.plan.graph.ops if op.kind == "concatenate")
+    shared = result.scales.edges[concatenation.outputs[0]]
+    # The Dense computing `a` writes at the concatenation's scale, and so does every move after it.
+    for edge in ("a/dot_general", *concatenation.inputs):
+        np.testing.assert_array_equal(np.ravel(result.scales.edges[edge].scale), np.ravel(shared.scale), edge)
