@@ -341,6 +341,10 @@ def compare(model: Any, plan, scales, *inputs: Any, variables: Any = None, tflit
     backends, more_outputs, unmapped, notes = _backend_runs(plan, scales, inputs, float_out, xla, tflite, device)
     outputs.update(more_outputs)
     reports = _edge_reports(plan, scales, floats, {"local": local, "simulate": simulated}, backends)
+    looped = sum(1 for e in plan.graph.edges.values() if e.alias is None and _in_loop(plan.graph, e))
+    if looped:
+        notes.append(f"{looped} edge(s) inside loops (lax.scan: nn.RNN, nn.scan) are compared through the "
+                     "loops' outputs only: each holds another value at every step.")
     if contributions:
         from odmlq.report._contribution import contributions as measure_contributions
 
@@ -403,12 +407,18 @@ def _backend_runs(plan, scales, inputs, float_out, xla, tflite, device):
     return backends, outputs, unmapped, notes
 
 
+def _in_loop(graph, edge) -> bool:
+    """Whether a loop's body computes the edge (a capture keeps one step's value of it)."""
+    return edge.producer is not None and graph.op(edge.producer).region is not None
+
+
 def _edge_reports(plan, scales, floats: dict, own: dict, backends: dict) -> list[EdgeReport]:
     """Every edge's metrics in every run, worst local SQNR first. `own`: the
     local and simulate runs (edge values); `backends`: run -> (edge values, scales)."""
     reports = []
     for index, (edge_id, edge_plan) in enumerate(plan.edges.items()):
-        if edge_id not in floats or plan.graph.edges[edge_id].alias:
+        edge = plan.graph.edges[edge_id]
+        if edge_id not in floats or edge.alias or _in_loop(plan.graph, edge):
             continue
         ts = scales.edges.get(edge_id)
         calibration = edge_plan.spec.calibration if edge_plan.spec is not None else None

@@ -40,7 +40,13 @@ def float_run(graph, params, inputs: tuple, shifts=None) -> tuple[list[np.ndarra
             return outputs
         return [shift_output(graph.op(op_id), outputs[0], shifts[op_id]), *outputs[1:]]
 
-    out = graph.evaluate(params, *inputs, on_edge=lambda e, x: captured.setdefault(e, x), on_op=on_op)
+    def keep(edge_id, x):
+        # The value itself goes on: a loop's body edge passes here at every step
+        # (returning the first step's value computed every later step from it).
+        captured[edge_id] = x
+        return x
+
+    out = graph.evaluate(params, *inputs, on_edge=keep, on_op=on_op)
     return leaves(out), {k: np.asarray(v) for k, v in captured.items()}
 
 

@@ -119,3 +119,20 @@ def test_layers_stacked_by_nn_scan_are_refused_by_name_on_litert():
     variables = model.init(jax.random.key(0), x)
     with pytest.raises(PlanError, match="'layers/fc/kernel' stacks layers.*Python loop"):
         odmlq.export_tflite(model, INT8, [x], variables=variables, benchmark=False)
+
+
+def test_compare_runs_the_loop_in_float_as_the_model_does_and_reports_the_edges_outside_it():
+    """Its float run kept the first step's value of each body edge and fed it to
+    every later step (the float reference was another model's output)."""
+    model, variables = _model("lstm")
+    result = _exported("lstm", "int8")
+    x = _sequences(1, 99)
+    report = odmlq.compare(model, result.plan, result.scales, x, variables=variables, tflite=result.tflite,
+                           contributions=False)
+    simulated = odmlq.simulate(model, result.plan, result.scales, x, variables=variables)
+    # simulate's own output against the model's float output: what compare reports.
+    assert abs(report.outputs["output_0"].sqnr_db - _sqnr_db(model.apply(variables, x), simulated)) < 0.01
+    graph = result.plan.graph
+    assert report.edges and all(graph.op(graph.edges[e.edge].producer).region is None
+                                for e in report.edges if graph.edges[e.edge].producer)
+    assert any("inside loops" in note for note in report.notes), report.notes
