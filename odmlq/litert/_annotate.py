@@ -42,6 +42,7 @@ from odmlq.litert._check import blockwise_weights
 from odmlq.litert._external import Placeholder
 from odmlq.litert._conv1d import one_dimensional_as_two, with_unit_axis
 from odmlq.litert._conv_transpose import annotated_phases
+from odmlq.litert._forms import avg_pool_padded_with_zeros, gelu_erf, max_pool_padded_with_zeros, reciprocal_scale
 
 _DTYPES = {"int8": "i8", "int16": "i16", "int4": "i4"}
 
@@ -306,11 +307,6 @@ def _placeholder(param: str, shape, ts: TensorScale, layout, grid, blocks) -> Pl
 _LAYOUT_KINDS = frozenset({"reshape", "transpose", "squeeze", "broadcast_in_dim", "slice"})
 
 
-def _gelu_erf(x):
-    """The exact GELU as x/2 (1 + erf(x / sqrt 2))."""
-    return x * 0.5 * (1.0 + jax.lax.erf(x * np.float32(np.sqrt(0.5))))
-
-
 class Annotation(FakeQuant):
     """The LiteRT materializer (`odmlq.hooks`): every quantization the plan
     places becomes a `quant.fake_quant` composite the converter lowers.
@@ -414,7 +410,7 @@ class Annotation(FakeQuant):
         ts = self.scales.constants.get((op.id, 0))  # the op's one constant
         if ts is None:
             return value
-        ts = _reciprocal_scale(ts, float(value))
+        ts = reciprocal_scale(ts, float(value))
         with jax.named_scope(f"{op.id}/constant_0"):
             return fake_quant_composite(ts.fake_quant(jnp.asarray(value)), ts)
 
@@ -440,11 +436,11 @@ class Annotation(FakeQuant):
             if out is not None and pool_as_depthwise(op, out.qtype):
                 return [_pool_as_depthwise(op, inputs[0])]
             if out is not None and pool_pads_with_zeros(op):
-                return [_avg_pool_padded_with_zeros(op, inputs[0])]
+                return [avg_pool_padded_with_zeros(op, inputs[0])]
         if op.kind == "max_pool" and len(inputs) == 1:
             out = scales.edges.get(op.outputs[0])
             if out is not None and out.qtype == "int16" and padded_max_pool_reads_nonnegative(op, self.graph):
-                return [_max_pool_padded_with_zeros(op, inputs[0])]
+                return [max_pool_padded_with_zeros(op, inputs[0])]
         if op.kind == "div" and scales.edges.get(op.outputs[0]) is not None:
             divisor = scalar_divisor(op)
             if divisor is not None:
@@ -470,36 +466,9 @@ class Annotation(FakeQuant):
             # piecewise LESS / SELECT ops XNNPACK does not run (8 per GELU,
             # each a split of the graph). Within 1.1e-6 of jax.nn.gelu for
             # every float32 input (tests/litert/test_export.py).
-            return [_gelu_erf(inputs[0])]
+            return [gelu_erf(inputs[0])]
         gelu = jax.lax.composite(lambda x, **_: compute(x)[0], name="tfl.gelu")
         return [gelu(inputs[0], approximate=np.bool_(False))]
-
-
-def _reciprocal_scale(ts: TensorScale, reciprocal: float) -> TensorScale:
-    """A scalar's quantization in the divisor's qtype, at its largest integer (exact)."""
-    qt = ts.qtype
-    return dataclasses.replace(ts, scale=np.asarray(abs(reciprocal) / qt.qmax, np.float32),
-                               zero_point=None if ts.zero_point is None else np.zeros_like(ts.zero_point))
-
-
-def _max_pool_padded_with_zeros(op, x: jax.Array) -> jax.Array:
-    """A padded max pool of non-negative values as PAD (zeros) and a VALID
-    MAX_POOL_2D: the same maximum, with int16 kernels for both (the
-    converter pads an int16 pool with PADV2, which has none)."""
-    padded = jnp.pad(x, [tuple(p) for p in op.attributes["padding"]])
-    return jax.lax.reduce_window(padded, -jnp.inf, jax.lax.max, tuple(op.attributes["window"]),
-                                 tuple(op.attributes["strides"]), "VALID")
-
-
-def _avg_pool_padded_with_zeros(op, x: jax.Array) -> jax.Array:
-    """An average pool that counts its padding (``count_include_pad``) as PAD
-    (zeros) and a VALID AVERAGE_POOL_2D: the same sums and divisor. Handed
-    over as it is traced, litert-converter 0.5.0 leaves a float
-    STABLEHLO_REDUCE_WINDOW and MUL."""
-    padded = jnp.pad(x, [tuple(p) for p in op.attributes["padding"]])
-    total = jax.lax.reduce_window(padded, 0.0, jax.lax.add, tuple(op.attributes["window"]),
-                                  tuple(op.attributes["strides"]), "VALID")
-    return total / float(op.attributes["window_size"])
 
 
 def _pool_as_depthwise(op, x: jax.Array) -> jax.Array:

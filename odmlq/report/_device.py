@@ -13,8 +13,8 @@ import numpy as np
 from odmlq.graph import params_for, trace
 from odmlq.litert.device import NOT_ODMLQ, DeviceDiff, dump_tensors, output_value
 from odmlq.litert.verify import output_details, preserving_interpreter
-from odmlq.report._report import Report, _outputs, compare
-from odmlq.report._runs import leaves
+from odmlq.report._report import Report, compare
+from odmlq.report._runs import leaves, output_metrics
 
 __all__ = ["device_report"]
 
@@ -44,18 +44,18 @@ def device_report(tflite: bytes, inputs: Mapping[str, np.ndarray], dump: Mapping
     device_out = [output_value(np.asarray(dump[k]), d) if k in dump else None for k, d in zip(keys, out_details)]
     notes = ([NOT_ODMLQ] if diff.outputs_only else []) + notes
     if model is None:
-        outputs = _outputs(host_out, device_out, "device")
+        outputs = output_metrics(host_out, device_out, "device")
         notes.insert(0, "no model given: the device's outputs are compared with the host "
                         "interpreter's (no float reference)")
         return Report(edges=(), outputs=outputs, notes=tuple(notes), run_names=("device",))
-    reference = _float_outputs(model, variables, arrays)
-    outputs = {**_outputs(reference, host_out, "litert"), **_outputs(reference, device_out, "device")}
+    reference = _floatoutput_metrics(model, variables, arrays)
+    outputs = {**output_metrics(reference, host_out, "litert"), **output_metrics(reference, device_out, "device")}
     if not diff.outputs_only:
         notes.insert(0, "no plan given: outputs only")
     return Report(edges=(), outputs=outputs, notes=tuple(notes), run_names=("litert", "device"))
 
 
-def _float_outputs(model: Any, variables: Any, arrays: tuple) -> list[np.ndarray]:
+def _floatoutput_metrics(model: Any, variables: Any, arrays: tuple) -> list[np.ndarray]:
     """The float model's outputs on `arrays`."""
     graph = trace(model, *arrays, variables=variables)
     return leaves(graph.evaluate(params_for(model, variables, "odmlq diff"), *arrays))

@@ -51,7 +51,6 @@ from odmlq.report._weights import OUTLIER_RATIO, WeightRange
 from odmlq.calibration import Masked
 from odmlq.constraints import SameAsInput
 from odmlq.errors import OdmlqError
-from odmlq.litert.device import NOT_ODMLQ
 
 __all__ = ["Advice", "EdgeMetrics", "EdgeReport", "ErrorHistogram", "Measured", "OUTLIER_RATIO",
            "Report", "ReportError", "RUNS", "WeightRange", "compare", "edge_metrics"]
@@ -338,7 +337,7 @@ def compare(model: Any, plan, scales, *inputs: Any, variables: Any = None, tflit
     _, local = simulator(*inputs, capture=True, feed=floats)
     outputs = {f"output_{i}": edge_metrics(f, s)
                for i, (f, s) in enumerate(zip(float_out, _report_runs.leaves(sim_out)))}
-    backends, more_outputs, unmapped, notes = _backend_runs(plan, scales, inputs, float_out, xla, tflite, device)
+    backends, more_outputs, unmapped, notes = _report_runs.backend_runs(plan, scales, inputs, float_out, xla, tflite, device)
     outputs.update(more_outputs)
     reports = _edge_reports(plan, scales, floats, {"local": local, "simulate": simulated}, backends)
     looped = sum(1 for e in plan.graph.edges.values() if e.alias is None and _in_loop(plan.graph, e))
@@ -371,40 +370,6 @@ def compare(model: Any, plan, scales, *inputs: Any, variables: Any = None, tflit
     return Report(edges=tuple(reports), outputs=outputs, unmapped_tensors=tuple(unmapped),
                   weights=weights, advice=tuple(advice), notes=tuple(notes),
                   run_names=tuple(r for r in RUNS if r in present), float_ops=found)
-
-
-def _backend_runs(plan, scales, inputs, float_out, xla, tflite, device):
-    """The xla, litert and device runs: ``(run -> (edge values, their scales),
-    output metrics, LiteRT tensors with no edge, notes)``."""
-    from odmlq.report import _runs as _report_runs
-
-    backends: dict[str, tuple[dict, Any]] = {}
-    outputs: dict[str, EdgeMetrics] = {}
-    notes: list[str] = []
-    unmapped: tuple[str, ...] = ()
-    if xla is not None:
-        xla_out, xla_edges = _report_runs.xla_run(xla, inputs)
-        backends["xla"] = (xla_edges, xla.scales)
-        outputs.update(_outputs(float_out, xla_out, "xla"))
-    if tflite is None:
-        return backends, outputs, unmapped, notes
-    run = _report_runs.litert_run(tflite, plan, scales, inputs, device)
-    if run.edges or not any(e in scales.edges for e in plan.edges):
-        backends["litert"] = (run.edges, scales)
-        if run.device_edges is not None:
-            backends["device"] = (run.device_edges, scales)
-        unmapped = run.unmapped
-    else:
-        notes.append(f"{NOT_ODMLQ} (no tensor of the .tflite maps to an edge of this plan)")
-    outputs.update(_outputs(float_out, run.outputs, "litert"))
-    if run.device_outputs is not None:
-        outputs.update(_outputs(float_out, run.device_outputs, "device"))
-    if run.mismatched_scales:
-        notes.append(f"{len(run.mismatched_scales)} LiteRT tensor(s) have other scales than the plan's "
-                     f"(e.g. {run.mismatched_scales[0]!r}): was the .tflite exported with these scales?")
-    if run.device_missing:
-        notes.append(f"missing from the device dump ({len(run.device_missing)}): " + ", ".join(run.device_missing))
-    return backends, outputs, unmapped, notes
 
 
 def _in_loop(graph, edge) -> bool:
@@ -488,12 +453,6 @@ def _inf_if_none(entry: dict, key: str) -> float | None:
     if key not in entry:
         return None
     return math.inf if entry[key] is None else float(entry[key])
-
-
-def _outputs(reference: list, values: list, run: str) -> dict[str, EdgeMetrics]:
-    """Output metrics of a run, named ``output_<i> (<run>)``; outputs it lacks are left out."""
-    return {f"output_{i} ({run})": edge_metrics(r, v) for i, (r, v) in enumerate(zip(reference, values))
-            if v is not None and np.shape(v) == np.shape(r)}
 
 
 def _has_float_ops(plan, found: tuple[FloatOp, ...]) -> bool:

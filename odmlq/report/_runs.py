@@ -20,6 +20,8 @@ import numpy as np
 
 from odmlq.errors import OdmlqError, PlanError
 from odmlq.graph import shift_output
+from odmlq.litert.device import NOT_ODMLQ
+from odmlq.report._metrics import EdgeMetrics, edge_metrics
 
 
 def leaves(tree: Any) -> list[np.ndarray]:
@@ -171,3 +173,41 @@ def _dumped(dump: Mapping[str, np.ndarray], detail: dict, shape: tuple) -> np.nd
         raise OdmlqError(f"Tensor {detail['name']!r} is {got.shape} in the device dump but {tuple(shape)} "
                          "in the model; was the dump made from this .tflite on these inputs?")
     return got
+
+
+def output_metrics(reference: list, values: list, run: str) -> dict[str, EdgeMetrics]:
+    """Output metrics of a run, named ``output_<i> (<run>)``; outputs it lacks are left out."""
+    return {f"output_{i} ({run})": edge_metrics(r, v) for i, (r, v) in enumerate(zip(reference, values))
+            if v is not None and np.shape(v) == np.shape(r)}
+
+
+def backend_runs(plan, scales, inputs, float_out, xla, tflite, device):
+    """The xla, litert and device runs: ``(run -> (edge values, their scales),
+    output metrics, LiteRT tensors with no edge, notes)``."""
+    backends: dict[str, tuple[dict, Any]] = {}
+    outputs: dict[str, EdgeMetrics] = {}
+    notes: list[str] = []
+    unmapped: tuple[str, ...] = ()
+    if xla is not None:
+        xla_out, xla_edges = xla_run(xla, inputs)
+        backends["xla"] = (xla_edges, xla.scales)
+        outputs.update(output_metrics(float_out, xla_out, "xla"))
+    if tflite is None:
+        return backends, outputs, unmapped, notes
+    run = litert_run(tflite, plan, scales, inputs, device)
+    if run.edges or not any(e in scales.edges for e in plan.edges):
+        backends["litert"] = (run.edges, scales)
+        if run.device_edges is not None:
+            backends["device"] = (run.device_edges, scales)
+        unmapped = run.unmapped
+    else:
+        notes.append(f"{NOT_ODMLQ} (no tensor of the .tflite maps to an edge of this plan)")
+    outputs.update(output_metrics(float_out, run.outputs, "litert"))
+    if run.device_outputs is not None:
+        outputs.update(output_metrics(float_out, run.device_outputs, "device"))
+    if run.mismatched_scales:
+        notes.append(f"{len(run.mismatched_scales)} LiteRT tensor(s) have other scales than the plan's "
+                     f"(e.g. {run.mismatched_scales[0]!r}): was the .tflite exported with these scales?")
+    if run.device_missing:
+        notes.append(f"missing from the device dump ({len(run.device_missing)}): " + ", ".join(run.device_missing))
+    return backends, outputs, unmapped, notes

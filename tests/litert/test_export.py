@@ -347,10 +347,10 @@ def test_a_float_gelu_between_quantized_ops_runs_whole_on_xnnpack():
     (8 here, and 4 partitions; on MiniLM 48 ops off the delegate). The two
     forms agree within 1.1e-6 for every float32 input (their float32
     roundings), far below any quantized reader's LSB; verified op by op."""
-    from odmlq.litert._annotate import _gelu_erf
+    from odmlq.litert._forms import gelu_erf
 
     x = np.linspace(-12, 12, 2_000_001, dtype=np.float32)
-    assert np.max(np.abs(np.asarray(_gelu_erf(x), np.float64) - jax.nn.gelu(x, approximate=False))) < 1.1e-6
+    assert np.max(np.abs(np.asarray(gelu_erf(x), np.float64) - jax.nn.gelu(x, approximate=False))) < 1.1e-6
     model = _ErfGelu()
     x = np.random.default_rng(0).standard_normal((64, 4)).astype(np.float32)
     variables = model.init(jax.random.key(0), x[:1])

@@ -18,6 +18,7 @@ import pytest
 import odmlq
 from odmlq.errors import PlanError
 from tests._runs import litert_rows
+from tests.xla.test_ptq import _Scanned
 
 INT8 = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
 DYNAMIC = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8", act_dynamic=True)]
@@ -101,21 +102,9 @@ def test_an_int16_loop_whose_steps_are_joined_is_refused_by_name():
         odmlq.export_tflite(model, INT16, [_sequences(8, 1)], variables=variables, benchmark=False)
 
 
-class _StackedLayers(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        class Block(nn.Module):
-            @nn.compact
-            def __call__(self, carry, _):
-                return nn.relu(nn.Dense(16, name="fc")(carry)), None
-
-        stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)
-        x, _ = stack(name="layers")(x, None)
-        return nn.Dense(4, name="head")(x)
-
-
 def test_layers_stacked_by_nn_scan_are_refused_by_name_on_litert():
-    model, x = _StackedLayers(), np.random.default_rng(0).normal(size=(8, 16)).astype(np.float32)
+    # tests/xla/test_ptq.py's model: three Dense layers stacked by nn.scan, a head.
+    model, x = _Scanned(), np.random.default_rng(0).normal(size=(8, 16)).astype(np.float32)
     variables = model.init(jax.random.key(0), x)
     with pytest.raises(PlanError, match="'layers/fc/kernel' stacks layers.*Python loop"):
         odmlq.export_tflite(model, INT8, [x], variables=variables, benchmark=False)
