@@ -48,14 +48,14 @@ def device_report(tflite: bytes, inputs: Mapping[str, np.ndarray], dump: Mapping
         notes.insert(0, "no model given: the device's outputs are compared with the host "
                         "interpreter's (no float reference)")
         return Report(edges=(), outputs=outputs, notes=tuple(notes), run_names=("device",))
-    reference = _floatoutput_metrics(model, variables, arrays)
+    reference = _float_outputs(model, variables, arrays)
     outputs = {**output_metrics(reference, host_out, "litert"), **output_metrics(reference, device_out, "device")}
     if not diff.outputs_only:
         notes.insert(0, "no plan given: outputs only")
     return Report(edges=(), outputs=outputs, notes=tuple(notes), run_names=("litert", "device"))
 
 
-def _floatoutput_metrics(model: Any, variables: Any, arrays: tuple) -> list[np.ndarray]:
+def _float_outputs(model: Any, variables: Any, arrays: tuple) -> list[np.ndarray]:
     """The float model's outputs on `arrays`."""
     graph = trace(model, *arrays, variables=variables)
     return leaves(graph.evaluate(params_for(model, variables, "odmlq diff"), *arrays))

@@ -196,7 +196,8 @@ def _free_chain(plan, edge_id: str, reader: str, out, aliased, target) -> list[s
             return chain
         producer = graph.op(edge.producer) if edge.producer is not None else None
         moved = [] if producer is None else [e for e in producer.inputs if graph.edges[e].is_float]
-        if (not isinstance(constraint, SameAsInput) or producer.kind not in _MOVING_KINDS or len(moved) != 1):
+        if (not isinstance(constraint, SameAsInput) or producer is None or producer.kind not in _MOVING_KINDS
+                or len(moved) != 1):
             return []
         edge_id, reader = moved[0], producer.id  # (a gather's table: its indices are integers)
 
