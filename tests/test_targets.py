@@ -93,8 +93,8 @@ def test_fixed_and_shared_constraints_are_resolved_per_qtype():
         kinds = {p.graph.op(p.graph.edges[e].producer).kind: c for e, c in
                  ((e.edge, e.constraint) for e in p.edges.values()) if c is not None}
         assert kinds["logistic" if "logistic" in kinds else "sigmoid"] == FixedScale(scale, zero_point)
-        if qtype == "int8":  # litert-converter has no int16 CONCATENATION
-            assert isinstance(kinds["concatenate"], SharedWithInputs)
+        # int16: written as PAD + ADD, which join exactly at one shared scale.
+        assert isinstance(kinds["concatenate"], SharedWithInputs)
 
 
 def test_the_litert_export_refuses_a_plan_made_for_xla_alone(digits):

@@ -332,6 +332,9 @@ class _Builder(_LoopLayout):
         if rec.kind == "gather":
             mode = rec.steps[0].eqn.params.get("mode")
             attributes["mode"] = getattr(mode, "name", str(mode)).lower()  # fill_or_drop, clip, ...
+        if rec.kind == "concatenate":
+            joined = next(st for st in rec.steps if st.kind == "concatenate")
+            attributes["axis"] = int(joined.eqn.params["dimension"])
         if rec.kind == "conv":
             conv = next(st for st in rec.steps if st.kind == "conv")
             # Input dilation: a transposed convolution (nn.ConvTranspose, lax.conv_transpose).

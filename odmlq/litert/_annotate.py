@@ -42,7 +42,8 @@ from odmlq.litert._check import blockwise_weights
 from odmlq.litert._external import Placeholder
 from odmlq.litert._conv1d import one_dimensional_as_two, with_unit_axis
 from odmlq.litert._conv_transpose import annotated_phases
-from odmlq.litert._forms import avg_pool_padded_with_zeros, gelu_erf, max_pool_padded_with_zeros, reciprocal_scale
+from odmlq.litert._forms import (added_at_one_shape, avg_pool_padded_with_zeros, concatenated_by_padded_sums,
+                                gelu_erf, max_pool_padded_with_zeros, reciprocal_scale)
 
 _DTYPES = {"int8": "i8", "int16": "i16", "int4": "i4"}
 
@@ -404,6 +405,13 @@ class Annotation(FakeQuant):
         producer = self.graph.edges[edge_id].producer
         return producer is not None and self.graph.op(producer).kind in _LAYOUT_KINDS
 
+    def _read_at(self, operand) -> TensorScale | None:
+        """The scale an int16 op reads an activation operand at (its conversion's, or its edge's)."""
+        if operand.role != "input" or operand.edge is None:
+            return None
+        edge = self.graph.resolve(operand.edge)
+        return self.scales.conversions.get((edge, "int16"), self.scales.edges.get(edge))
+
     def _reciprocal(self, op, divisor: float) -> jax.Array:
         """1 / divisor, quantized as the divisor is (a float op's plain float)."""
         value = np.asarray(1.0 / divisor, np.float32)
@@ -441,6 +449,13 @@ class Annotation(FakeQuant):
             out = scales.edges.get(op.outputs[0])
             if out is not None and out.qtype == "int16" and padded_max_pool_reads_nonnegative(op, self.graph):
                 return [max_pool_padded_with_zeros(op, inputs[0])]
+        if op.kind == "concatenate" and len(inputs) > 1 and _qtype(scales, op) == "int16":
+            return [concatenated_by_padded_sums(op, inputs, scales.edges[op.outputs[0]], fake_quant_composite)]
+        if op.kind in ("add", "sub") and len(inputs) == 2 and _qtype(scales, op) == "int16":
+            shape = self.graph.edges[op.outputs[0]].shape
+            if any(o.role == "input" and tuple(o.shape) != tuple(shape) for o in op.operands):
+                return [added_at_one_shape(op, inputs, shape, [self._read_at(o) for o in op.operands],
+                                           fake_quant_composite)]
         if op.kind == "div" and scales.edges.get(op.outputs[0]) is not None:
             divisor = scalar_divisor(op)
             if divisor is not None:
@@ -469,6 +484,11 @@ class Annotation(FakeQuant):
             return [gelu_erf(inputs[0])]
         gelu = jax.lax.composite(lambda x, **_: compute(x)[0], name="tfl.gelu")
         return [gelu(inputs[0], approximate=np.bool_(False))]
+
+
+def _qtype(scales: Scales, op) -> str | None:
+    out = scales.edges.get(op.outputs[0])
+    return None if out is None else str(out.qtype)
 
 
 def _pool_as_depthwise(op, x: jax.Array) -> jax.Array:

@@ -42,3 +42,52 @@ def avg_pool_padded_with_zeros(op, x: jax.Array) -> jax.Array:
     total = jax.lax.reduce_window(padded, 0.0, jax.lax.add, tuple(op.attributes["window"]),
                                   tuple(op.attributes["strides"]), "VALID")
     return total / float(op.attributes["window_size"])
+
+
+def concatenated_by_padded_sums(op, inputs: list, ts: TensorScale, mark) -> jax.Array:
+    """An int16 concatenation as PADs (zeros) and ADDs: litert-converter 0.5.0
+    takes no int16 operand for CONCATENATION, and has int16 kernels for both.
+
+    The inputs share the output's scale (the plan's SHARED constraint) and
+    int16's zero point is 0, so each sum adds a value to zeros: exact. The
+    halves are joined pairwise (a balanced tree), so every value is padded and
+    added once per level: about log2(n) passes over the output, not n. `mark`
+    quantizes each partial join at `ts`."""
+    axis = op.attributes["axis"]
+
+    def join(parts):
+        if len(parts) == 1:
+            return parts[0]
+        half = len(parts) // 2
+        left, right = join(parts[:half]), join(parts[half:])
+        widths = [(0, 0)] * np.ndim(left)
+        low, high = list(widths), list(widths)
+        low[axis], high[axis] = (0, right.shape[axis]), (left.shape[axis], 0)
+        with jax.named_scope("join"):
+            total = mark(jnp.pad(left, low), ts) + mark(jnp.pad(right, high), ts)
+        return mark(total, ts) if len(parts) < len(inputs) else total
+
+    return join(list(inputs))
+
+
+def added_at_one_shape(op, inputs: list, shape, input_scales: list, mark) -> jax.Array:
+    """An int16 ADD or SUB whose operands have other shapes than its output:
+    litert-converter 0.5.0 takes int16 ADD operands of one shape only ('tfl.add'
+    op failed to verify that operands should have valid shapes). An activation
+    is broadcast first by an int16 MUL by ones, at its own scale (the product
+    of a code and 1 rounds back to the code: exact); a constant is stored at
+    the output's shape (`spec.int16_full_shape_operand`). The attention
+    masks of transformers are added so: scores (b, h, q, k) + mask (b, 1, 1, k)."""
+    full = []
+    for operand, x, ts in zip(op.operands, inputs, input_scales):
+        if np.ndim(x) and tuple(np.shape(x)) != tuple(shape):
+            x = jnp.reshape(x, (1,) * (len(shape) - np.ndim(x)) + tuple(np.shape(x)))
+            if operand.role == "input" and ts is not None:
+                ones = np.ones([n if m == 1 else 1 for m, n in zip(x.shape, shape)], np.float32)
+                one = TensorScale(qtype="int16", scale=np.asarray(1.0 / 32767.0, np.float32))
+                with jax.named_scope("broadcast"):
+                    x = mark(x * mark(one.fake_quant(jnp.asarray(ones)), one), ts)
+            elif np.ndim(x):  # a scalar is added as the op adds it
+                x = jnp.broadcast_to(x, shape)
+        full.append(x)
+    return full[0] + full[1] if op.kind == "add" else full[0] - full[1]

@@ -92,29 +92,27 @@ class OpSpec:
 
 
 def _int16_add_operands(op, qtype: str, graph) -> str | None:
-    """litert-converter 0.5.0 takes an int16 ADD only of operands of one shape.
-    A constant or weight operand (scalar, or of the output's rank) is stored
-    at the output's shape (`int16_full_shape_operand`); activations of
-    different shapes are refused."""
-    if qtype != "int16":
+    """A constant or weight operand of an int16 ADD or SUB is stored at the
+    output's shape (`int16_full_shape_operand`) if it is a scalar or of the
+    output's rank; one of a lower rank is refused (activations of other
+    shapes are broadcast: `_forms.added_at_one_shape`)."""
+    if qtype != "int16" or len(op.outputs) != 1:
         return None
-    shape = graph.edges[op.outputs[0]].shape if len(op.outputs) == 1 else None
-    if shape is not None and all(
-            tuple(o.shape) == tuple(shape)
-            or (o.role != "input" and (not o.shape or len(o.shape) == len(shape)))
-            for o in op.operands):
+    rank = len(graph.edges[op.outputs[0]].shape)
+    lower = [o for o in op.operands if o.role != "input" and 0 < len(o.shape) < rank]
+    if not lower:
         return None
-    return ("litert-converter 0.5.0 rejects an int16 ADD of activations of different shapes ('tfl.add' "
-            "op failed to verify that operands should have valid shapes). Use int8 activations, "
-            "broadcast the smaller operand yourself (jnp.broadcast_to), or keep this op in float with "
+    return (f"litert-converter 0.5.0 takes int16 {op.kind.upper()} operands of one shape only, and this op "
+            f"adds a constant of rank {len(lower[0].shape)} to a rank-{rank} tensor. Give the constant the "
+            "output's rank (leading axes of size 1), use int8 activations, or keep this op in float with "
             "Rule(..., skip=True) and allow_float_ops=True")
 
 
 def int16_full_shape_operand(op, qtype: str, value, shape) -> bool:
-    """Whether a constant or weight operand of this op is stored broadcast to
-    the output's `shape` (see `_int16_add_operands`): a scalar, or a value of
-    the output's rank (broadcasting it keeps the op's own broadcast valid)."""
-    return (qtype == "int16" and op.kind == "add" and tuple(np.shape(value)) != tuple(shape)
+    """Whether a constant or weight operand of an int16 ADD or SUB is stored
+    broadcast to the output's `shape`: litert-converter 0.5.0 takes int16 ADD
+    operands of one shape only (see `_forms.added_at_one_shape`)."""
+    return (qtype == "int16" and op.kind in ("add", "sub") and tuple(np.shape(value)) != tuple(shape)
             and np.ndim(value) in (0, len(shape)))
 
 
@@ -247,9 +245,13 @@ OP_SPEC: dict[str, OpSpec] = {
                    note="1-D: the 2-D kernel over an axis of size 1; transposed: one CONV_2D of its "
                         "phases, interleaved (window stride 1, one group, 1-D or 2-D; others refused: "
                         "litert-converter 0.5.0's TRANSPOSE_CONV reads a dequantized kernel)"),
+    # int16: litert-converter 0.5.0 takes ADD operands of one shape only; an
+    # activation of another shape is broadcast by a MUL by ones (exact), a
+    # constant stored broadcast (`_forms.added_at_one_shape`).
     "add": OpSpec(_BOTH, limitation=_int16_add_operands, fuses=_FUSES, becomes="ADD",
-                  note="int16: activations of one shape (constants are stored broadcast)"),
-    "sub": OpSpec(_BOTH, fuses=_FUSES, becomes="SUB"),
+                  note="int16: an operand of another shape is broadcast first (a MUL by ones, exact)"),
+    "sub": OpSpec(_BOTH, limitation=_int16_add_operands, fuses=_FUSES, becomes="SUB",
+                  note="int16: an operand of another shape is broadcast first (a MUL by ones, exact)"),
     "mul": OpSpec(_BOTH, fuses=_FUSES, becomes="MUL"),
     "div": OpSpec(_BOTH, becomes="DIV, MUL", note="by a constant scalar: MUL by its reciprocal "
                   "(XNNPACK has no integer DIV)"),
@@ -283,8 +285,10 @@ OP_SPEC: dict[str, OpSpec] = {
     # at every invoke (a QUANTIZE of 11.7 M values in MiniLM: +40% latency).
     "gather": OpSpec(_BOTH, SAME_AS_INPUT, limitation=_int16_gather, becomes="GATHER_ND",
                      note="the output keeps the table's scale; int16: embedding tables gathered in mode 'fill' only (nn.Embed)"),
-    "concatenate": OpSpec(_INT8, SHARED, becomes="CONCATENATION",
-                          refused={"int16": _NO_INT16.format("concatenation")}),
+    # int16: litert-converter 0.5.0 takes no int16 CONCATENATION; it is written
+    # as PADs and ADDs (`_forms.concatenated_by_padded_sums`), exact at the shared scale.
+    "concatenate": OpSpec(_BOTH, SHARED, becomes="CONCATENATION (int8), PAD + ADD (int16)",
+                          note="int16: joined by PAD and ADD, exactly (no int16 CONCATENATION in the converter)"),
     "avg_pool": OpSpec(_BOTH, SAME_AS_INPUT, becomes="DEPTHWISE_CONV_2D (int8), AVERAGE_POOL_2D",
                        rounding=lambda op, qtype: Rounding.HALF_EVEN if pool_as_depthwise(op, qtype) else Rounding.HALF_AWAY,
                        note="a pool that counts its padding is PAD + a VALID pool"),
