@@ -43,7 +43,7 @@ from odmlq.litert._external import Placeholder
 from odmlq.litert._conv1d import one_dimensional_as_two, with_unit_axis
 from odmlq.litert._conv_transpose import annotated_phases
 from odmlq.litert._forms import (added_at_one_shape, avg_pool_padded_with_zeros, concatenated_by_padded_sums,
-                                gelu_erf, max_pool_padded_with_zeros, reciprocal_scale)
+                                gelu_erf, max_pool_padded_with_zeros, pool_as_depthwise_conv, reciprocal_scale)
 
 _DTYPES = {"int8": "i8", "int16": "i16", "int4": "i4"}
 
@@ -442,7 +442,7 @@ class Annotation(FakeQuant):
         if op.kind == "avg_pool" and len(inputs) == 1:
             out = scales.edges.get(op.outputs[0])
             if out is not None and pool_as_depthwise(op, out.qtype):
-                return [_pool_as_depthwise(op, inputs[0])]
+                return [pool_as_depthwise_conv(op, inputs[0], fake_quant_composite)]
             if out is not None and pool_pads_with_zeros(op):
                 return [avg_pool_padded_with_zeros(op, inputs[0])]
         if op.kind == "max_pool" and len(inputs) == 1:
@@ -450,7 +450,8 @@ class Annotation(FakeQuant):
             if out is not None and out.qtype == "int16" and padded_max_pool_reads_nonnegative(op, self.graph):
                 return [max_pool_padded_with_zeros(op, inputs[0])]
         if op.kind == "concatenate" and len(inputs) > 1 and _qtype(scales, op) == "int16":
-            return [concatenated_by_padded_sums(op, inputs, scales.edges[op.outputs[0]], fake_quant_composite)]
+            return [concatenated_by_padded_sums(inputs, op.attributes["axis"], scales.edges[op.outputs[0]],
+                                                fake_quant_composite)]
         if op.kind in ("add", "sub") and len(inputs) == 2 and _qtype(scales, op) == "int16":
             shape = self.graph.edges[op.outputs[0]].shape
             if any(o.role == "input" and tuple(o.shape) != tuple(shape) for o in op.operands):
@@ -489,25 +490,3 @@ class Annotation(FakeQuant):
 def _qtype(scales: Scales, op) -> str | None:
     out = scales.edges.get(op.outputs[0])
     return None if out is None else str(out.qtype)
-
-
-def _pool_as_depthwise(op, x: jax.Array) -> jax.Array:
-    """An NHWC average pool as a depthwise convolution with weights 1/n.
-
-    XNNPACK does not take int8 AVERAGE_POOL_2D, so a model with one runs in
-    several delegate partitions; the depthwise convolution it takes. A pool
-    that counts its padding pads with zeros first (PAD). The
-    weight 1/n is stored as 127 with scale 1/(127 n), exactly, per channel.
-    """
-    _, h, w, _ = op.attributes["window"]
-    if pool_pads_with_zeros(op):
-        x = jnp.pad(x, [tuple(p) for p in op.attributes["padding"]])
-    channels = x.shape[-1]
-    n = h * w
-    scale = np.full((1, 1, 1, channels), 1.0 / (127.0 * n), np.float32)
-    weight = TensorScale(qtype="int8", scale=scale, zero_point=None, scale_axes=(3,), narrow_range=True)
-    kernel = np.full((1, h, w, channels), 127.0, np.float32) * scale  # native layout (1, H, W, C)
-    kernel = fake_quant_composite(jnp.asarray(kernel), weight, 3)
-    return jax.lax.conv_general_dilated(
-        x, jnp.transpose(kernel, (1, 2, 0, 3)), tuple(op.attributes["strides"][1:3]), "VALID",
-        dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=channels)

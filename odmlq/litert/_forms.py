@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from odmlq.litert.spec import pool_pads_with_zeros
 from odmlq.scales import TensorScale
 
 
@@ -44,30 +45,27 @@ def avg_pool_padded_with_zeros(op, x: jax.Array) -> jax.Array:
     return total / float(op.attributes["window_size"])
 
 
-def concatenated_by_padded_sums(op, inputs: list, ts: TensorScale, mark) -> jax.Array:
-    """An int16 concatenation as PADs (zeros) and ADDs: litert-converter 0.5.0
-    takes no int16 operand for CONCATENATION, and has int16 kernels for both.
+def concatenated_by_padded_sums(parts: list, axis: int, ts: TensorScale, mark) -> jax.Array:
+    """An int16 concatenation along `axis` as PADs (zeros) and ADDs:
+    litert-converter 0.5.0 takes no int16 operand for CONCATENATION, and has
+    int16 kernels for both.
 
-    The inputs share the output's scale (the plan's SHARED constraint) and
-    int16's zero point is 0, so each sum adds a value to zeros: exact. The
-    halves are joined pairwise (a balanced tree), so every value is padded and
-    added once per level: about log2(n) passes over the output, not n. `mark`
-    quantizes each partial join at `ts`."""
-    axis = op.attributes["axis"]
-
+    The parts share the output's scale (the plan's SHARED constraint; a loop's
+    steps are at the body's scale) and int16's zero point is 0, so each sum
+    adds a value to zeros: exact. The halves are joined pairwise (a balanced
+    tree), so every value is padded and added once per level: about log2(n)
+    passes over the output, not n. `mark` quantizes each padded part at `ts`."""
     def join(parts):
         if len(parts) == 1:
             return parts[0]
         half = len(parts) // 2
         left, right = join(parts[:half]), join(parts[half:])
-        widths = [(0, 0)] * np.ndim(left)
-        low, high = list(widths), list(widths)
+        low, high = [(0, 0)] * np.ndim(left), [(0, 0)] * np.ndim(left)
         low[axis], high[axis] = (0, right.shape[axis]), (left.shape[axis], 0)
         with jax.named_scope("join"):
-            total = mark(jnp.pad(left, low), ts) + mark(jnp.pad(right, high), ts)
-        return mark(total, ts) if len(parts) < len(inputs) else total
+            return mark(jnp.pad(left, low), ts) + mark(jnp.pad(right, high), ts)
 
-    return join(list(inputs))
+    return join(list(parts))
 
 
 def added_at_one_shape(op, inputs: list, shape, input_scales: list, mark) -> jax.Array:
@@ -91,3 +89,26 @@ def added_at_one_shape(op, inputs: list, shape, input_scales: list, mark) -> jax
                 x = jnp.broadcast_to(x, shape)
         full.append(x)
     return full[0] + full[1] if op.kind == "add" else full[0] - full[1]
+
+
+def pool_as_depthwise_conv(op, x: jax.Array, mark) -> jax.Array:
+    """An NHWC average pool as a depthwise convolution with weights 1/n.
+
+    XNNPACK does not take int8 AVERAGE_POOL_2D, so a model with one runs in
+    several delegate partitions; the depthwise convolution it takes. A pool
+    that counts its padding pads with zeros first (PAD). The
+    weight 1/n is stored as 127 with scale 1/(127 n), exactly, per channel;
+    `mark(kernel, ts, axis)` quantizes it.
+    """
+    _, h, w, _ = op.attributes["window"]
+    if pool_pads_with_zeros(op):
+        x = jnp.pad(x, [tuple(p) for p in op.attributes["padding"]])
+    channels = x.shape[-1]
+    n = h * w
+    scale = np.full((1, 1, 1, channels), 1.0 / (127.0 * n), np.float32)
+    weight = TensorScale(qtype="int8", scale=scale, zero_point=None, scale_axes=(3,), narrow_range=True)
+    kernel = np.full((1, h, w, channels), 127.0, np.float32) * scale  # native layout (1, H, W, C)
+    kernel = mark(jnp.asarray(kernel), weight, 3)
+    return jax.lax.conv_general_dilated(
+        x, jnp.transpose(kernel, (1, 2, 0, 3)), tuple(op.attributes["strides"][1:3]), "VALID",
+        dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=channels)
