@@ -457,6 +457,13 @@ class Annotation(FakeQuant):
             if any(o.role == "input" and tuple(o.shape) != tuple(shape) for o in op.operands):
                 return [added_at_one_shape(op, inputs, shape, [self._read_at(o) for o in op.operands],
                                            fake_quant_composite)]
+        if op.kind == "rsqrt" and op.id in self.keep_float and len(inputs) == 1 and _qtype(scales, op):
+            # A zero code dequantizes to 0, and 1/sqrt(0) = inf (or, floored at a
+            # tiny value, past int32), which QUANTIZE casts to the lowest code;
+            # simulate clips it to the highest. Floored where 1/sqrt is the top.
+            out = scales.edges[op.outputs[0]]
+            top = float(np.max(out.scale)) * out.qtype.qmax
+            return [jax.lax.rsqrt(jnp.maximum(inputs[0], np.float32(1.0 / (top * top))))]
         if op.kind == "div" and scales.edges.get(op.outputs[0]) is not None:
             divisor = scalar_divisor(op)
             if divisor is not None:

@@ -14,6 +14,7 @@ from odmlq.calibration import Calibration, calibrate, calibrated_edges, needs_ca
 from odmlq.errors import CalibrationError, PlanError
 from odmlq.graph import GraphCache, check_finite_params, is_keras, keras_input_names, params_for
 from odmlq.litert._check import check_io_dtype, check_plan
+from odmlq.litert._tables import rsqrt_kept_float
 from odmlq.litert.spec import TARGET
 from odmlq.plan import Plan, plan as make_plan
 from odmlq.scales import Scales, compute_scales
@@ -109,6 +110,7 @@ def prepare(model: Any, rules: Sequence | Plan, rep_dataset, *, variables: Any =
     else:
         scales = dataclasses.replace(compute_scales(plan, calibration, params, weight_scales=weights.weights),
                                      weight_values=weights.weight_values)
+    float_ops = [*float_ops, *rsqrt_kept_float(plan, scales, calibration, allow_float_ops, float_ops)]
     # A plan traced for other input shapes (another batch size) is traced again for these.
     graph = GraphCache(model, plan, variables).graph_for(example_inputs) if plan.graph.program is not None else None
     if graph is None:
