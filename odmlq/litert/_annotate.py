@@ -43,7 +43,8 @@ from odmlq.litert._external import Placeholder
 from odmlq.litert._conv1d import one_dimensional_as_two, with_unit_axis
 from odmlq.litert._conv_transpose import annotated_phases
 from odmlq.litert._forms import (added_at_one_shape, avg_pool_padded_with_zeros, concatenated_by_padded_sums,
-                                gelu_erf, max_pool_padded_with_zeros, pool_as_depthwise_conv, reciprocal_scale)
+                                gelu_erf, gelu_in_int16, max_pool_padded_with_zeros, pool_as_depthwise_conv,
+                                reciprocal_scale)
 
 _DTYPES = {"int8": "i8", "int16": "i16", "int4": "i4"}
 
@@ -407,10 +408,8 @@ class Annotation(FakeQuant):
 
     def _read_at(self, operand) -> TensorScale | None:
         """The scale an int16 op reads an activation operand at (its conversion's, or its edge's)."""
-        if operand.role != "input" or operand.edge is None:
-            return None
-        edge = self.graph.resolve(operand.edge)
-        return self.scales.conversions.get((edge, "int16"), self.scales.edges.get(edge))
+        edge = self.graph.resolve(operand.edge) if operand.role == "input" and operand.edge is not None else None
+        return None if edge is None else self.scales.conversions.get((edge, "int16"), self.scales.edges.get(edge))
 
     def _reciprocal(self, op, divisor: float) -> jax.Array:
         """1 / divisor, quantized as the divisor is (a float op's plain float)."""
@@ -423,12 +422,7 @@ class Annotation(FakeQuant):
             return fake_quant_composite(ts.fake_quant(jnp.asarray(value)), ts)
 
     def op(self, op, compute, inputs):
-        """jax.nn.gelu(approximate=False) is recognised only as a composite: its
-        erfc is expanded into a polynomial before the converter could match
-        GELU, so it is handed over as ``tfl.gelu`` around the same computation.
-        `approximate` must be present (as a numpy bool: jax drops a plain
-        False): litert-converter 0.5.0 crashes on a ``tfl.gelu`` without it.
-        jax.nn.gelu's tanh form and softmax are matched as they are."""
+        """An op as LiteRT computes it (`_compute`); a float one between optimization barriers."""
         if op.id in self.keep_float and op.kind not in _LAYOUT_KINDS:
             inputs = [jax.lax.optimization_barrier(x) if o.role == "input" else x
                       for o, x in zip(op.operands, inputs)]
@@ -478,6 +472,8 @@ class Annotation(FakeQuant):
                 if phases is not None:
                     return phases
             return one_dimensional_as_two(compute, inputs, mark)
+        if op.kind == "gelu" and _qtype(scales, op) == "int16" and (into := self._read_at(op.operands[0])):
+            return [gelu_in_int16(inputs[0], into, fake_quant_composite)]
         if op.kind != "gelu" or op.attributes.get("approximate", True) or len(inputs) != 1:
             return compute(*inputs)
         if scales.edges.get(op.outputs[0]) is None and any(e in scales.edges for e in op.inputs):
@@ -490,6 +486,10 @@ class Annotation(FakeQuant):
             # each a split of the graph). Within 1.1e-6 of jax.nn.gelu for
             # every float32 input (tests/litert/test_export.py).
             return [gelu_erf(inputs[0])]
+        # jax.nn.gelu(approximate=False) is recognised only as a composite: its
+        # erfc is expanded into a polynomial before the converter could match
+        # GELU. `approximate` must be present (a numpy bool: jax drops a plain
+        # False): litert-converter 0.5.0 crashes on a ``tfl.gelu`` without it.
         gelu = jax.lax.composite(lambda x, **_: compute(x)[0], name="tfl.gelu")
         return [gelu(inputs[0], approximate=np.bool_(False))]
 

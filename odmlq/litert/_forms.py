@@ -112,3 +112,31 @@ def pool_as_depthwise_conv(op, x: jax.Array, mark) -> jax.Array:
     return jax.lax.conv_general_dilated(
         x, jnp.transpose(kernel, (1, 2, 0, 3)), tuple(op.attributes["strides"][1:3]), "VALID",
         dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=channels)
+
+
+def _int16(top: float) -> TensorScale:
+    return TensorScale(qtype="int16", scale=np.asarray(max(top, 1e-30) / 32767.0, np.float32))
+
+
+def gelu_in_int16(x: jax.Array, in_ts: TensorScale, mark) -> jax.Array:
+    """GELU from int16 kernels: ``x * sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3))``
+    (tanh's form, as jax.nn.gelu's default writes it) as MUL, ADD and
+    LOGISTIC; LiteRT has no int16 GELU. Each intermediate's scale follows from
+    the input's range X = 32767 * its step (x^2 up to X^2, ...): no calibration.
+    Within the op table's tolerance of simulate's GELU (exact or tanh form)
+    for inputs up to about 20 (the x^3 term's step grows as X^3)."""
+    top = float(np.max(in_ts.scale)) * 32767.0
+    c = np.float32(2.0 * np.sqrt(2.0 / np.pi))
+    inner_top = top + 0.044715 * top ** 3
+
+    def constant(value):
+        ts = _int16(abs(value))
+        return mark(ts.fake_quant(jnp.asarray(np.float32(value))), ts)
+
+    with jax.named_scope("gelu_int16"):
+        square = mark(x * x, _int16(top * top))
+        cube = mark(square * x, _int16(top ** 3))
+        inner = mark(x + mark(cube * constant(0.044715), _int16(0.044715 * top ** 3)), _int16(inner_top))
+        scaled = mark(inner * constant(c), _int16(float(c) * inner_top))
+        gate = mark(jax.nn.sigmoid(scaled), TensorScale(qtype="int16", scale=np.asarray(1.0 / 32768.0, np.float32)))
+        return x * gate

@@ -260,7 +260,10 @@ OP_SPEC: dict[str, OpSpec] = {
     "relu6": OpSpec(_INT8, becomes="RELU6 (or fused)", refused={"int16": _NO_INT16.format("relu6")},
                     note="int16: fused into a matmul, convolution, ADD, SUB or MUL before it"),
     # GELU's int8 kernel is a 256-entry table of the float function.
-    "gelu": OpSpec(_INT8, becomes="GELU", refused={"int16": _NO_INT16.format("gelu")}),
+    # int16: no GELU kernel; written as MUL, ADD and LOGISTIC (`_forms.gelu_in_int16`),
+    # within a few LSB (tanh's form, the x^3 term at a step set by the input's range).
+    "gelu": OpSpec(_BOTH, becomes="GELU (int8); MUL, ADD, LOGISTIC (int16)", tolerance_lsb={"int16": 16.0},
+                   note="int16: x * sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3)) from int16 kernels"),
     "hard_swish": OpSpec(_INT8, becomes="HARD_SWISH", refused={"int16": _NO_INT16.format("hard_swish")}),
     "max": OpSpec(_BOTH, SHARED, becomes="MAXIMUM"),
     "min": OpSpec(_BOTH, SHARED, becomes="MINIMUM"),

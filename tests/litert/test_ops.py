@@ -304,8 +304,8 @@ def test_softmax_over_another_axis_is_refused_before_work():
 
 
 @pytest.mark.parametrize("name, message", [
-    ("gelu_tanh", r"op 'fc/gelu' .* no int16 kernel for 'gelu'"),
-], ids=["gelu"])
+    ("hard_swish", r"op 'fc/hard_swish' .* no int16 kernel for 'hard_swish'"),
+], ids=["hard_swish"])
 def test_int16_ops_the_converter_rejects_are_refused_before_work(name, message):
     case = CASES[name]
     batches = _batches(case.shape)
@@ -460,19 +460,19 @@ def test_int16_padded_max_pool(after_relu):
 
 
 class _Int16Block(nn.Module):
-    """A ViT-like block: a class token concatenated, LayerNorm, a scaling, a GELU."""
+    """A ViT-like block: a class token concatenated, LayerNorm, a scaling, a hard-swish."""
 
     @nn.compact
     def __call__(self, x):
         h = nn.Dense(8, name="fc")(x)
         cls = self.param("cls", nn.initializers.normal(1.0), (1, 1, 8))
         h = jnp.concatenate([jnp.broadcast_to(cls, (h.shape[0], 1, 8)), h], axis=1)
-        h = nn.gelu(nn.LayerNorm(name="norm")(h) / 3.0)
+        h = nn.hard_swish(nn.LayerNorm(name="norm")(h) / 3.0)
         return nn.Dense(4, name="out")(h)
 
 
 def test_an_int16_transformer_block_with_float_ops_allowed_exports_and_verifies():
-    """int16x8 ops without a LiteRT kernel (GELU), or whose kernel would miss
+    """int16x8 ops without a LiteRT kernel (HARD_SWISH), or whose kernel would miss
     simulate on the calibrated inputs (RSQRT's table), stay float under
     allow_float_ops; the weights and constants only they read are
     stored as their plan values in float, not dequantized at every invocation;
@@ -488,7 +488,7 @@ def test_an_int16_transformer_block_with_float_ops_allowed_exports_and_verifies(
     # CONCATENATION (as PAD + ADD) and DIV are int16; RSQRT is float: its
     # calibrated variances span 33x, where LiteRT's int16 table is 251 LSB off
     # (`_tables`), and MAXIMUM floors its input where 1/sqrt clips.
-    assert computing == {"GELU", "RSQRT", "MAXIMUM"}, computing
+    assert computing == {"HARD_SWISH", "RSQRT", "MAXIMUM"}, computing
     assert result.summary.weight_work_at_run_time == ()
     reference = np.asarray(model.apply(variables, batches[-1]))
     simulated = np.asarray(odmlq.simulate(model, result.plan, result.scales, batches[-1], variables=variables))
