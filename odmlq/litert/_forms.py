@@ -78,6 +78,7 @@ def added_at_one_shape(op, inputs: list, shape, input_scales: list, mark) -> jax
     masks of transformers are added so: scores (b, h, q, k) + mask (b, 1, 1, k)."""
     full = []
     for operand, x, ts in zip(op.operands, inputs, input_scales):
+        # (A scalar is added as the op adds it.)
         if np.ndim(x) and tuple(np.shape(x)) != tuple(shape):
             x = jnp.reshape(x, (1,) * (len(shape) - np.ndim(x)) + tuple(np.shape(x)))
             if operand.role == "input" and ts is not None:
@@ -85,7 +86,7 @@ def added_at_one_shape(op, inputs: list, shape, input_scales: list, mark) -> jax
                 one = TensorScale(qtype="int16", scale=np.asarray(1.0 / 32767.0, np.float32))
                 with jax.named_scope("broadcast"):
                     x = mark(x * mark(one.fake_quant(jnp.asarray(ones)), one), ts)
-            elif np.ndim(x):  # a scalar is added as the op adds it
+            else:
                 x = jnp.broadcast_to(x, shape)
         full.append(x)
     return full[0] + full[1] if op.kind == "add" else full[0] - full[1]

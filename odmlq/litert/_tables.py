@@ -6,9 +6,9 @@ TFLite's int16 RSQRT (also LOG) evaluates its function through a table of
 513 values over the input's whole int16 range, interpolated linearly within
 each of 512 intervals of 128 codes (``LUTPopulate<int16_t>`` and
 ``LUTLookup`` in tensorflow/lite/kernels/internal). 1/sqrt curves too fast
-for that near zero: measured on the interpreter, the table is within 1 LSB of
-the rounded function above code 2,560, and up to 5,036 LSB off in the lowest
-interval. A norm over rows whose variances span more than about a decade
+for that near zero: measured on the interpreter at three input ranges whose
+1/sqrt the output covers, the table is within 1 LSB of the rounded function
+above code 2,560, and up to 5,036 LSB off in the lowest interval. A norm over rows whose variances span more than about a decade
 (a LayerNorm over raw audio features, an RMSNorm of inputs of varied
 loudness) reads the table there. `numpy` here reproduces the kernel's
 table bit for bit (tests/litert/test_tables.py checks every code against the
