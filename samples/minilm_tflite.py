@@ -119,7 +119,9 @@ SCHEMAS: dict[str, list] = {
                    R(".*", weight_qtype="int8", act_qtype="int8", act_calibration=MSE())],
     "int16x8": [_FLOAT_EMBEDDING_ADDS, _FLOAT_LAYER_NORM, _FLOAT_GELU,
                 # The mask add broadcasts (batch, 1, 1, keys) over the scores: an
-                # int16 ADD of two shapes, which the converter refuses. A single
+                # int16 ADD of two shapes, which the converter refuses as written
+                # (odmlq now broadcasts it first; these rules, measured before,
+                # keep it float). A single
                 # float op between quantized tensors is quantized by the
                 # converter anyway, so the scaling MUL before it stays float too,
                 # and the SOFTMAX after it: LiteRT's int16 SOFTMAX interpolates
@@ -156,12 +158,12 @@ FLOAT_REASONS = (
     (r".*layer_norm(/.*)?", "LayerNorm: no LiteRT kernel; int8 decomposition loses ~15 dB, int16 "
                             "decomposition refused by litert-converter (ADD of bias/epsilon)"),
     (r"encoder/layer_\d+/gelu", "GELU: LiteRT's kernel is int8 only and it sits between int16 "
-                                "edges (litert-converter folds a requantize into it: refused)"),
+                                "edges (the int16 form odmlq writes is not in these measured rules)"),
     (r"embeddings/add.*", "embedding adds: int16 ADD of a weight refused by litert-converter; "
                           "int8 loses ~19 dB"),
     (r"encoder/layer_\d+/attention/(mul|add|softmax)",
-     "attention scaling, mask add and softmax: int16 ADD of two shapes refused by "
-     "litert-converter; int16 SOFTMAX approximates (~1/256)"),
+     "attention scaling, mask add and softmax: kept float by these rules (measured before odmlq "
+     "wrote an int16 ADD of two shapes); int16 SOFTMAX approximates (~1/256)"),
     _MASK_CAST,
 )
 BOUNDARY = "DEQUANTIZE into / QUANTIZE out of the float ops above"
