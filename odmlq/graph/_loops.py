@@ -18,11 +18,10 @@ class _LoopLayout:
         for v, r in zip(body.invars, region.ins):
             if not isinstance(r, _Lit) and r in self.path_of_value:
                 self.path_of_value[v] = self.path_of_value[r]
-        position = len(self.ops)
-        inner_start = len(self.ops)
+        inner_start = len(self.ops)  # where the body's ops begin, and the loop op goes
         # Name the body first: the loop's module path is what its body shares.
         rec.id = "<scan>"
-        self.name_body_inputs(program, rec, region, nc)
+        self.name_body_inputs(program, region)
         self.name_and_lay_out(body, rec.body)
         self.alias_started_carries(region, nc)
         body_ops = self.ops[inner_start:]
@@ -40,9 +39,9 @@ class _LoopLayout:
             self.path_of_value[v] = rec.module_path
         loop = self.make_op(rec, program, names)
         loop.attributes.update(num_carry=int(region.eqn.params["num_carry"]), length=int(region.eqn.params["length"]))
-        self.ops.insert(position, loop)
+        self.ops.insert(inner_start, loop)
 
-    def name_body_inputs(self, program, rec, region, nc):
+    def name_body_inputs(self, program: _Program, region: _Region) -> None:
         body = region.body
         for i, (v, r) in enumerate(zip(body.invars, region.ins)):
             if isinstance(r, _Lit) or v in self.w.weights:

@@ -45,13 +45,18 @@ def avg_pool_padded_with_zeros(op, x: jax.Array) -> jax.Array:
     return total / float(op.attributes["window_size"])
 
 
+def _int16(top: float) -> TensorScale:
+    """A symmetric int16 quantization whose largest code is `top`."""
+    return TensorScale(qtype="int16", scale=np.asarray(max(top, 1e-30) / 32767.0, np.float32))
+
+
 def concatenated_by_padded_sums(parts: list, axis: int, ts: TensorScale, mark) -> jax.Array:
     """An int16 concatenation along `axis` as PADs (zeros) and ADDs:
     litert-converter 0.5.0 takes no int16 operand for CONCATENATION, and has
     int16 kernels for both.
 
-    The parts share the output's scale (the plan's SHARED constraint; a loop's
-    steps are at the body's scale) and int16's zero point is 0, so each sum
+    The parts share the output's scale (the plan's SHARED constraint) and
+    int16's zero point is 0, so each sum
     adds a value to zeros: exact. The halves are joined pairwise (a balanced
     tree), so every value is padded and added once per level: about log2(n)
     passes over the output, not n. `mark` quantizes each padded part at `ts`."""
@@ -83,7 +88,7 @@ def added_at_one_shape(op, inputs: list, shape, input_scales: list, mark) -> jax
             x = jnp.reshape(x, (1,) * (len(shape) - np.ndim(x)) + tuple(np.shape(x)))
             if operand.role == "input" and ts is not None:
                 ones = np.ones([n if m == 1 else 1 for m, n in zip(x.shape, shape)], np.float32)
-                one = TensorScale(qtype="int16", scale=np.asarray(1.0 / 32767.0, np.float32))
+                one = _int16(1.0)
                 with jax.named_scope("broadcast"):
                     x = mark(x * mark(one.fake_quant(jnp.asarray(ones)), one), ts)
             else:
@@ -113,10 +118,6 @@ def pool_as_depthwise_conv(op, x: jax.Array, mark) -> jax.Array:
     return jax.lax.conv_general_dilated(
         x, jnp.transpose(kernel, (1, 2, 0, 3)), tuple(op.attributes["strides"][1:3]), "VALID",
         dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=channels)
-
-
-def _int16(top: float) -> TensorScale:
-    return TensorScale(qtype="int16", scale=np.asarray(max(top, 1e-30) / 32767.0, np.float32))
 
 
 def gelu_in_int16(x: jax.Array, in_ts: TensorScale, mark) -> jax.Array:
