@@ -38,7 +38,7 @@ from odmlq.graph import MATMUL_KINDS, flat_params, replace_params
 from odmlq.scales import Scales, TensorScale, fake_quant_bias, folded_weights
 from odmlq.hooks import FakeQuant, PlanHooks
 from odmlq.litert._blockwise import Blockwise, payload, placeholder
-from odmlq.litert._check import blockwise_weights
+from odmlq.litert._check import blockwise_weights, requantized_from_producer
 from odmlq.litert._external import Placeholder
 from odmlq.litert._conv1d import one_dimensional_as_two, with_unit_axis
 from odmlq.litert._conv_transpose import annotated_phases
@@ -184,6 +184,7 @@ def annotated_function(graph, plan, scales: Scales, params: Any,
     placeholders (zeros of their shape: see `_external`), written after the
     flatbuffer once converted."""
     converted = {edge for edge, _ in scales.conversions}
+    separated = frozenset(c.key for c in plan.conversions.values() if requantized_from_producer(plan, c))
     # Only a float op next to a quantized tensor can be quantized by the
     # converter; a float model keeps its file as it was.
     keep_float = frozenset(
@@ -261,7 +262,8 @@ def annotated_function(graph, plan, scales: Scales, params: Any,
 
         # The graph evaluated may be a re-trace of the plan's at other input shapes:
         # full-shape int16 operands take its shapes.
-        return PlanHooks(plan, scales, Annotation(scales, graph, keep_float, host_grid)).evaluate(graph, qparams, *inputs)
+        annotation = Annotation(scales, graph, keep_float, host_grid, separated)
+        return PlanHooks(plan, scales, annotation).evaluate(graph, qparams, *inputs)
 
     return Annotated(fn, payloads, list(placeholders.values()))
 
@@ -334,8 +336,9 @@ class Annotation(FakeQuant):
 
     host_folds = True  # a folded BatchNorm's bias as a constant (`hooks`)
 
-    def __init__(self, scales: Scales, graph, keep_float=frozenset(), grid=None):
+    def __init__(self, scales: Scales, graph, keep_float=frozenset(), grid=None, separated=frozenset()):
         self.scales, self.graph, self.keep_float = scales, graph, keep_float
+        self.separated = separated  # conversions read after a same-scale MAXIMUM (`converted_input`)
         self.grid = grid  # param -> its values on its grid (host), for kernels laid out here
         self.activated: set[str] = set()  # ReLUs applied where a transposed convolution's phases are
         self.marked_in_two_dimensions: set[str] = set()
@@ -378,6 +381,16 @@ class Annotation(FakeQuant):
             return fake_quant_composite(ts.fake_quant(jnp.asarray(value, jnp.float32)), ts)
 
     def converted_input(self, op, index, x, ts):
+        edge = self.graph.resolve(op.operands[index].edge)
+        if (edge, str(ts.qtype)) in self.separated:
+            # litert-converter folds a QUANTIZE of a quantized tensor into its producer
+            # (`_check.requantized_from_producer`), but not into a same-scale op: a
+            # MAXIMUM with a value below the edge's lowest code, the identity on its grid.
+            source = self.scales.edges[edge]
+            step = float(np.asarray(source.scale).reshape(()))
+            zero = 0.0 if source.zero_point is None else float(np.asarray(source.zero_point).reshape(()))
+            with jax.named_scope(f"{edge}/separated"):
+                x = fake_quant_composite(jnp.maximum(x, (source.qtype.qmin - zero - 1) * step), source)
         with jax.named_scope(f"{op.operands[index].edge}/to_{ts.qtype}"):
             return fake_quant_composite(x, ts)
 

@@ -184,30 +184,42 @@ def _kernel_limitation(op, qtype: str, graph) -> str | None:
     return None if check is None else check(op, qtype, graph)
 
 
+def requantized_from_producer(plan: Plan, c) -> bool:
+    """Whether conversion `c` (`Plan.conversions`) requantizes a quantized edge
+    whose producer has a scale of its own: litert-converter 0.5.0 folds such a
+    QUANTIZE into the producer, which then reads one qtype and writes the other
+    (seen with FULLY_CONNECTED: its int8 output silently rescaled, 0 dB; GELU:
+    'input and output must have same element type'; the depthwise pool:
+    'output->type != data_type (INT16 != INT8)'). The LiteRT lowering puts a
+    same-scale MAXIMUM between them, which the converter does not fold through
+    (`_annotate.Annotation.converted_input`)."""
+    producer = plan.graph.edges[c.edge].producer
+    if c.source == "float" or producer is None:
+        return False
+    kind = plan.graph.op(producer).kind
+    # An average pool lowered as a depthwise convolution requantizes too.
+    return plan.edges[c.edge].constraint is None or (
+        kind == "avg_pool" and pool_as_depthwise(plan.graph.op(producer), c.source))
+
+
 def _check_one_activation_type(plan: Plan, op, where: str) -> None:
     """LiteRT kernels read and write one activation type (an int8 -> int16
     FULLY_CONNECTED computes garbage, without an error): an input of another
-    qtype is read through a conversion (`Plan.conversions`, a QUANTIZE op).
-    Kernels that read every input at their output's scale (CONCATENATION,
-    MAXIMUM, MINIMUM) would fold that QUANTIZE into their own scale, which the
-    plan does not model: refused."""
+    qtype is read through a conversion (`Plan.conversions`, a QUANTIZE op;
+    after a same-scale separator where the converter would fold it into the
+    producer: `requantized_from_producer`). Kernels that read every input at
+    their output's scale (CONCATENATION, MAXIMUM, MINIMUM) would fold that
+    QUANTIZE into their own scale, which the plan does not model: refused."""
     converted = [c for c in plan.conversions.values() if op.id in c.consumers]
     for c in converted:
         producer = plan.graph.edges[c.edge].producer
         kind = None if producer is None else plan.graph.op(producer).kind
-        # An average pool lowered as a depthwise convolution requantizes too.
-        requantizing = kind is not None and (plan.edges[c.edge].constraint is None or (
-            kind == "avg_pool" and pool_as_depthwise(plan.graph.op(producer), c.source)))
-        if c.source != "float" and requantizing:
-            # Seen with FULLY_CONNECTED (its int8 output silently rescaled: 0 dB),
-            # GELU ('input and output must have same element type') and the
-            # depthwise pool ('output->type != data_type (INT16 != INT8)').
+        if requantized_from_producer(plan, c) and plan.edges[c.edge].spec.scale_axes:
             raise PlanError(
-                f"{where} reads {c.source} edge {c.edge!r} as {c.spec.qtype}: litert-converter 0.5.0 "
-                f"folds that requantization into the producing {kind!r} op, which then reads "
-                f"{c.source} and writes {c.spec.qtype} (computed wrongly or refused). Give the "
-                f"producer ({producer!r}) act_qtype={c.spec.qtype!r} too, or keep it in float "
-                "(skip=True, allow_float_ops=True): a QUANTIZE after a float op converts correctly.",
+                f"{where} reads {c.source} edge {c.edge!r} as {c.spec.qtype}; the edge has a scale per "
+                f"axis {plan.edges[c.edge].spec.scale_axes}, and LiteRT's requantization of it would be "
+                f"folded into the producing {kind!r} op (computed wrongly). Give the producer "
+                f"({producer!r}) act_qtype={c.spec.qtype!r} too, or one scale per tensor.",
                 ops=(op.id, producer))
         if c.source == "float" and kind is not None:
             _check_float_layout_between(plan, op, plan.graph.op(producer), c, where)
