@@ -70,6 +70,12 @@ class Rule:
         (``'encoder/layer_3/attention/query'``; ``''`` for top-level ops).
       op: optional op-kind filter, one kind or a tuple (``'dot_general'``,
         ``'conv'``, ``'einsum'``, ``'add'``, ``'relu'``, ...).
+      writes_output: match only ops that write a model output, directly or
+        through ops that only move values (reshape, transpose, ...): the
+        classifier head. ``Rule('.*', writes_output=True, weight_qtype='int8',
+        act_qtype='int16')`` before the one-line int8 rule computes the
+        outputs in int16x8 (measured: +4.3 to +11.7 dB output SQNR on the
+        digits models and a 25M-parameter MLP; one op off XNNPACK).
       weight_qtype: qtype of the op's weights (None: weights stay float).
       weight_granularity: `PerTensor()`, `PerChannel()` (default: the op's
         output channels) or `PerBlock(n)` along the contraction axis.
@@ -97,6 +103,7 @@ class Rule:
     module_path: str
     op: str | tuple[str, ...] | None = None
     _: dataclasses.KW_ONLY
+    writes_output: bool = False
     weight_qtype: str | None = None
     weight_granularity: Granularity | None = None
     weight_symmetric: bool | None = None
@@ -131,8 +138,11 @@ class Rule:
     def pattern(self) -> re.Pattern:
         return re.compile(self.module_path)
 
-    def matches(self, module_path: str, op_kind: str) -> bool:
-        """True when this rule applies to an op at `module_path` of kind `op_kind`."""
+    def matches(self, module_path: str, op_kind: str, writes_output: bool = False) -> bool:
+        """True when this rule applies to an op at `module_path` of kind `op_kind`
+        (`writes_output`: the op writes a model output; see the field)."""
+        if self.writes_output and not writes_output:
+            return False
         if self.op is not None:
             kinds = (self.op,) if isinstance(self.op, str) else self.op
             if op_kind not in kinds:
@@ -159,7 +169,7 @@ class Rule:
             if f.name in ("module_path", "_"):
                 continue
             value = getattr(self, f.name)
-            if value is None or (f.name in ("act_dynamic", "skip") and value is False):
+            if value is None or (f.name in ("act_dynamic", "skip", "writes_output") and value is False):
                 continue
             if hasattr(value, "to_dict"):
                 value = value.to_dict()
@@ -186,7 +196,7 @@ class Rule:
         return cls(**data)
 
 
-_BOOLEAN_FIELDS = ("weight_symmetric", "act_symmetric", "act_dynamic", "skip")
+_BOOLEAN_FIELDS = ("weight_symmetric", "act_symmetric", "act_dynamic", "skip", "writes_output")
 
 
 def _check_rule(rule: Rule) -> None:

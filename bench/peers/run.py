@@ -9,6 +9,9 @@ where there is one).
 Tools:
 - ``odmlq``: ``odmlq.export_tflite(model, [Rule('.*', weight_qtype='int8',
   act_qtype='int8')], calibration)``, its defaults.
+- ``odmlq_out16``: the same with ``Rule('.*', writes_output=True,
+  weight_qtype='int8', act_qtype='int16')`` first: the op that writes the
+  output computes it in int16x8 (one op off XNNPACK), every other op int8.
 - ``tflite_converter``: the TensorFlow Lite converter's post-training
   quantization (``Optimize.DEFAULT``, a representative dataset, int8 builtins)
   of a TensorFlow twin: the same layers written with ``tf.nn`` around the JAX
@@ -49,6 +52,7 @@ for path in (ROOT, ROOT / "bench"):
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import odmlq  # noqa: E402
+OUTPUTS_INT16 = odmlq.Rule(".*", writes_output=True, weight_qtype="int8", act_qtype="int16")
 from accuracy import MODELS as BENCH_MODELS  # noqa: E402
 
 INT8 = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
@@ -99,8 +103,8 @@ def sqnr_db(reference: np.ndarray, value: np.ndarray) -> float:
 
 # --- the tools ---------------------------------------------------------------
 
-def odmlq_int8(bench) -> bytes:
-    return odmlq.export_tflite(bench.model, INT8, bench.calibration, variables=bench.variables,
+def odmlq_int8(bench, rules=INT8) -> bytes:
+    return odmlq.export_tflite(bench.model, rules, bench.calibration, variables=bench.variables,
                                example_inputs=tuple(np.asarray(x)[:1] for x in bench.example),
                                progress=False).tflite
 
@@ -200,7 +204,7 @@ def qwix_litert(bench) -> bytes:
                    output_names=["output_0"])
 
 
-TOOLS = ("odmlq", "tflite_converter", "litert_quantizer", "qwix")
+TOOLS = ("odmlq", "odmlq_out16", "tflite_converter", "litert_quantizer", "qwix")
 
 
 # --- the table ---------------------------------------------------------------
@@ -216,6 +220,8 @@ def measure(name: str, tools) -> list[dict]:
         start = time.perf_counter()
         if tool == "odmlq":
             tflite = odmlq_int8(bench)
+        elif tool == "odmlq_out16":
+            tflite = odmlq_int8(bench, [OUTPUTS_INT16, *INT8])
         elif tool == "tflite_converter":
             tflite = tflite_converter(name, bench, held_out, reference)
         elif tool == "litert_quantizer":

@@ -48,6 +48,11 @@ MAX_CONSTANT_SIZE = 65536
 MATMUL_KINDS = frozenset({"dot_general", "conv", "einsum"})
 
 
+# Op kinds that move values without computing new ones (`Graph.output_writers`).
+_MOVES_VALUES = frozenset({"reshape", "squeeze", "transpose", "broadcast_in_dim", "expand_dims", "copy",
+                           "convert_element_type"})
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Operand:
     """One input of an op.
@@ -211,6 +216,22 @@ class Graph:
         while self.edges[edge_id].alias is not None:
             edge_id = self.edges[edge_id].alias
         return edge_id
+
+    @functools.cached_property
+    def output_writers(self) -> frozenset[str]:
+        """Ops that write a model output: each output's producer and, where that
+        op only moves values (reshape, transpose, squeeze, ...), the ops before
+        it up to the first that computes (`Rule.writes_output`)."""
+        writers, pending = set(), [self.resolve(e) for e in self.outputs if e in self.edges]
+        while pending:
+            producer = self.edges[pending.pop()].producer
+            if producer is None or producer in writers:
+                continue
+            writers.add(producer)
+            op = self.op(producer)
+            if op.kind in _MOVES_VALUES and op.inputs:
+                pending.append(self.resolve(op.inputs[0]))
+        return frozenset(writers)
 
     @functools.cached_property
     def _ops_by_id(self) -> dict[str, Op]:

@@ -320,7 +320,8 @@ def plan_graph(graph: Graph, rules: Sequence[Rule], target: Target | Sequence[Ta
     for op in graph.ops:
         index = None
         if op.kind != "scan":
-            index = next((i for i, r in enumerate(rules) if r.matches(op.module_path, op.kind)), None)
+            writes = op.id in graph.output_writers
+            index = next((i for i, r in enumerate(rules) if r.matches(op.module_path, op.kind, writes)), None)
         if index is not None:
             matched.add(index)
         rule = rules[index] if index is not None else None
