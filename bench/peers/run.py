@@ -52,10 +52,10 @@ for path in (ROOT, ROOT / "bench"):
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import odmlq  # noqa: E402
-OUTPUTS_INT16 = odmlq.Rule(".*", writes_output=True, weight_qtype="int8", act_qtype="int16")
 from accuracy import MODELS as BENCH_MODELS  # noqa: E402
 
 INT8 = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
+OUTPUTS_INT16 = odmlq.Rule(".*", writes_output=True, weight_qtype="int8", act_qtype="int16")
 MODELS = ("digits_mlp", "digits_cnn", "mlp25m")
 
 # The layers of each model, for its TensorFlow twin: (kind, module, relu after).
