@@ -1,6 +1,10 @@
 import json
 import re
 
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -77,6 +81,38 @@ def test_to_dict_round_trip():
              act_qtype="int8", act_calibration=Percentile(99.9))
     again = Rule.from_dict(json.loads(json.dumps(r.to_dict())))
     assert again == r
+    head = Rule(".*", writes_output=True, weight_qtype="int8", act_qtype="int16")
+    assert head.to_dict()["writes_output"] is True and "writes_output" not in r.to_dict()
+    assert Rule.from_dict(json.loads(json.dumps(head.to_dict()))) == head
+
+
+class _Head(nn.Module):
+    """Two dense layers; the second's output reaches the model output through a
+    reshape and a transpose (ops that only move values)."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Dense(16, name="body")(x))
+        y = nn.Dense(12, name="head")(h).reshape(x.shape[0], 3, 4)
+        return jnp.transpose(y, (0, 2, 1)), h
+
+
+def test_writes_output_matches_the_ops_that_write_an_output_through_layout_ops():
+    """The output op is the head's matmul, through the reshape and transpose
+    after it; the body also writes an output (h), directly: its ReLU is matched,
+    its matmul (read only by the ReLU and the head) is not."""
+    model = _Head()
+    x = np.ones((2, 8), np.float32)
+    variables = model.init(jax.random.PRNGKey(0), x)
+    rules = [Rule(".*", writes_output=True, weight_qtype="int8", act_qtype="int16"),
+             Rule(".*", weight_qtype="int8", act_qtype="int8")]
+    plan = odmlq.plan(model, rules, x, variables=variables)
+    first = {op_id for op_id, op in plan.ops.items() if op.rule == 0}
+    kinds = {plan.graph.op(o).kind for o in first}
+    assert {"dot_general", "reshape", "transpose", "relu"} <= kinds, first
+    assert any(o.startswith("head/") for o in first) and "body/relu" in first
+    assert not any(o.startswith("body/dot_general") for o in first), first
+    assert not Rule(".*", writes_output=True, act_qtype="int16").matches("head", "dot_general")
 
 
 def test_load_yaml_and_json(tmp_path):
@@ -142,7 +178,7 @@ def test_yaml_true_false_and_words_that_look_boolean(tmp_path):
     assert rules == [Rule("on", skip=True), Rule(".*", act_qtype="int8")]
 
 
-@pytest.mark.parametrize("field", ["weight_symmetric", "act_symmetric", "act_dynamic", "skip"])
+@pytest.mark.parametrize("field", ["weight_symmetric", "act_symmetric", "act_dynamic", "skip", "writes_output"])
 def test_boolean_fields_refuse_other_values(field):
     fields = {"weight_qtype": "int8", "act_qtype": "int8", field: "false"}
     with pytest.raises(RuleError, match=f"{field}='false' must be true or false"):
