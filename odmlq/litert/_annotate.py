@@ -18,7 +18,6 @@ constant and emits no DEQUANTIZE or TRANSPOSE at run time.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -40,59 +39,12 @@ from odmlq.hooks import FakeQuant, PlanHooks
 from odmlq.litert._blockwise import Blockwise, payload, placeholder
 from odmlq.litert._check import blockwise_weights, requantized_from_producer
 from odmlq.litert._external import Placeholder
+from odmlq.litert._composites import dynamic_range_composite, fake_quant_composite
 from odmlq.litert._conv1d import one_dimensional_as_two, with_unit_axis
 from odmlq.litert._conv_transpose import annotated_phases
 from odmlq.litert._forms import (added_at_one_shape, avg_pool_padded_with_zeros, concatenated_by_padded_sums,
                                 gelu_erf, gelu_in_int16, max_pool_padded_with_zeros, pool_as_depthwise_conv,
-                                reciprocal_scale)
-
-_DTYPES = {"int8": "i8", "int16": "i16", "int4": "i4"}
-
-
-def _fake_quant_decomposition(x, *, dtype, scale, zero_point, narrow_range,
-                              quantization_dimension=None, qmin, qmax):
-    lo = qmin + (1 if bool(narrow_range) else 0)
-    if quantization_dimension is None:
-        # Python scalars: an array constant would become a second operand of the
-        # composite, which the converter does not lower.
-        s = float(np.asarray(scale).reshape(()))
-        zp = float(np.asarray(zero_point).reshape(()))
-    else:
-        shape = [1] * x.ndim
-        shape[quantization_dimension] = -1
-        s = jnp.asarray(np.asarray(scale, np.float32).reshape(shape))
-        zp = jnp.asarray(np.asarray(zero_point, np.float32).reshape(shape))
-    q = jnp.clip(jnp.round(x / s) + zp, lo, qmax)
-    return (q - zp) * s
-
-
-def fake_quant_composite(x: jax.Array, ts: TensorScale, quantization_dimension: int | None = None):
-    """`x` wrapped in a `quant.fake_quant` composite for `ts`."""
-    qt = ts.qtype
-    attrs = dict(
-        dtype=_DTYPES[qt.name],
-        scale=np.asarray(ts.scale, np.float32).reshape(-1),
-        zero_point=(np.zeros(np.size(ts.scale), np.int64) if ts.zero_point is None
-                    else np.asarray(ts.zero_point, np.int64).reshape(-1)),
-        narrow_range=np.bool_(ts.narrow_range),
-    )
-    if quantization_dimension is not None:
-        attrs["quantization_dimension"] = int(quantization_dimension)
-    decomposition = functools.partial(_fake_quant_decomposition, qmin=int(qt.qmin), qmax=int(qt.qmax))
-    return jax.lax.composite(lambda v, **kw: decomposition(v, **kw), name="quant.fake_quant")(x, **attrs)
-
-
-def dynamic_range_composite(x: jax.Array) -> jax.Array:
-    """Marks `x` as quantized at run time: a `quant.fake_quant` with no scale.
-
-    In the converter's DYNAMIC mode this makes the consuming kernel a
-    dynamic-range one (int8 weights, the input quantized per call). Its
-    decomposition is the identity: the quantization happens in the kernel.
-    """
-    attrs = dict(dtype="i8", scale=np.zeros((0,), np.float32), zero_point=np.zeros((0,), np.int64),
-                 narrow_range=np.bool_(False))
-    return jax.lax.composite(lambda v, **kw: v, name="quant.fake_quant")(x, **attrs)
-
+                                reciprocal_scale, separated)
 
 def _native_layouts(plan) -> dict[str, tuple[int, ...]]:
     """Parameter path -> (permutation to the kernel's layout, its channel axis)
@@ -382,15 +334,9 @@ class Annotation(FakeQuant):
 
     def converted_input(self, op, index, x, ts):
         edge = self.graph.resolve(op.operands[index].edge)
-        if (edge, str(ts.qtype)) in self.separated:
-            # litert-converter folds a QUANTIZE of a quantized tensor into its producer
-            # (`_check.requantized_from_producer`), but not into a same-scale op: a
-            # MAXIMUM with a value below the edge's lowest code, the identity on its grid.
-            source = self.scales.edges[edge]
-            step = float(np.asarray(source.scale).reshape(()))
-            zero = 0.0 if source.zero_point is None else float(np.asarray(source.zero_point).reshape(()))
+        if (edge, str(ts.qtype)) in self.separated:  # `_check.requantized_from_producer`
             with jax.named_scope(f"{edge}/separated"):
-                x = fake_quant_composite(jnp.maximum(x, (source.qtype.qmin - zero - 1) * step), source)
+                x = separated(x, self.scales.edges[edge], fake_quant_composite)
         with jax.named_scope(f"{op.operands[index].edge}/to_{ts.qtype}"):
             return fake_quant_composite(x, ts)
 

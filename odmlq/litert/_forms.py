@@ -142,3 +142,13 @@ def gelu_in_int16(x: jax.Array, in_ts: TensorScale, mark) -> jax.Array:
         scaled = mark(inner * constant(c), _int16(float(c) * inner_top))
         gate = mark(jax.nn.sigmoid(scaled), TensorScale(qtype="int16", scale=np.asarray(1.0 / 32768.0, np.float32)))
         return x * gate
+
+
+def separated(x: jax.Array, source: TensorScale, mark) -> jax.Array:
+    """`x` (quantized at `source`, per tensor) after a same-scale MAXIMUM with a
+    value below its lowest code: the identity on its grid. litert-converter
+    folds a QUANTIZE of a quantized tensor into the op producing it (which then
+    reads one qtype and writes another), but not through a same-scale op."""
+    step = float(np.asarray(source.scale).reshape(()))
+    zero = 0.0 if source.zero_point is None else float(np.asarray(source.zero_point).reshape(()))
+    return mark(jnp.maximum(x, (source.qtype.qmin - zero - 1) * step), source)
