@@ -150,6 +150,19 @@ class _Builder(_LoopLayout):
         w = self.w.weights.get(other)
         if w is None or not w.params:
             return False
+        # A bias belongs to a matmul of a weight (its int32 scale is the input's
+        # times the weight's), one value per output channel where that axis is
+        # known; a product of two activations plus a parameter (a learned
+        # attention bias) or a table over positions is an ADD of its own.
+        if not any(not isinstance(r, _Lit) and r in self.w.weights and self.w.weights[r].params
+                   for s in prev.steps for r in s.ins):
+            return False
+        channel = self.output_channel_axis(prev)
+        shape, out_shape = tuple(self.w.avals[other].shape), tuple(self.w.avals[out].shape)
+        aligned = (1,) * (len(out_shape) - len(shape)) + shape
+        if channel is not None and (len(aligned) != len(out_shape)
+                                    or any(d != 1 for i, d in enumerate(aligned) if i != channel)):
+            return False
         if not dry_run:
             self.bias_values.add(other)
         return True
