@@ -94,6 +94,10 @@ class FakeQuant:
     def op(self, op, compute: Callable, operands: list) -> list:
         return compute(*operands)
 
+    def stacked(self, edge_id: str, parts: list, ts: TensorScale | None) -> jax.Array | None:
+        """A loop's per-step outputs joined into `edge_id` (None: ``jnp.stack``)."""
+        return None
+
 
 class PlanHooks:
     """`Graph.evaluate`'s hooks for one resolved Plan and its Scales.
@@ -131,6 +135,9 @@ class PlanHooks:
         if self.capture:
             self.captured[edge_id] = x
         return self.feed.get(edge_id, x)
+
+    def on_stack(self, edge_id: str, parts: list) -> Any:
+        return self.materializer.stacked(edge_id, parts, self.scales.edges.get(edge_id))
 
     def on_constant(self, op_id: str, index: int, value: Any) -> Any:
         op = self.graph.op(op_id)
@@ -223,7 +230,7 @@ class PlanHooks:
         the plan's for other input shapes: same op and edge ids)."""
         self.graph = graph
         return graph.evaluate(params, *inputs, on_edge=self.on_edge, on_constant=self.on_constant,
-                              on_op=self.on_op)
+                              on_op=self.on_op, on_stack=self.on_stack)
 
 
 def dynamic_quantize(x: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array, jax.Array | None]:

@@ -246,7 +246,8 @@ class Graph:
     def evaluate(self, params: Any, *inputs: Any,
                  on_edge: Callable[[str, Any], Any] | None = None,
                  on_constant: Callable[[str, int, Any], Any] | None = None,
-                 on_op: Callable[..., list] | None = None) -> Any:
+                 on_op: Callable[..., list] | None = None,
+                 on_stack: Callable[[str, list], Any] | None = None) -> Any:
         """Runs the model op by op. Jittable.
 
         Hooks (each returns the value to use):
@@ -262,6 +263,9 @@ class Graph:
             outputs (one per `Op.outputs`). A backend wraps an op (in a
             composite, say) or replaces it (a quantized kernel);
             ``jax.make_jaxpr(compute)(*operands)`` shows what it computes.
+          on_stack(edge_id, parts): a scan's per-step outputs (unrolled, when
+            hooks watch it), to be joined into edge `edge_id` along a new first
+            axis; None: ``jnp.stack(parts)``.
 
         Example:
           >>> graph = trace(model, x, variables=variables)
@@ -274,7 +278,7 @@ class Graph:
             )
         from odmlq.graph._program import _Hooks
 
-        return self.program.run(params, inputs, _Hooks(on_edge, on_constant, on_op))
+        return self.program.run(params, inputs, _Hooks(on_edge, on_constant, on_op, on_stack))
 
     def to_dict(self) -> dict:
         return {

@@ -68,6 +68,7 @@ class _Hooks:
     on_edge: Any = None
     on_constant: Any = None
     on_op: Any = None
+    on_stack: Any = None
 
 
 @dataclasses.dataclass
@@ -138,7 +139,8 @@ class _Program:
         with (jax.ensure_compile_time_eval() if eager else contextlib.nullcontext()), \
                 (jax.named_scope(scope) if scope else contextlib.nullcontext()):
             if isinstance(step, _Region):
-                outs = _run_scan(step, ins, hooks)
+                stacked = step.outs[step.eqn.params["num_carry"]:]
+                outs = _run_scan(step, ins, hooks, [self.edge_of.get(v) for v in stacked])
             elif step.fn is not None:
                 outs = step.fn(*ins)
             elif replaced:
@@ -226,11 +228,13 @@ def _inline_call(closed):
     return call
 
 
-def _run_scan(region: _Region, ins: list, hooks: _Hooks) -> list:
+def _run_scan(region: _Region, ins: list, hooks: _Hooks, stacked_edges=()) -> list:
     """A scan, unrolled when hooks watch it: a hook may keep the values it is
     given (calibration statistics, captured edges), and a value kept from
     inside `lax.scan`'s body would be a tracer that escapes it. Unrolled, each
-    iteration's edges reach the hooks as values of the caller's own trace."""
+    iteration's edges reach the hooks as values of the caller's own trace.
+    `stacked_edges`: the edge of each per-step output (None where it has
+    none), for ``hooks.on_stack``."""
     p = region.eqn.params
     nc, ncarry = p["num_consts"], p["num_carry"]
     consts, init, xs = ins[:nc], ins[nc:nc + ncarry], ins[nc + ncarry:]
@@ -251,8 +255,14 @@ def _run_scan(region: _Region, ins: list, hooks: _Hooks) -> list:
     if p["reverse"]:
         steps.reverse()
     n_ys = len(region.eqn.outvars) - ncarry
-    ys = [jnp.stack([step[j] for step in steps]) for j in range(n_ys)] if steps else []
+    ys = [_stacked([step[j] for step in steps], stacked_edges[j] if j < len(stacked_edges) else None, hooks)
+          for j in range(n_ys)] if steps else []
     return [*carry, *ys]
+
+
+def _stacked(parts: list, edge: str | None, hooks: _Hooks):
+    joined = None if hooks.on_stack is None or edge is None else hooks.on_stack(edge, parts)
+    return jnp.stack(parts) if joined is None else joined
 
 
 def evaluate_replacing(closed, args, replace: Mapping[int, Callable], each: Callable | None = None) -> list:

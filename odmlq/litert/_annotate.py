@@ -340,6 +340,13 @@ class Annotation(FakeQuant):
         with jax.named_scope(f"{op.operands[index].edge}/to_{ts.qtype}"):
             return fake_quant_composite(x, ts)
 
+    def stacked(self, edge_id, parts, ts):
+        if ts is None or ts.qtype != "int16" or ts.scale_axes or len(parts) < 2:
+            return None
+        # An unrolled loop's int16 per-step outputs: CONCATENATION takes no int16 operand.
+        with jax.named_scope(edge_id):
+            return concatenated_by_padded_sums([jnp.expand_dims(p, 0) for p in parts], 0, ts, fake_quant_composite)
+
     def dynamic_input(self, op, index, x, spec):
         if not isinstance(x, jax.core.Tracer):
             # A constant (a loop's start state, computed at trace time) reaches the

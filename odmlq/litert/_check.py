@@ -9,7 +9,6 @@ and what to change.
 
 from __future__ import annotations
 
-import re
 
 from odmlq.constraints import SharedWithInputs
 from odmlq.errors import OdmlqError, PlanError
@@ -155,10 +154,9 @@ def check_plan(plan: Plan, *, allow_float_ops: bool = False) -> list[str]:
 
 
 def _check_loop(plan: Plan, op, where: str) -> None:
-    """A loop is unrolled into the file: its per-step outputs are joined by a
-    CONCATENATION, which litert-converter 0.5.0 takes in int8 only, and a
-    layer-stacked weight would need one scale set per step, which the export
-    does not slice yet."""
+    """A loop is unrolled into the file (its int16 per-step outputs joined by
+    PADs and ADDs: `Annotation.stacked`); a layer-stacked weight would need one
+    scale set per step, which the export does not slice yet."""
     stacked = [w.param for o in plan.graph.ops if o.region == op.id for w in plan.ops[o.id].weights
                if w.spec is not None and any(x.param == w.param and x.stacked_axes for x in o.operands)]
     if stacked:
@@ -166,15 +164,6 @@ def _check_loop(plan: Plan, op, where: str) -> None:
                         "LiteRT export unrolls loops but does not slice per-layer scales yet. Write the "
                         "layers as a Python loop (one module each), or keep the loop in float with "
                         "Rule(<its module>, skip=True) and allow_float_ops=True.")
-    per_step = [e for e in op.outputs[op.attributes.get("num_carry", len(op.outputs)):]
-                if plan.edges[e].spec is not None and plan.edges[e].spec.qtype == "int16"
-                and plan.graph.edges[e].consumers]
-    if per_step:
-        raise PlanError(f"{where}: the loop's per-step output {per_step[0]!r} is int16; its steps are "
-                        "joined by a CONCATENATION, and litert-converter 0.5.0 takes no int16 operand for "
-                        f"'tfl.concatenation' (conversion fails). Give the loop's module act_qtype='int8' "
-                        f"(Rule({re.escape(op.module_path)!r}, weight_qtype='int8', act_qtype='int8') "
-                        "before this rule).")
 
 
 def _kernel_limitation(op, qtype: str, graph) -> str | None:

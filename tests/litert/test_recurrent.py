@@ -96,10 +96,29 @@ def test_xla_runs_the_quantized_loop_with_integer_kernels(cell):
     assert _sqnr_db(model.apply(variables, held_out), qmodel(held_out)) >= 26.0
 
 
-def test_an_int16_loop_whose_steps_are_joined_is_refused_by_name():
-    model, variables = _model("lstm")
-    with pytest.raises(PlanError, match="CONCATENATION.*act_qtype='int8'"):
-        odmlq.export_tflite(model, INT16, [_sequences(8, 1)], variables=variables, benchmark=False)
+# Measured on the held-out sequences: int16x8 44.9 (LSTM) and 47.5 dB (GRU), against
+# int8's 29.6 and 34.1; the stacked output 11 and 4 LSB from simulate over 10 steps.
+# The floors leave 3.5 dB for other hosts.
+@pytest.mark.parametrize("cell, floor_db", [("lstm", 41.0), ("gru", 44.0)])
+def test_an_int16_loop_joins_its_steps_by_pads_and_adds_and_verifies_through_its_steps(cell, floor_db):
+    """litert-converter 0.5.0 takes no int16 CONCATENATION: the per-step outputs
+    are joined by PADs and ADDs (exact: each adds values to zeros at one scale).
+    The steps carry no plan edge, so the stacked output is checked from the
+    loop's inputs, allowed 1 LSB plus the body's largest kernel tolerance (int16
+    TANH: 4 LSB) per step: 41 LSB here; an int8 loop keeps 1 LSB."""
+    model, variables = _model(cell)
+    calibration = [_sequences(8, seed) for seed in range(1, 9)]
+    result = odmlq.export_tflite(model, INT16, calibration, variables=variables, benchmark=False)
+    assert result.verification.passed, result.verification
+    histogram = result.summary.op_histogram
+    assert "CONCATENATION" not in histogram and histogram["PAD"] == 2 * (STEPS - 1)
+    assert not result.summary.float_islands
+    stacked = next(c for c in result.verification.checks if c.edge == "RNN_0/transpose_1")
+    assert stacked.allowed_lsb == pytest.approx(1 + STEPS * 4.0, abs=0.05) and stacked.max_lsb <= 41
+    int8 = next(c for c in _exported(cell, "int8").verification.checks if c.edge == "RNN_0/transpose_1")
+    assert int8.allowed_lsb < 1.1
+    held_out = _sequences(24, 99)
+    assert _sqnr_db(model.apply(variables, held_out), litert_rows(result.tflite, held_out)) >= floor_db
 
 
 def test_layers_stacked_by_nn_scan_are_refused_by_name_on_litert():
