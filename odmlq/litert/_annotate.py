@@ -17,6 +17,7 @@ constant and emits no DEQUANTIZE or TRANSPOSE at run time.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -313,7 +314,8 @@ class Annotation(FakeQuant):
         if len(op.outputs) == 1:
             shape = self.graph.edges[op.outputs[0]].shape
             if int16_full_shape_operand(op, ts.qtype, value, shape):
-                value = jnp.broadcast_to(value, shape)
+                value = (jnp.broadcast_to(value, shape) if isinstance(value, jax.core.Tracer)
+                         else np.broadcast_to(np.asarray(value), shape))
         # (A matmul reads only constants this way; elementwise ops read derived
         # values too, by operand index.)
         operand = op.constants[index] if op.kind in MATMUL_KINDS and index < len(op.constants) else None
@@ -330,7 +332,12 @@ class Annotation(FakeQuant):
                 with jax.ensure_compile_time_eval():
                     native = ts.fake_quant(jnp.transpose(jnp.asarray(operand.value, jnp.float32), perm))
                 return jnp.transpose(fake_quant_composite(native, ts), tuple(int(i) for i in np.argsort(perm)))
-            return fake_quant_composite(ts.fake_quant(jnp.asarray(value, jnp.float32)), ts)
+            # A value known now is put on its grid now: traced, the converter left
+            # an int16 one's broadcast and rounding as ops ('tfl.add' then failed).
+            with (contextlib.nullcontext() if isinstance(value, jax.core.Tracer)
+                  else jax.ensure_compile_time_eval()):
+                on_grid = ts.fake_quant(jnp.asarray(value, jnp.float32))
+            return fake_quant_composite(on_grid, ts)
 
     def converted_input(self, op, index, x, ts):
         edge = self.graph.resolve(op.operands[index].edge)

@@ -55,3 +55,39 @@ def test_positions_taken_from_a_constant_table_are_one_constant_in_every_schema(
     simulated = np.asarray(odmlq.simulate(model, result.plan, result.calibration, x, variables=variables))
     # The folded rows are the rows: simulate is within int8's usual distance of float.
     assert 10 * np.log10(np.sum(reference ** 2) / np.sum((reference - simulated) ** 2)) > 30
+
+
+class _PlusComputed(nn.Module):
+    """A dense layer over a sequence plus a constant its steps compute (an iota,
+    a linspace), after a TANH or not."""
+
+    constant: str = "arange"
+    tanh: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(8, name="d")(x)
+        h = jnp.tanh(h) if self.tanh else h
+        c = jnp.arange(8, dtype=jnp.float32) / 8 if self.constant == "arange" else jnp.linspace(-1.0, 1.0, 8)
+        return h + c
+
+
+@pytest.mark.parametrize("act", ["int8", "int16"])
+@pytest.mark.parametrize("constant, tanh", [("arange", False), ("linspace", False), ("arange", True)])
+def test_a_constant_computed_by_steps_is_put_on_its_grid_before_conversion(constant, tanh, act):
+    """int16: the constant is broadcast to the ADD's shape (litert-converter takes
+    int16 ADD operands of one shape). Traced, its broadcast and rounding reached
+    the converter as ops and 'tfl.add' failed, naming no op; put on its grid on
+    the host, it is one int16 constant. Verified within 1 LSB per op (the TANH's
+    own tolerance in int16), no float op, and XLA = simulate."""
+    model = _PlusComputed(constant, tanh)
+    x = np.random.RandomState(0).randn(32, 6, 4).astype(np.float32)
+    variables = model.init(jax.random.PRNGKey(0), x[:1])
+    rules = [R(".*", weight_qtype="int8", act_qtype=act)]
+    result = odmlq.export_tflite(model, rules, [x[i:i + 8] for i in range(0, 32, 8)], variables=variables,
+                                 benchmark=False)
+    assert result.verification.passed, result.verification
+    assert not result.summary.float_islands and result.summary.op_histogram["ADD"] == 1
+    xla = odmlq.ptq(model, result.plan, variables, result.calibration)
+    simulated = odmlq.simulate(model, result.plan, result.calibration, x, variables=variables)
+    np.testing.assert_array_equal(np.asarray(xla(x)), np.asarray(simulated))
