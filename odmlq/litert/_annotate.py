@@ -47,6 +47,7 @@ from odmlq.litert._forms import (added_at_one_shape, avg_pool_padded_with_zeros,
                                 gelu_erf, gelu_in_int16, max_pool_padded_with_zeros, pool_as_depthwise_conv,
                                 reciprocal_scale, separated)
 
+
 def _native_layouts(plan) -> dict[str, tuple[int, ...]]:
     """Parameter path -> (permutation to the kernel's layout, its channel axis)
     and, for a 1-D convolution's filter, its spatial axis (a unit axis follows it).

@@ -9,7 +9,6 @@ and what to change.
 
 from __future__ import annotations
 
-
 from odmlq.constraints import SharedWithInputs
 from odmlq.errors import OdmlqError, PlanError
 from odmlq.litert.spec import OP_SPEC, SAME_AS_INPUT, TARGET, WITHOUT_KERNEL, pool_as_depthwise
