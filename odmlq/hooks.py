@@ -184,7 +184,28 @@ class PlanHooks:
                 operands = folded_operands(op, operands, bias)
         if grids is not None:
             compute = self._exact(op, compute, operands, grids)
+        elif op.kind == "mean" and self._integer_sums and self._integer_sums(op):
+            compute = self._mean_of_codes(op, compute, dict(self.converted.get(op_id, ())))
         return self.materializer.op(op, compute, operands)
+
+    def _mean_of_codes(self, op, compute: Callable, converted: dict) -> Callable:
+        """`compute` (a mean: linear) of a quantized input, taken on its codes
+        then scaled, as an integer kernel sums them. Summed as float values, a
+        mean near zero of large values (a LayerNorm's, after the residual
+        add) kept the float32 rounding of its terms: dozens of LSB of the
+        fine grid such a mean gets. Integer sums below 2^24 are exact in float32."""
+        operand = op.operands[0]
+        ts = converted.get(0)
+        if ts is None and operand.role == "input" and operand.edge is not None:
+            ts = self.scales.edges.get(self.graph.resolve(operand.edge))
+        if ts is None or ts.scale_axes or np.size(ts.scale) != 1:
+            return compute
+        step = float(np.asarray(ts.scale).reshape(()))
+
+        def on_codes(x, *rest):
+            return [y * step for y in compute(jnp.round(x / step), *rest)]
+
+        return on_codes
 
     def _converted(self, op, index: int, x: Any, ts: TensorScale) -> Any:
         """Input `index` of `op` converted to the op's qtype; captured and fed
