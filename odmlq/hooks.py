@@ -193,7 +193,8 @@ class PlanHooks:
         then scaled, as an integer kernel sums them. Summed as float values, a
         mean near zero of large values (a LayerNorm's, after the residual
         add) kept the float32 rounding of its terms: dozens of LSB of the
-        fine grid such a mean gets. Integer sums below 2^24 are exact in float32."""
+        fine grid such a mean gets. Integer sums below 2^24 are exact in float32;
+        a value off the input's grid adds the mean of its distance to the grid."""
         operand = op.operands[0]
         ts = converted.get(0)
         if ts is None and operand.role == "input" and operand.edge is not None:
@@ -203,7 +204,9 @@ class PlanHooks:
         step = float(np.asarray(ts.scale).reshape(()))
 
         def on_codes(x, *rest):
-            return [y * step for y in compute(jnp.round(x / step), *rest)]
+            # What is off the grid (a float value a report feeds) is averaged as it is.
+            codes = jnp.round(x / step)
+            return [y * step + r for y, r in zip(compute(codes, *rest), compute(x - codes * step, *rest))]
 
         return on_codes
 

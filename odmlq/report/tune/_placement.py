@@ -19,6 +19,7 @@ import numpy as np
 
 from odmlq import litert
 from odmlq.errors import OdmlqError, PlanError
+from odmlq.litert._check import requantized_from_producer
 from odmlq.report.tune._converts import Converts, refused_group
 from odmlq.report.tune._latency import Timer
 from odmlq.report.tune._model import TunedModel, rules_for
@@ -161,6 +162,13 @@ class Placement:
             if self.tuned.backend != "xla":
                 try:
                     litert.check_plan(plan, allow_float_ops=True)
+                    separated = [c for c in plan.conversions.values() if requantized_from_producer(plan, c)]
+                    if separated:
+                        # The export reads it after a same-scale MAXIMUM, ops the search's
+                        # costs (`_search.Boundaries`) do not count: the search avoids them.
+                        c = separated[0]
+                        raise PlanError(f"{c.edge!r} would be requantized after a separator",
+                                        ops=(*c.consumers, plan.graph.edges[c.edge].producer))
                 except PlanError as e:
                     error = e
             self._checks[key] = (plan, error)
