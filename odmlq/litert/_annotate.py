@@ -32,13 +32,14 @@ from odmlq.litert.spec import (
     padded_max_pool_reads_nonnegative,
     pool_as_depthwise,
     pool_pads_with_zeros,
+    requantized_from_producer,
     scalar_divisor,
 )
 from odmlq.graph import MATMUL_KINDS, flat_params, replace_params
 from odmlq.scales import Scales, TensorScale, fake_quant_bias, folded_weights
 from odmlq.hooks import FakeQuant, PlanHooks
 from odmlq.litert._blockwise import Blockwise, payload, placeholder
-from odmlq.litert._check import blockwise_weights, requantized_from_producer
+from odmlq.litert._check import blockwise_weights
 from odmlq.litert._external import Placeholder
 from odmlq.litert._composites import dynamic_range_composite, fake_quant_composite
 from odmlq.litert._conv1d import one_dimensional_as_two, with_unit_axis
@@ -342,7 +343,7 @@ class Annotation(FakeQuant):
 
     def converted_input(self, op, index, x, ts):
         edge = self.graph.resolve(op.operands[index].edge)
-        if (edge, str(ts.qtype)) in self.separated:  # `_check.requantized_from_producer`
+        if (edge, str(ts.qtype)) in self.separated:  # `spec.requantized_from_producer`
             with jax.named_scope(f"{edge}/separated"):
                 x = separated(x, self.scales.edges[edge], fake_quant_composite)
         with jax.named_scope(f"{op.operands[index].edge}/to_{ts.qtype}"):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from odmlq.constraints import SharedWithInputs
 from odmlq.errors import OdmlqError, PlanError
-from odmlq.litert.spec import OP_SPEC, SAME_AS_INPUT, TARGET, WITHOUT_KERNEL, pool_as_depthwise
+from odmlq.litert.spec import OP_SPEC, SAME_AS_INPUT, TARGET, WITHOUT_KERNEL, requantized_from_producer
 from odmlq.plan import Plan, op_qtype
 
 __all__ = ["BLOCKWISE_KERNEL", "FloatOpsError", "blockwise_weights", "check_io_dtype", "check_plan"]
@@ -170,24 +170,6 @@ def _kernel_limitation(op, qtype: str, graph) -> str | None:
     activations (see `spec.OpSpec.limitation`), or None."""
     check = getattr(OP_SPEC.get(op.kind), "limitation", None)
     return None if check is None else check(op, qtype, graph)
-
-
-def requantized_from_producer(plan: Plan, c) -> bool:
-    """Whether conversion `c` (`Plan.conversions`) requantizes a quantized edge
-    whose producer has a scale of its own: litert-converter 0.5.0 folds such a
-    QUANTIZE into the producer, which then reads one qtype and writes the other
-    (seen with FULLY_CONNECTED: its int8 output silently rescaled, 0 dB; GELU:
-    'input and output must have same element type'; the depthwise pool:
-    'output->type != data_type (INT16 != INT8)'). The LiteRT lowering puts a
-    same-scale MAXIMUM between them, which the converter does not fold through
-    (`_annotate.Annotation.converted_input`)."""
-    producer = plan.graph.edges[c.edge].producer
-    if c.source == "float" or producer is None:
-        return False
-    kind = plan.graph.op(producer).kind
-    # An average pool lowered as a depthwise convolution requantizes too.
-    return plan.edges[c.edge].constraint is None or (
-        kind == "avg_pool" and pool_as_depthwise(plan.graph.op(producer), c.source))
 
 
 def _check_one_activation_type(plan: Plan, op, where: str) -> None:

@@ -42,7 +42,8 @@ from odmlq.constraints import (
     Target,
 )
 
-__all__ = ["OP_SPEC", "OpSpec", "TARGET", "WITHOUT_KERNEL", "pool_as_depthwise", "pool_pads_with_zeros"]
+__all__ = ["OP_SPEC", "OpSpec", "TARGET", "WITHOUT_KERNEL", "pool_as_depthwise", "pool_pads_with_zeros",
+           "requantized_from_producer"]
 
 SAME_AS_INPUT = SameAsInput()
 SHARED = SharedWithInputs()
@@ -360,3 +361,21 @@ TARGET = Target(name="litert", ops={kind: spec.constraints for kind, spec in OP_
                 weight_channel_axes=1, dynamic_inputs_need_weight=True,
                 block_scale_dtype="bfloat16", dynamic_depthwise_float=True, dynamic_inputs_per_row=True,
                 float_input_carrier="int16")
+
+
+def requantized_from_producer(plan, c) -> bool:
+    """Whether conversion `c` (`Plan.conversions`) requantizes a quantized edge
+    whose producer has a scale of its own: litert-converter 0.5.0 folds such a
+    QUANTIZE into the producer, which then reads one qtype and writes the other
+    (seen with FULLY_CONNECTED: its int8 output silently rescaled, 0 dB; GELU:
+    'input and output must have same element type'; the depthwise pool:
+    'output->type != data_type (INT16 != INT8)'). The LiteRT lowering puts a
+    same-scale MAXIMUM between them, which the converter does not fold through
+    (`_annotate.Annotation.converted_input`)."""
+    producer = plan.graph.edges[c.edge].producer
+    if c.source == "float" or producer is None:
+        return False
+    kind = plan.graph.op(producer).kind
+    # An average pool lowered as a depthwise convolution requantizes too.
+    return plan.edges[c.edge].constraint is None or (
+        kind == "avg_pool" and pool_as_depthwise(plan.graph.op(producer), c.source))

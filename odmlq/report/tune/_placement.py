@@ -19,7 +19,7 @@ import numpy as np
 
 from odmlq import litert
 from odmlq.errors import OdmlqError, PlanError
-from odmlq.litert._check import requantized_from_producer
+from odmlq.litert.spec import requantized_from_producer
 from odmlq.report.tune._converts import Converts, refused_group
 from odmlq.report.tune._latency import Timer
 from odmlq.report.tune._model import TunedModel, rules_for
