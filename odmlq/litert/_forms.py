@@ -151,4 +151,8 @@ def separated(x: jax.Array, source: TensorScale, mark) -> jax.Array:
     reads one qtype and writes another), but not through a same-scale op."""
     step = float(np.asarray(source.scale).reshape(()))
     zero = 0.0 if source.zero_point is None else float(np.asarray(source.zero_point).reshape(()))
-    return mark(jnp.maximum(x, (source.qtype.qmin - zero - 1) * step), source)
+    # The lowest code, marked at the edge's own scale: an unmarked float constant
+    # left the MAXIMUM in float where the producer read a QUANTIZE of a float op.
+    with jax.ensure_compile_time_eval():
+        lowest = source.fake_quant(jnp.asarray(np.float32((source.qtype.qmin - zero) * step)))
+    return mark(jnp.maximum(x, mark(lowest, source)), source)

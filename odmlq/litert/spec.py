@@ -43,7 +43,7 @@ from odmlq.constraints import (
 )
 
 __all__ = ["OP_SPEC", "OpSpec", "TARGET", "WITHOUT_KERNEL", "pool_as_depthwise", "pool_pads_with_zeros",
-           "requantized_from_producer"]
+           "requantized_from_producer", "sets_own_scale"]
 
 SAME_AS_INPUT = SameAsInput()
 SHARED = SharedWithInputs()
@@ -372,10 +372,18 @@ def requantized_from_producer(plan, c) -> bool:
     'output->type != data_type (INT16 != INT8)'). The LiteRT lowering puts a
     same-scale MAXIMUM between them, which the converter does not fold through
     (`_annotate.Annotation.converted_input`)."""
-    producer = plan.graph.edges[c.edge].producer
-    if c.source == "float" or producer is None:
+    return c.source != "float" and sets_own_scale(plan, c.edge, c.source)
+
+
+def sets_own_scale(plan, edge_id: str, qtype: str) -> bool:
+    """Whether the op producing `edge_id` (quantized as `qtype`) writes it at
+    a scale of its own, not its input's: a conversion of that edge to another
+    integer qtype is read after a separator (`requantized_from_producer`)."""
+    producer = plan.graph.edges[edge_id].producer
+    edge = plan.edges.get(edge_id)
+    if producer is None or edge is None:
         return False
     kind = plan.graph.op(producer).kind
     # An average pool lowered as a depthwise convolution requantizes too.
-    return plan.edges[c.edge].constraint is None or (
-        kind == "avg_pool" and pool_as_depthwise(plan.graph.op(producer), c.source))
+    return edge.constraint is None or (
+        kind == "avg_pool" and pool_as_depthwise(plan.graph.op(producer), qtype))

@@ -125,6 +125,36 @@ def test_a_conversion_from_a_free_scale_producer_exports_after_a_separator(act, 
     assert not result.summary.float_islands
 
 
+class _FloatFirst(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Dense(32, name="f")(x))
+        return nn.Dense(8, name="a")(h) + nn.Dense(8, name="c")(h)
+
+
+def test_a_separator_stays_integer_after_a_producer_that_reads_a_float_op():
+    """An int16 dense whose input is a QUANTIZE of a float op, read by an int8
+    ADD: its separator's constant (the lowest code) is marked at the edge's
+    scale. Unmarked, litert-converter kept that MAXIMUM in float, between a
+    DEQUANTIZE and two QUANTIZEs, where the same model with its first dense
+    quantized had an int16 MAXIMUM."""
+    model = _FloatFirst()
+    variables = model.init(jax.random.PRNGKey(0), X[:1])
+    rules = [R("f", skip=True), R("c", weight_qtype="int8", act_qtype="int16"),
+             R(".*", weight_qtype="int8", act_qtype="int8")]
+    with pytest.warns(UserWarning, match="float"):
+        result = odmlq.export_tflite(model, rules, BATCHES, variables=variables, allow_float_ops=True,
+                                     benchmark=False)
+    assert result.verification.passed, result.verification
+    assert result.summary.op_histogram["MAXIMUM"] == 1
+    # The float dense and its ReLU, and the QUANTIZEs of their output: nothing else.
+    assert sorted(o.name for o in result.summary.float_islands) == [
+        "FULLY_CONNECTED", "QUANTIZE", "QUANTIZE", "RELU"], result.summary.float_islands
+    dtypes = {t.name: t.dtype for t in result.summary.tensors}
+    separated = [n for n in dtypes if "separated" in n]
+    assert separated and all(dtypes[n] in ("int16", "int8") for n in separated), {n: dtypes[n] for n in separated}
+
+
 class _Reshaped(nn.Module):
     @nn.compact
     def __call__(self, x):

@@ -15,6 +15,7 @@ from odmlq import litert, xla
 from odmlq.calibration import Calibration, calibrate, restricted, reusable
 from odmlq.errors import PlanError
 from odmlq.graph import flat_params, params_for
+from odmlq.litert.spec import sets_own_scale
 from odmlq.plan import plan as make_plan
 from odmlq.rules import Rule, UnmatchedRuleWarning
 from odmlq.scales import compute_scales
@@ -201,7 +202,7 @@ class TunedModel:
         domain = np.array([0 if c.edge_qtype is None else 1 + names.index(c.edge_qtype)
                            for c in self.candidates])
         bits = np.array([32.0] + [float(lookup_qtype(n).bits) for n in names])
-        shared = []
+        shared, separated = [], set()
         for edge in self.graph.edges.values():
             if edge.alias is not None or not edge.is_float:
                 continue
@@ -209,9 +210,12 @@ class TunedModel:
             readers = {self.op_group.get(op_id, -1) for op_id in edge.consumers}
             readers |= {-1} if edge.is_output else set()
             if len(readers | {producer}) > 1:
+                separated |= {(len(shared), c) for c, (candidate, plan) in enumerate(zip(self.candidates, self.plans))
+                              if producer >= 0 and candidate.edge_qtype is not None
+                              and sets_own_scale(plan, edge.id, candidate.edge_qtype)}
                 shared.append((float(math.prod(edge.shape[1:]) if edge.shape else 1), producer,
                                tuple(sorted(readers))))
-        return Boundaries(domain=domain, domain_bits=bits, edges=tuple(shared))
+        return Boundaries(domain=domain, domain_bits=bits, edges=tuple(shared), separated=frozenset(separated))
 
     def size(self, plan) -> tuple[int, float]:
         """(bytes of every parameter the graph reads, average bits per weight)."""

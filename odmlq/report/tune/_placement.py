@@ -19,7 +19,6 @@ import numpy as np
 
 from odmlq import litert
 from odmlq.errors import OdmlqError, PlanError
-from odmlq.litert.spec import requantized_from_producer
 from odmlq.report.tune._converts import Converts, refused_group
 from odmlq.report.tune._latency import Timer
 from odmlq.report.tune._model import TunedModel, rules_for
@@ -80,8 +79,9 @@ class Placement:
     def legalize(self, config) -> tuple[np.ndarray, Any]:
         """`config` made legal on LiteRT, and its plan.
 
-        Where an op reads its producer's edge in a qtype that the converter
-        would fold into the producer, the two groups are resolved one of three
+        Where LiteRT cannot convert between two groups (`litert.check_plan`:
+        a CONCATENATION reading an input of another qtype, a float layout op
+        between two qtypes, ...), the two groups are resolved one of three
         ways: the producer's or the reader's group in float (a float op is
         the converter's one legal separator), or both on one candidate legal
         for both. Each way is checked; the ones that raise a conflict of their
@@ -162,13 +162,6 @@ class Placement:
             if self.tuned.backend != "xla":
                 try:
                     litert.check_plan(plan, allow_float_ops=True)
-                    separated = [c for c in plan.conversions.values() if requantized_from_producer(plan, c)]
-                    if separated:
-                        # The export reads it after a same-scale MAXIMUM, ops the search's
-                        # costs (`_search.Boundaries`) do not count: the search avoids them.
-                        c = separated[0]
-                        raise PlanError(f"{c.edge!r} would be requantized after a separator",
-                                        ops=(*c.consumers, plan.graph.edges[c.edge].producer))
                 except PlanError as e:
                     error = e
             self._checks[key] = (plan, error)

@@ -17,7 +17,8 @@ Cost is what a group moves per inference: its weights' storage bits plus its
 output activations' bits (a memory-traffic proxy for latency that also ranks
 float islands last), plus, on LiteRT, the conversions where it meets a
 neighbour of another activation qtype (`Boundaries`: a QUANTIZE or DEQUANTIZE writes
-the edge again, and is one more op and tensor in the file). That last term
+the edge again, and is one more op and tensor in the file; so does the
+separator before an integer edge's conversion to another integer qtype). That last term
 is pairwise: a move's cost depends on the neighbours' candidates, so every
 move is costed against the configuration it is taken from.
 """
@@ -58,11 +59,17 @@ class Boundaries:
       domain_bits: (domains,) bits per element of each (32 for float).
       edges: (elements per sample, producer group or -1, reader groups
         (-1 for a float reader)) per edge where groups meet.
+      separated: (edge index, candidate) where the edge's producer, on that
+        candidate, writes it at a scale of its own: converted to another
+        integer qtype, it is read after a separator (a same-scale MAXIMUM,
+        `odmlq.litert.spec.requantized_from_producer`), which writes the edge
+        once more at the producer's bits, one more op beside the QUANTIZE.
     """
 
     domain: np.ndarray
     domain_bits: np.ndarray
     edges: tuple[tuple[float, int, tuple[int, ...]], ...]
+    separated: frozenset[tuple[int, int]] = frozenset()
 
     @functools.cached_property
     def _by_group(self) -> dict[int, list[int]]:
@@ -78,14 +85,31 @@ class Boundaries:
         source = 0 if producer < 0 else self.domain[config[producer]]
         return {0 if g < 0 else self.domain[config[g]] for g in readers} - {source}
 
+    def _separators(self, i: int, config: np.ndarray) -> int:
+        """How many separators edge i needs under `config`: one per integer
+        qtype it is converted to from an integer producer that sets its own scale."""
+        producer = self.edges[i][1]
+        if producer < 0 or self.domain[config[producer]] == 0 or (i, int(config[producer])) not in self.separated:
+            return 0
+        return sum(d != 0 for d in self._converted(i, config))
+
     def edge_cost(self, i: int, config: np.ndarray) -> float:
-        """The conversions' cost at edge i under `config`."""
+        """The conversions' cost at edge i under `config`, their separators' included."""
         elements = self.edges[i][0]
-        return sum(elements * self.domain_bits[d] + CONVERSION_OVERHEAD_BITS for d in self._converted(i, config))
+        cost = sum(elements * self.domain_bits[d] + CONVERSION_OVERHEAD_BITS for d in self._converted(i, config))
+        separators = self._separators(i, config)
+        if separators:
+            produced_bits = self.domain_bits[self.domain[config[self.edges[i][1]]]]
+            cost += separators * (elements * produced_bits + CONVERSION_OVERHEAD_BITS)
+        return cost
 
     def conversions(self, config: np.ndarray) -> int:
-        """How many conversion ops `config` needs."""
+        """How many conversion ops (QUANTIZE, DEQUANTIZE) `config` needs."""
         return sum(len(self._converted(i, config)) for i in range(len(self.edges)))
+
+    def separators(self, config: np.ndarray) -> int:
+        """How many separator ops (MAXIMUM) `config` needs."""
+        return sum(self._separators(i, config) for i in range(len(self.edges)))
 
     def cost(self, config: np.ndarray) -> float:
         """Bits the conversions of `config` move and store."""
