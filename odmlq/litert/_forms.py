@@ -145,8 +145,8 @@ def gelu_in_int16(x: jax.Array, in_ts: TensorScale, mark) -> jax.Array:
 
 
 def separated(x: jax.Array, source: TensorScale, mark) -> jax.Array:
-    """`x` (quantized at `source`, per tensor) after a same-scale MAXIMUM with a
-    value below its lowest code: the identity on its grid. litert-converter
+    """`x` (quantized at `source`, per tensor) after a same-scale MAXIMUM with
+    its lowest code: the identity on its grid. litert-converter
     folds a QUANTIZE of a quantized tensor into the op producing it (which then
     reads one qtype and writes another), but not through a same-scale op."""
     step = float(np.asarray(source.scale).reshape(()))

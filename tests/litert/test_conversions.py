@@ -108,7 +108,7 @@ def test_a_conversion_from_a_free_scale_producer_exports_after_a_separator(act, 
     """litert-converter folds a requantize into a producer with a scale of its
     own (a FULLY_CONNECTED then read int8 and wrote int16: 0 dB against
     simulate; a GELU was refused). The lowering puts a same-scale MAXIMUM
-    between them, below the edge's lowest code (the identity on its grid),
+    between them, with the edge's lowest code (the identity on its grid),
     which the converter does not fold through: the QUANTIZE stays and every
     edge verifies within 1 LSB of simulate (the requantize's and the kernels'
     rounding)."""
