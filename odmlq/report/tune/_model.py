@@ -210,9 +210,11 @@ class TunedModel:
             readers = {self.op_group.get(op_id, -1) for op_id in edge.consumers}
             readers |= {-1} if edge.is_output else set()
             if len(readers | {producer}) > 1:
-                separated |= {(len(shared), c) for c, (candidate, plan) in enumerate(zip(self.candidates, self.plans))
-                              if producer >= 0 and candidate.edge_qtype is not None
-                              and sets_own_scale(plan, edge.id, candidate.edge_qtype)}
+                if producer >= 0:
+                    separated |= {(len(shared), c)
+                                  for c, (candidate, plan) in enumerate(zip(self.candidates, self.plans))
+                                  if candidate.edge_qtype is not None
+                                  and sets_own_scale(plan, edge.id, candidate.edge_qtype)}
                 shared.append((float(math.prod(edge.shape[1:]) if edge.shape else 1), producer,
                                tuple(sorted(readers))))
         return Boundaries(domain=domain, domain_bits=bits, edges=tuple(shared), separated=frozenset(separated))

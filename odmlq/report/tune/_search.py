@@ -85,19 +85,21 @@ class Boundaries:
         source = 0 if producer < 0 else self.domain[config[producer]]
         return {0 if g < 0 else self.domain[config[g]] for g in readers} - {source}
 
-    def _separators(self, i: int, config: np.ndarray) -> int:
-        """How many separators edge i needs under `config`: one per integer
-        qtype it is converted to from an integer producer that sets its own scale."""
+    def _separators(self, i: int, config: np.ndarray, converted: set[int]) -> int:
+        """How many separators edge i needs under `config`, given the domains it is
+        `converted` to: one per integer domain, where its producer sets its own
+        scale (`separated` holds integer candidates only)."""
         producer = self.edges[i][1]
-        if producer < 0 or self.domain[config[producer]] == 0 or (i, int(config[producer])) not in self.separated:
+        if producer < 0 or (i, int(config[producer])) not in self.separated:
             return 0
-        return sum(d != 0 for d in self._converted(i, config))
+        return sum(d != 0 for d in converted)
 
     def edge_cost(self, i: int, config: np.ndarray) -> float:
         """The conversions' cost at edge i under `config`, their separators' included."""
         elements = self.edges[i][0]
-        cost = sum(elements * self.domain_bits[d] + CONVERSION_OVERHEAD_BITS for d in self._converted(i, config))
-        separators = self._separators(i, config)
+        converted = self._converted(i, config)
+        cost = sum(elements * self.domain_bits[d] + CONVERSION_OVERHEAD_BITS for d in converted)
+        separators = self._separators(i, config, converted)
         if separators:
             produced_bits = self.domain_bits[self.domain[config[self.edges[i][1]]]]
             cost += separators * (elements * produced_bits + CONVERSION_OVERHEAD_BITS)
@@ -109,7 +111,7 @@ class Boundaries:
 
     def separators(self, config: np.ndarray) -> int:
         """How many separator ops (MAXIMUM) `config` needs."""
-        return sum(self._separators(i, config) for i in range(len(self.edges)))
+        return sum(self._separators(i, config, self._converted(i, config)) for i in range(len(self.edges)))
 
     def cost(self, config: np.ndarray) -> float:
         """Bits the conversions of `config` move and store."""
