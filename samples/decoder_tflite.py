@@ -44,6 +44,9 @@ R = odmlq.Rule
 SCHEMAS: dict[str, list] = {
     # Hybrid kernels: int8 weights, each matmul's input quantized per row at run time.
     "int8 dynamic": [R(".*", weight_qtype="int8", act_qtype="int8", act_dynamic=True)],
+    # Full integer: int8 activations at calibrated scales too (the cache crosses the
+    # signature as float, quantized at each one's own scale), what an NPU runs.
+    "int8 full integer": [R(".*", weight_qtype="int8", act_qtype="int8")],
     # int4 in blocks of 32 on XNNPACK's blockwise kernel; the tied embedding (also the
     # table every token is looked up in) stays int8 per channel.
     "int4 blockwise dynamic": [

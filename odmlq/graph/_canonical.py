@@ -24,7 +24,12 @@ table would otherwise need twice, are written in forms it can
   key/value heads in grouped-query attention: transformers' Llama, Gemma,
   Mistral) is a broadcast that only adds axes of size 1 (a RESHAPE) and a
   concatenation of the copies: the converter keeps BROADCAST_TO in float,
-  where CONCATENATION is an int8 kernel XNNPACK runs;
+  where CONCATENATION is an int8 kernel XNNPACK runs. Past `MAX_COPIES`
+  copies (a decoder's new key written into every position of its cache by a
+  select) it is that RESHAPE times a constant of ones shaped as the copied
+  axes, ``(1, .., n, .., 1)``: the converter folds both broadcasts into
+  MUL's own (an int8 and int16 kernel), and the file holds n ones, not n
+  copies;
 - ``jnp.stack`` (JAX's ``stack`` primitive; GPT-J's interleaved rotary
   embedding) is each input with an axis of size 1 added (a RESHAPE) and
   their concatenation along it: what the converter lowers it to, and one
@@ -39,7 +44,7 @@ from jax import lax
 
 from odmlq.graph._program import _Lit, _Region, _Step
 
-# The most copies a broadcast is rewritten into (a concatenation of that many inputs).
+# The most copies a broadcast is rewritten into as a concatenation (of that many inputs); more are a MUL.
 MAX_COPIES = 16
 
 
@@ -78,9 +83,10 @@ def _swap(walker, steps: list, step, lhs, rhs, lc, rc) -> None:
 
 def portable_forms(walker, steps: list) -> None:
     """Rewrites, in place, each float ``neg`` of an activation as ``x * -1``,
-    each boolean ``xor`` (of constants too) as ``!=``, and each broadcast that
-    copies an activation at most `MAX_COPIES` times as a concatenation (module
-    doc), and each ``stack`` of activations as a concatenation, in scan bodies too."""
+    each boolean ``xor`` (of constants too) as ``!=``, each broadcast that
+    copies an activation as a concatenation (at most `MAX_COPIES` copies) or a
+    MUL by ones (module doc), and each ``stack`` of activations as a
+    concatenation, in scan bodies too."""
     for step in list(steps):
         if isinstance(step, _Region):
             portable_forms(walker, step.body.steps)
@@ -96,7 +102,7 @@ def portable_forms(walker, steps: list) -> None:
         elif step.kind == "xor" and dtype == np.bool_:
             fn = lambda a, b: a != b  # noqa: E731
         elif step.kind == "broadcast_in_dim" and not constant and len(step.ins) == 1:
-            fn = _as_concatenation(step.eqn.params, walker.avals[step.ins[0]].shape)
+            fn = _as_concatenation(step.eqn.params, walker.avals[step.ins[0]].shape, dtype)
             if fn is None:
                 continue
         elif step.kind == "stack" and not constant and not any(isinstance(r, _Lit) for r in step.ins):
@@ -110,17 +116,24 @@ def portable_forms(walker, steps: list) -> None:
             steps[at:at + 1] = new
 
 
-def _as_concatenation(params: dict, in_shape: tuple[int, ...]):
+def _as_concatenation(params: dict, in_shape: tuple[int, ...], dtype):
     """``broadcast_in_dim`` as a broadcast adding axes of size 1 and
-    concatenations of the copies; None where it copies nothing or more
-    than `MAX_COPIES` times."""
+    concatenations of the copies, or past `MAX_COPIES` copies (of a float
+    value) a MUL by ones shaped as the copied axes; None where it copies
+    nothing (or many copies of a non-float value)."""
     shape, dims = tuple(params["shape"]), tuple(params["broadcast_dimensions"])
     expanded = [1] * len(shape)
     for d, size in zip(dims, in_shape):
         expanded[d] = size
     copies = int(np.prod(shape)) // max(int(np.prod(expanded)), 1)
-    if copies <= 1 or copies > MAX_COPIES:
+    if copies <= 1:
         return None
+    if copies > MAX_COPIES:
+        if not jnp.issubdtype(dtype, jnp.floating):
+            return None
+        # (1, .., n, .., 1): the MUL broadcasts both operands; the file holds n ones, not the output's size.
+        ones = np.ones(tuple(size if e == 1 else 1 for size, e in zip(shape, expanded)), dtype)
+        return lambda x: lax.broadcast_in_dim(x, tuple(expanded), dims) * ones
 
     def fn(x):
         y = lax.broadcast_in_dim(x, tuple(expanded), dims)

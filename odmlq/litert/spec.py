@@ -293,6 +293,11 @@ OP_SPEC: dict[str, OpSpec] = {
     # as PADs and ADDs (`_forms.concatenated_by_padded_sums`), exact at the shared scale.
     "concatenate": OpSpec(_BOTH, SHARED, becomes="CONCATENATION (int8), PAD + ADD (int16)",
                           note="int16: joined by PAD and ADD, exactly (no int16 CONCATENATION in the converter)"),
+    # A cache write (lax.dynamic_update_slice): the update's values copied into
+    # the operand's, so both and the output share a scale. litert-converter
+    # 0.5.0 takes no int16 operand ('tfl.dynamic_update_slice' ... QI8 type).
+    "dynamic_update_slice": OpSpec(_INT8, SHARED, becomes="DYNAMIC_UPDATE_SLICE",
+                                   note="int8 only: no int16 DYNAMIC_UPDATE_SLICE in the converter"),
     "avg_pool": OpSpec(_BOTH, SAME_AS_INPUT, becomes="DEPTHWISE_CONV_2D (int8), AVERAGE_POOL_2D",
                        rounding=lambda op, qtype: Rounding.HALF_EVEN if pool_as_depthwise(op, qtype) else Rounding.HALF_AWAY,
                        note="a pool that counts its padding is PAD + a VALID pool"),
@@ -310,7 +315,7 @@ OP_SPEC: dict[str, OpSpec] = {
     "transpose": OpSpec(_BOTH, SAME_AS_INPUT, becomes="TRANSPOSE"),
     "rev": OpSpec(_BOTH, SAME_AS_INPUT, becomes="REVERSE_V2", note="jnp.flip; XNNPACK does not run it"),
     "broadcast_in_dim": OpSpec(_BOTH, SAME_AS_INPUT, becomes="RESHAPE", limitation=_copying_broadcast,
-                               note="one that copies values more than 16 times (BROADCAST_TO) is refused"),
+                               note="one that copies an activation is traced as a CONCATENATION (up to 16 copies) or a MUL by ones"),
     "max_pool": OpSpec(_BOTH, SAME_AS_INPUT, limitation=_int16_padded_max_pool, becomes="MAX_POOL_2D",
                        note="int16 padded: only after a ReLU (PAD + a VALID pool)"),
     "slice": OpSpec(_BOTH, SAME_AS_INPUT, becomes="SLICE, STRIDED_SLICE"),
