@@ -77,7 +77,8 @@ def test_a_full_integer_decoder_exports_verified_and_continues_its_prompt(traine
         np.testing.assert_array_equal(*(decoder_tflite.greedy(*run, prompt[None], model.empty_cache, steps=24)
                                         for run in (simulated, xla)))
     # The cache the prefill signature writes is the one decode reads: the next byte's logits
-    # against the float model over the whole sequence (int8 activations: >= 20 dB; 25-35 measured).
+    # against the float model over the whole sequence (int8 activations: >= 20 dB; the prefill's own logits
+    # measured 34.9 dB).
     litert = decoder_tflite._litert(exported.tflite, model.cache_names())
     prompt = decoder_tflite.prompts(held_out, 1, seed=6)
     logits, *cache = litert[0](prompt, *model.empty_cache(1))
@@ -128,6 +129,13 @@ def test_the_sample_generates_identically_and_keeps_perplexity(tmp_path):
             # way, from where the bytes go their own way (measured 9 of 10 alike).
             assert sum(n == decoder_tflite.GENERATED for n in row["litert_vs_simulate"]) >= 8, (schema, row)
         assert row["litert"]["perplexity"] <= limit * flt, (schema, row["litert"]["perplexity"], flt)
+    # Full integer: int8 activations cost perplexity (+1.6% measured on the README's checkpoint);
+    # simulate and XLA compute the same integers. LiteRT's int8 lookup-table kernels are within
+    # one step of simulate's, and int8 logits tie, so its bytes are not asserted (the export
+    # verifies every op).
+    row = results["int8 full integer"]
+    assert row["simulate_vs_xla"] == every, row
+    assert row["litert"]["perplexity"] <= 1.05 * flt, (row["litert"]["perplexity"], flt)
     assert results["XLA int8 weight-only"]["perplexity"] <= 1.01 * flt
     nearest = results["int4 blockwise dynamic, to nearest"]["litert"]["perplexity"]
     for schema in ("int4 blockwise dynamic", "int4 blockwise dynamic, clip search"):  # better than to nearest
