@@ -22,19 +22,43 @@ def trained():
     return model, variables
 
 
-def test_litert_simulate_and_xla_generate_the_same_bytes(trained):
-    model, variables = trained
+def _exported(model, variables, schema):
+    """The sample's two-signature export of `schema`, and the held-out text."""
     training, held_out = decoder_lm.corpus()
     prefill_data, decode_data = decoder_tflite.calibration(model, variables, training)
-    rules = decoder_tflite.SCHEMAS["int8 dynamic"]
-    exported = odmlq.export_signatures(model, rules, decoder_tflite._signatures(model, prefill_data, decode_data),
+    exported = odmlq.export_signatures(model, decoder_tflite.SCHEMAS[schema],
+                                       decoder_tflite._signatures(model, prefill_data, decode_data),
                                        variables=variables, progress=False)
-    single = exported.signatures
-    litert = decoder_tflite._litert(exported.tflite, model.cache_names())
+    return exported, held_out
+
+
+def _simulate_and_xla(model, variables, single):
+    """(prefill, decode) of simulate and of XLA `ptq`, from the export's plans and calibration."""
     simulated = tuple(odmlq.Simulator(model, single[n].plan, single[n].scales, variables=variables)
                       for n in ("prefill", "decode"))
     xla_prefill = odmlq.ptq(model, single["prefill"].plan, variables, single["prefill"].calibration)
-    xla = (xla_prefill, odmlq.ptq(model, single["decode"].plan, xla_prefill.params, single["decode"].calibration))
+    return simulated, (xla_prefill, odmlq.ptq(model, single["decode"].plan, xla_prefill.params,
+                                              single["decode"].calibration))
+
+
+def _continuation_sqnr_db(model, variables, litert, held_out) -> float:
+    """A held-out prompt through the file's prefill, one byte more through its decode (the
+    cache prefill wrote): that byte's logits against the float model over the whole sequence."""
+    prompt = decoder_tflite.prompts(held_out, 1, seed=6)
+    logits, *cache = litert[0](prompt, *model.empty_cache(1))
+    nxt = np.array([[101]], np.int32)
+    logits, *_ = litert[1](nxt, np.array([prompt.shape[1]], np.int32), *cache)
+    expected = np.asarray(model.apply(variables, np.concatenate([prompt, nxt], axis=1)))[:, -1]
+    error = np.asarray(logits)[:, 0] - expected
+    return float(10 * np.log10(np.sum(expected ** 2) / np.sum(error ** 2)))
+
+
+def test_litert_simulate_and_xla_generate_the_same_bytes(trained):
+    model, variables = trained
+    exported, held_out = _exported(model, variables, "int8 dynamic")
+    single = exported.signatures
+    litert = decoder_tflite._litert(exported.tflite, model.cache_names())
+    simulated, xla = _simulate_and_xla(model, variables, single)
     for prompt in decoder_tflite.prompts(held_out, 3, seed=5):
         generated = [decoder_tflite.greedy(*run, prompt[None], model.empty_cache, steps=24)
                      for run in (litert, simulated, xla)]
@@ -42,13 +66,7 @@ def test_litert_simulate_and_xla_generate_the_same_bytes(trained):
         np.testing.assert_array_equal(generated[0], generated[2])  # LiteRT and XLA
     # The prefill and decode the file holds read one cache: prompt then steps equals the
     # float model over the whole sequence (int8 weights and per-row int8 inputs: >= 25 dB).
-    prompt = decoder_tflite.prompts(held_out, 1, seed=6)
-    logits, *cache = litert[0](prompt, *model.empty_cache(1))
-    nxt = np.array([[101]], np.int32)
-    logits, *_ = litert[1](nxt, np.array([prompt.shape[1]], np.int32), *cache)
-    expected = np.asarray(model.apply(variables, np.concatenate([prompt, nxt], axis=1)))[:, -1]
-    error = np.asarray(logits)[:, 0] - expected
-    assert 10 * np.log10(np.sum(expected ** 2) / np.sum(error ** 2)) >= 25.0
+    assert _continuation_sqnr_db(model, variables, litert, held_out) >= 25.0
 
 
 def test_a_full_integer_decoder_exports_verified_and_continues_its_prompt(trained):
@@ -59,20 +77,13 @@ def test_a_full_integer_decoder_exports_verified_and_continues_its_prompt(traine
     one step of simulate's, and int8 logits (a step of about 0.05 here) tie
     often enough for one step to change the first of the tied bytes."""
     model, variables = trained
-    training, held_out = decoder_lm.corpus()
-    prefill_data, decode_data = decoder_tflite.calibration(model, variables, training)
-    rules = decoder_tflite.SCHEMAS["int8 full integer"]
-    exported = odmlq.export_signatures(model, rules, decoder_tflite._signatures(model, prefill_data, decode_data),
-                                       variables=variables, progress=False)
+    exported, held_out = _exported(model, variables, "int8 full integer")
     single = exported.signatures
     for name in ("prefill", "decode"):
         assert single[name].summary.float_islands == (), (name, [o.name for o in single[name].summary.float_islands])
         assert single[name].verification.passed, (name, str(single[name].verification))
         assert "BROADCAST_TO" not in dict(single[name].summary.op_histogram), name
-    simulated = tuple(odmlq.Simulator(model, single[n].plan, single[n].scales, variables=variables)
-                      for n in ("prefill", "decode"))
-    xla_prefill = odmlq.ptq(model, single["prefill"].plan, variables, single["prefill"].calibration)
-    xla = (xla_prefill, odmlq.ptq(model, single["decode"].plan, xla_prefill.params, single["decode"].calibration))
+    simulated, xla = _simulate_and_xla(model, variables, single)
     for prompt in decoder_tflite.prompts(held_out, 3, seed=5):
         np.testing.assert_array_equal(*(decoder_tflite.greedy(*run, prompt[None], model.empty_cache, steps=24)
                                         for run in (simulated, xla)))
@@ -80,13 +91,7 @@ def test_a_full_integer_decoder_exports_verified_and_continues_its_prompt(traine
     # against the float model over the whole sequence (int8 activations: >= 20 dB; the prefill's own logits
     # measured 34.9 dB).
     litert = decoder_tflite._litert(exported.tflite, model.cache_names())
-    prompt = decoder_tflite.prompts(held_out, 1, seed=6)
-    logits, *cache = litert[0](prompt, *model.empty_cache(1))
-    nxt = np.array([[101]], np.int32)
-    logits, *_ = litert[1](nxt, np.array([prompt.shape[1]], np.int32), *cache)
-    expected = np.asarray(model.apply(variables, np.concatenate([prompt, nxt], axis=1)))[:, -1]
-    error = np.asarray(logits)[:, 0] - expected
-    assert 10 * np.log10(np.sum(expected ** 2) / np.sum(error ** 2)) >= 20.0
+    assert _continuation_sqnr_db(model, variables, litert, held_out) >= 20.0
 
 
 def test_simulate_and_xla_add_int4_block_sums_in_the_same_order():
