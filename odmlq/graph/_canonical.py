@@ -102,7 +102,7 @@ def portable_forms(walker, steps: list) -> None:
         elif step.kind == "xor" and dtype == np.bool_:
             fn = lambda a, b: a != b  # noqa: E731
         elif step.kind == "broadcast_in_dim" and not constant and len(step.ins) == 1:
-            fn = _as_concatenation(step.eqn.params, walker.avals[step.ins[0]].shape, dtype)
+            fn = _broadcast_form(step.eqn.params, walker.avals[step.ins[0]].shape, dtype)
             if fn is None:
                 continue
         elif step.kind == "stack" and not constant and not any(isinstance(r, _Lit) for r in step.ins):
@@ -116,7 +116,7 @@ def portable_forms(walker, steps: list) -> None:
             steps[at:at + 1] = new
 
 
-def _as_concatenation(params: dict, in_shape: tuple[int, ...], dtype):
+def _broadcast_form(params: dict, in_shape: tuple[int, ...], dtype):
     """``broadcast_in_dim`` as a broadcast adding axes of size 1 and
     concatenations of the copies, or past `MAX_COPIES` copies (of a float
     value) a MUL by ones shaped as the copied axes; None where it copies

@@ -80,6 +80,18 @@ def test_traced_in_integer_forms_and_exported_full_integer(name):
     np.testing.assert_allclose(graph.evaluate(variables, x), model.apply(variables, x), rtol=0, atol=0)
 
 
+def test_a_broadcast_of_many_copies_is_an_int16_mul_too():
+    """The MUL by ones is an int16 kernel as well: int16x8, no float island, verified."""
+    model = _Between(CASES["broadcast"][0])
+    x = np.random.default_rng(0).normal(size=(64, 12)).astype(np.float32)
+    variables = model.init(jax.random.key(0), x[:1])
+    rules = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int16")]
+    result = odmlq.export_tflite(model, rules, [x[:32], x[32:]], variables=variables, benchmark=False)
+    assert result.summary.float_islands == (), [o.name for o in result.summary.float_islands]
+    assert "MUL" in dict(result.summary.op_histogram) and "BROADCAST_TO" not in dict(result.summary.op_histogram)
+    assert result.verification.passed, str(result.verification)
+
+
 class _TiedLM(nn.Module):
     """An embedding table read by its lookup and, transposed, by the output projection."""
 
