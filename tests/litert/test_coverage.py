@@ -39,6 +39,8 @@ _MORE = {
     "slice": (_Fn(lambda x: x[:, 1:3], features=4), (3, 4)),
     "select": (_Fn(lambda x: jnp.where(np.arange(4) % 2 == 0, x, 0.5 * x), features=4), (3, 4)),
     "broadcast": (_Fn(lambda x: x[:, None, :]), (8,)),
+    # A cache write: a row copied into a tensor at a position.
+    "update_slice": (_Fn(lambda x: jax.lax.dynamic_update_slice(x, 0.5 * x[:, :2], (0, 3))), (8,)),
     "embedding": (_Int16Pieces(), None),  # nn.Embed: a gather in mode fill
 }
 # Kind -> the model that exercises it (a case name of CASES or _MORE).
@@ -52,7 +54,7 @@ KIND_CASE = {
     "softmax": "softmax", "reshape": "flatten", "squeeze": "squeeze", "transpose": "transpose",
     "broadcast_in_dim": "broadcast", "max_pool": "max_pool", "slice": "slice", "split": "split",
     "select_n": "select", "exp": "exp", "log": "log", "abs": "abs", "leaky_relu": "leaky_relu",
-    "pad": "pad", "rev": "flip",
+    "pad": "pad", "rev": "flip", "dynamic_update_slice": "update_slice",
     # jax 0.10 traces jax.nn.sigmoid as the logistic primitive; the entry serves a named call.
     "sigmoid": None,
 }
