@@ -11,7 +11,7 @@ other; it belongs to the face (never imported by the rest of odmlq).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from odmlq import litert, xla
@@ -43,7 +43,7 @@ def targets_of(target: str | Target | Sequence[Target]) -> tuple[Target, ...]:
 
 
 def plan(model: Any, rules, *example_inputs: Any, variables: Any = None, method: Any = None,
-         target: str | Target | Sequence[Target] = "both") -> Plan:
+         target: str | Target | Sequence[Target] = "both", state: Mapping[int, int] | None = None) -> Plan:
     """`odmlq.plan.plan` for targets given by name: 'both' (default: `ptq` and
     `export_tflite` compute the same scales), 'litert', or 'xla' (every scale
     calibrated; such a plan is refused by the LiteRT export).
@@ -53,12 +53,13 @@ def plan(model: Any, rules, *example_inputs: Any, variables: Any = None, method:
       >>> print(p)
     """
     return plan_for_targets(model, rules, *example_inputs, variables=variables, method=method,
-                            target=targets_of(target))
+                            target=targets_of(target), state=state)
 
 
 def ptq(model: Any, rules, params: Any = None, calibration=None, *,
         example_inputs: Sequence[Any] | None = None,
-        target: str | Target | Sequence[Target] = "both", method: Any = None) -> xla.QuantizedModel:
+        target: str | Target | Sequence[Target] = "both", method: Any = None,
+        state: Mapping[int, int] | None = None) -> xla.QuantizedModel:
     """`odmlq.xla.ptq`, planning for `target` ('both' by default) when given rules.
 
     With the default, the quantized model computes what the LiteRT export of
@@ -70,4 +71,4 @@ def ptq(model: Any, rules, params: Any = None, calibration=None, *,
       >>> y = qmodel(x)
     """
     return xla.ptq(model, rules, params, calibration, example_inputs=example_inputs,
-                   target=targets_of(target), method=method)
+                   target=targets_of(target), method=method, state=state)

@@ -196,6 +196,12 @@ class Decoder(nn.Module):
         return tuple(np.zeros((batch, c.kv_heads, c.cache_length, c.head_dim), np.float32)
                      for _ in range(2 * c.layers))
 
+    def decode_state(self) -> dict[int, int]:
+        """``{input index: output index}`` of `decode`'s cache: input ``2 + i``
+        (after token and position) comes back as output ``1 + i`` (after the
+        logits), as `odmlq.ptq` and `odmlq.plan` take ``state=``."""
+        return {2 + i: 1 + i for i in range(2 * self.config.layers)}
+
     def cache_names(self) -> list[str]:
         """``keys_0, values_0, keys_1, values_1, ...``: the cache tensors' names, in order."""
         return [f"{kind}_{i}" for i in range(self.config.layers) for kind in ("keys", "values")]

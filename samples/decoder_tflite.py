@@ -76,6 +76,14 @@ XLA_WEIGHT_ONLY: dict[str, list] = {
         R(".*", op="dot_general", weight_qtype="int4", weight_granularity=odmlq.PerBlock(32),
           weight_algorithm=odmlq.Nearest())],
 }
+# XLA serving with the KV cache int8 between decode steps (`Decoder.decode_state`): the select
+# that writes each layer's keys and values (and so the cache it reads back) quantized, one
+# scale per head-dim channel; the cache crosses calls as QArrays, a quarter of float's bytes.
+KV_CACHE_RULE = R(".*attention", op="select_n", writes_output=True, act_qtype="int8",
+                  act_granularity=odmlq.PerChannel(3))
+XLA_KV_CACHE: dict[str, list] = {
+    "XLA int8 weight-only, int8 KV cache": [KV_CACHE_RULE, *XLA_WEIGHT_ONLY["XLA int8 weight-only"]],
+}
 
 
 def names(model) -> dict:
@@ -191,6 +199,9 @@ def main(checkpoint: str = "out/decoder.safetensors", out_dir: str = "out", sche
                                   float_decode_file, jit_decode)
     for name, rules in XLA_WEIGHT_ONLY.items():
         results[name] = _weight_only(rules, model, variables, prefill_data, held_out, jit_decode)
+    for name, rules in XLA_KV_CACHE.items():
+        results[name] = _kv_cache(rules, model, variables, prefill_data, decode_data, tests, held_out, jit_prefill,
+                                  jit_decode, results["float"]["tokens"])
     results["text"] = {"prompt": bytes(tests[0].astype(np.uint8)).decode("utf-8", "replace"),
                        "float": bytes(results["float"]["tokens"][0].astype(np.uint8)).decode("utf-8", "replace")}
     for schema in schemas:
@@ -259,6 +270,60 @@ def _weight_only(rules, model, variables, prefill_data, held_out, float_xla_deco
                 prefill.params, is_leaf=lambda q: isinstance(q, odmlq.QArray)))}
 
 
+def decode_perplexity(prefill, decode, empty_cache, text: np.ndarray, length: int = PROMPT,
+                      first: int = 8) -> float:
+    """Per-byte perplexity through the cache: each window's first `first` bytes
+    prefilled, then one decode step per byte (the true byte fed back), so every
+    logit after the first reads keys and values the decode steps wrote."""
+    total, count = 0.0, 0
+    for start in range(0, len(text) - length - 1, length):
+        window = text[start:start + length + 1].astype(np.int32)
+        logits, *cache = prefill(window[None, :first], *empty_cache(1))
+        rows = [np.asarray(logits)[0, -1]]
+        for i in range(first, length):
+            logits, *cache = decode(window[None, i:i + 1], np.array([i], np.int32), *cache)
+            rows.append(np.asarray(logits)[0, -1])
+        logits = np.asarray(rows, np.float64)
+        logits -= logits.max(axis=-1, keepdims=True)
+        log_probs = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
+        total -= float(np.sum(log_probs[np.arange(len(rows)), window[first:length + 1]]))
+        count += len(rows)
+    return math.exp(total / count)
+
+
+def _kv_cache(rules, model, variables, prefill_data, decode_data, tests, held_out, float_prefill, float_decode,
+              float_tokens) -> dict:
+    """XLA decode with the cache int8 between steps (QArrays), after a float prefill:
+    perplexity through the cache against float's and the weights alone quantized,
+    greedy bytes against the weights-alone run's and float's, cache bytes, the step's time
+    (`tests/xla/test_state.py` checks the int8 cache against simulate)."""
+    state = model.decode_state()
+    plan = odmlq.plan(model, rules, *decode_data[0], variables=variables, method="decode", target="xla",
+                      state=state)
+    calibration = odmlq.calibrate(model, plan, decode_data, variables=variables, progress=False)
+    decode = odmlq.ptq(model, plan, variables, calibration)
+    weights_only = odmlq.ptq(model, [r for r in rules if r is not KV_CACHE_RULE], decode.params,
+                             example_inputs=decode_inputs(model), method="decode", target="xla")
+    step, plain = jax.jit(decode.apply), jax.jit(weights_only.apply)
+    params, plain_params = jax.device_put(decode.params), jax.device_put(weights_only.params)
+    runs = {"kv": lambda *x: step(params, *x), "weights": lambda *x: plain(plain_params, *x)}
+    row = {name: decode_perplexity(float_prefill, run, model.empty_cache, held_out) for name, run in runs.items()}
+    row["float"] = decode_perplexity(float_prefill, float_decode, model.empty_cache, held_out)
+    row["tokens"] = [greedy(float_prefill, runs["kv"], p[None], model.empty_cache) for p in tests]
+    weights_tokens = [greedy(float_prefill, runs["weights"], p[None], model.empty_cache) for p in tests]
+    row["same_as_weights"] = sum(np.array_equal(a, b) for a, b in zip(row["tokens"], weights_tokens))
+    row["same_as_float"] = sum(np.array_equal(a, b) for a, b in zip(row["tokens"], float_tokens))
+    inputs = decode_inputs(model)
+    cache = runs["kv"](*inputs)[1:]
+    row["cache_bytes"] = sum(q.nbytes for q in cache)
+    row["float_cache_bytes"] = sum(np.asarray(x).nbytes for x in inputs[2:])
+    stepped = (inputs[0], inputs[1], *cache)
+    row["xla_ms"], row["weights_ms"], row["float_xla_ms"] = interleaved_ms(
+        [lambda: jax.block_until_ready(runs["kv"](*stepped)), lambda: jax.block_until_ready(runs["weights"](*inputs)),
+         lambda: jax.block_until_ready(float_decode(*inputs))], rounds=15, repeats=20)
+    return row
+
+
 def _print(results: dict, config) -> None:
     flt = results["float"]
     print(f"decoder: {config.layers} layers, hidden {config.hidden}, {config.heads} heads / {config.kv_heads} KV "
@@ -266,6 +331,14 @@ def _print(results: dict, config) -> None:
     print(f"float: held-out perplexity {flt['perplexity']:.4f} per byte; .tflite {flt['bytes']:,} bytes")
     for schema, row in results.items():
         if schema in ("float", "text"):
+            continue
+        if "cache_bytes" in row:  # XLA, int8 KV cache
+            print(f"{schema}: perplexity through the cache {row['kv']:.4f} ({100 * (row['kv'] / row['float'] - 1):+.2f}% "
+                  f"vs float's {row['float']:.4f}; weights alone int8 {row['weights']:.4f}); cache "
+                  f"{row['cache_bytes']:,} bytes vs {row['float_cache_bytes']:,}; greedy bytes = weights alone int8 on "
+                  f"{row['same_as_weights']} / {PROMPTS}, = float on {row['same_as_float']} / {PROMPTS}; decode step "
+                  f"{row['xla_ms']:.3f} ms vs {row['weights_ms']:.3f} ms (weights alone) and {row['float_xla_ms']:.3f} "
+                  f"ms float ({row['float_xla_ms'] / row['xla_ms']:.2f}x float's tokens/s)")
             continue
         change = 100 * (row.get("litert", row)["perplexity"] / flt["perplexity"] - 1)
         if "litert" not in row:  # XLA weight-only

@@ -35,6 +35,8 @@ from odmlq.plan._passes import (
     share_scale_of_activations_beside_others,
 )
 from odmlq.plan._spec import QuantSpec, spec_or_none as _spec_or_none
+from odmlq.plan._shared import share_weight_specs
+from odmlq.plan._state import check_state_specs, state_pairs
 from odmlq.plan._specs_of import act_spec, constant_operand_spec, constant_specs, dynamic_input_spec, weight_spec
 from odmlq.rules import Rule, rules_from_dicts, rules_to_dicts, warn_unmatched
 
@@ -165,6 +167,9 @@ class Plan:
     # their tables (to plan the same graph again; not serialized).
     targets: tuple[str, ...] = ()
     target_tables: tuple[Target, ...] = dataclasses.field(default=(), compare=False, repr=False)
+    # (input edge, output edge): an output the caller feeds back as that input
+    # at the next call (a KV cache), one qtype and one scale (`odmlq.plan._state`).
+    state: tuple[tuple[str, str], ...] = ()
 
     @property
     def float_ops(self) -> tuple[str, ...]:
@@ -224,7 +229,13 @@ class Plan:
             raise PlanError(
                 f"This plan was read from JSON: it names its targets {list(self.targets)} but does not "
                 "hold their constraint tables; plan again with odmlq.plan(model, rules, x, target=...).")
-        return plan_graph(self.graph, rules, self.target_tables)
+        return plan_graph(self.graph, rules, self.target_tables, state=self.state_indices)
+
+    @property
+    def state_indices(self) -> dict[int, int]:
+        """`state` as ``{input index: output index}``, as `plan` takes it."""
+        graph = self.graph
+        return {graph.inputs.index(i): graph.outputs.index(o) for i, o in self.state}
 
     def to_json(self, indent: int | None = 1) -> str:
         return json.dumps({
@@ -233,6 +244,7 @@ class Plan:
             "ops": [o.to_dict() for o in self.ops.values()],
             "edges": [e.to_dict() for e in self.edges.values()],
             "unmatched_rules": list(self.unmatched_rules),
+            **({"state": [list(pair) for pair in self.state]} if self.state else {}),
         }, indent=indent)
 
     @classmethod
@@ -254,6 +266,7 @@ class Plan:
             ops={o["op"]: OpPlan.from_dict(o) for o in d["ops"]},
             edges={e["edge"]: EdgePlan.from_dict(e) for e in d["edges"]},
             unmatched_rules=tuple(d["unmatched_rules"]), targets=tuple(d.get("targets", ())),
+            state=tuple(tuple(pair) for pair in d.get("state", ())),
         )
 
     def __str__(self) -> str:
@@ -263,7 +276,8 @@ class Plan:
 
 
 def plan(model: Any, rules: Sequence[Rule] | Rule, *example_inputs: Any,
-         variables: Any = None, method: Any = None, target: Target | Sequence[Target] = ()) -> Plan:
+         variables: Any = None, method: Any = None, target: Target | Sequence[Target] = (),
+         state: Mapping[int, int] | None = None) -> Plan:
     """Traces `model` and decides how every op, weight and edge is quantized.
 
     Args:
@@ -277,6 +291,10 @@ def plan(model: Any, rules: Sequence[Rule] | Rule, *example_inputs: Any,
         backend has one: ``odmlq.litert.TARGET``, ``odmlq.xla.TARGET``; the
         face's ``odmlq.plan`` takes their names). Their scale constraints are
         resolved into the edges. None given: every scale is free.
+      state: ``{input index: output index}`` over the flattened inputs and
+        outputs: an output the caller feeds back as that input at the next
+        call (a decoder's KV cache). Each pair keeps one qtype and one scale;
+        on XLA a quantized state crosses calls as a `QArray`.
 
     Returns:
       The Plan. Rules that matched nothing are listed in
@@ -288,7 +306,7 @@ def plan(model: Any, rules: Sequence[Rule] | Rule, *example_inputs: Any,
     """
     rules = check_rules(rules)
     graph = trace(model, *example_inputs, variables=variables, method=method)
-    return plan_graph(graph, rules, target)
+    return plan_graph(graph, rules, target, state=state)
 
 
 def check_rules(rules) -> tuple[Rule, ...]:
@@ -305,9 +323,11 @@ def check_rules(rules) -> tuple[Rule, ...]:
     return rules
 
 
-def plan_graph(graph: Graph, rules: Sequence[Rule], target: Target | Sequence[Target] = ()) -> Plan:
-    """Applies `rules` to an already traced graph, for `target`."""
+def plan_graph(graph: Graph, rules: Sequence[Rule], target: Target | Sequence[Target] = (),
+               state: Mapping[int, int] | None = None) -> Plan:
+    """Applies `rules` to an already traced graph, for `target` (`state`: see `plan`)."""
     rules = check_rules(rules)
+    pairs = state_pairs(graph, state)
     targets = (target,) if isinstance(target, Target) else tuple(target)
     for i, t in enumerate(targets):
         if not isinstance(t, Target):
@@ -333,50 +353,14 @@ def plan_graph(graph: Graph, rules: Sequence[Rule], target: Target | Sequence[Ta
                                  dynamic_input=dynamic_input_spec(op, rule, rows),
                                  dynamic_inputs_float=need_weight and op.kind in MATMUL_KINDS
                                  and not quantized_constant)
-    _share_weight_specs(op_plans)
+    share_weight_specs(op_plans)
     carrier = next((t.float_input_carrier for t in targets if t.float_input_carrier), None)
     edge_plans = _edge_plans(graph, rules, op_plans, combine_targets(targets), rows=rows, carrier=carrier)
+    check_state_specs(graph, edge_plans, pairs)
     unmatched = warn_unmatched(rules, matched)
     return Plan(graph=graph, rules=rules, ops=op_plans, edges=edge_plans,
                 unmatched_rules=tuple(unmatched), targets=tuple(t.name for t in targets),
-                target_tables=targets)
-
-
-def _share_weight_specs(op_plans: dict[str, OpPlan]) -> None:
-    """A parameter several ops read (a tied embedding: a gather and the output
-    projection) is stored once, so it gets one spec: where the ops' specs
-    differ only in granularity, the scale axes they share (per tensor for a
-    gather and a per-channel matmul) and the blocks they all have, and a
-    weight algorithm only where every reader names it (GPTQ rounds against a
-    matmul's inputs; a gather has none). Other differences stay, and
-    `Plan.weight_specs` names them."""
-    uses: dict[str, list[tuple[str, int]]] = {}
-    for op_id, op_plan in op_plans.items():
-        for i, w in enumerate(op_plan.weights):
-            if w.spec is not None:
-                uses.setdefault(w.param, []).append((op_id, i))
-    for param, places in uses.items():
-        specs = [op_plans[o].weights[i].spec for o, i in places]
-        if len(set(specs)) <= 1:
-            continue
-        plain = {dataclasses.replace(s, scale_axes=(), block_axis=None, block_size=None, algorithm=None)
-                 for s in specs}
-        if len(plain) != 1:
-            continue
-        axes = tuple(sorted(set.intersection(*(set(s.scale_axes) for s in specs))))
-        algorithms = {s.algorithm for s in specs}
-        # Blocks that every reader runs along the same axis stay (a table's rows, which
-        # its tied projection contracts).
-        blocks = {(s.block_axis, s.block_size) for s in specs}
-        block_axis, block_size = blocks.pop() if len(blocks) == 1 else (None, None)
-        shared = dataclasses.replace(plain.pop(), scale_axes=axes, block_axis=block_axis, block_size=block_size,
-                                     algorithm=algorithms.pop() if len(algorithms) == 1 else None)
-        readers = ", ".join(o for o, _ in places)
-        for op_id, i in places:
-            weights = list(op_plans[op_id].weights)
-            weights[i] = dataclasses.replace(weights[i], spec=shared,
-                                             note=f"one spec for the ops that read it ({readers})")
-            op_plans[op_id] = dataclasses.replace(op_plans[op_id], weights=tuple(weights))
+                target_tables=targets, state=pairs)
 
 
 _DEPTHWISE_NOTE = ("float: a dynamic-range depthwise convolution runs outside XNNPACK on LiteRT, slower than "

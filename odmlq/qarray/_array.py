@@ -97,20 +97,19 @@ class QArray:
 
     def __post_init__(self):
         # Only static fields are checked: jax rebuilds QArrays with arbitrary
-        # leaves (tracers, sentinels) while transforming them.
-        qt = _lookup(self.qtype)
-        if isinstance(self.qtype, str) and qt.name != self.qtype:
-            raise QTypeError(f"QArray.qtype must be a canonical name; use {qt.name!r}, not {self.qtype!r}.")
-        object.__setattr__(self, "qtype", qt)
+        # leaves (tracers, sentinels) while transforming them, and on every
+        # call of a jitted function that returns one (a KV cache): the check
+        # of a layout seen before is looked up, not redone.
         if not isinstance(self.shape, tuple):
             raise GranularityError(f"QArray.shape must be a tuple of ints, got {self.shape!r}.")
-        layout = normalize_layout(self.shape, self.scale_axes, self.block_axis, self.block_size)
-        if layout != (self.scale_axes, self.block_axis, self.block_size):
-            raise GranularityError(
-                f"QArray layout must be normalized (sorted non-negative axes); use "
-                f"scale_axes={layout[0]}, block_axis={layout[1]}."
-            )
-        _check_narrow_range(qt, self.narrow_range)
+        try:
+            key = (self.qtype, self.shape, self.scale_axes, self.block_axis, self.block_size, self.narrow_range)
+            hash(key)
+        except TypeError:  # an unhashable field: checked (and refused) without the cache
+            key = None
+        qt = _checked_static(*key) if key is not None else _checked_static.__wrapped__(
+            self.qtype, self.shape, self.scale_axes, self.block_axis, self.block_size, self.narrow_range)
+        object.__setattr__(self, "qtype", qt)
 
     @property
     def qtype_info(self) -> QType:
@@ -378,6 +377,22 @@ def _check_parameters(qt, shape, layout, scale, zero_point, narrow_range):
     if not qt.is_integer:
         raise QTypeError(f"{qt.name} has no zero point; pass zero_point=None (symmetric).")
     return scale, fit_shape(jnp.asarray(zero_point), target, "zero_point", layout).astype(jnp.int32)
+
+
+@functools.lru_cache(maxsize=4096)
+def _checked_static(qtype, shape, scale_axes, block_axis, block_size, narrow_range) -> QType:
+    """The QType of a QArray's static fields, once they are checked."""
+    qt = _lookup(qtype)
+    if isinstance(qtype, str) and qt.name != qtype:
+        raise QTypeError(f"QArray.qtype must be a canonical name; use {qt.name!r}, not {qtype!r}.")
+    layout = normalize_layout(shape, scale_axes, block_axis, block_size)
+    if layout != (scale_axes, block_axis, block_size):
+        raise GranularityError(
+            f"QArray layout must be normalized (sorted non-negative axes); use "
+            f"scale_axes={layout[0]}, block_axis={layout[1]}."
+        )
+    _check_narrow_range(qt, narrow_range)
+    return qt
 
 
 def _check_narrow_range(qt: QType, narrow_range: bool) -> None:

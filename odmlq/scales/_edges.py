@@ -28,6 +28,8 @@ def edge_scales(plan, calibration, conversions, balanced=None, weights=None) -> 
     (a table's gathered rows)."""
     graph = plan.graph
     balanced = balanced or {}
+    # A state input (`Plan.state`) is calibrated as the output fed back as it.
+    state = {source: graph.resolve(result) for source, result in plan.state}
     out: dict[str, TensorScale] = {}
     for edge_id, edge_plan in plan.edges.items():
         spec = edge_plan.spec
@@ -48,6 +50,10 @@ def edge_scales(plan, calibration, conversions, balanced=None, weights=None) -> 
         if edge_id in balanced:
             out[edge_id] = tensor_scale(spec, *balanced[edge_id], scale_shape(edge.shape, spec.scale_axes))
             continue
+        if edge_id in state:
+            out[edge_id] = _calibrated_scale(graph.edges[state[edge_id]], plan.edges[state[edge_id]].spec,
+                                             calibration)
+            continue
         out[edge_id] = _calibrated_scale(edge, spec, calibration, _resolution(plan, edge, out))
     for key in plan.conversions:
         _conversion_scale(plan, key, out, calibration, conversions)
@@ -56,7 +62,27 @@ def edge_scales(plan, calibration, conversions, balanced=None, weights=None) -> 
         target = graph.resolve(edge_id)
         if edge.alias is not None and target in out:
             out[edge_id] = out[target]
+    _check_state(plan, out, state)
     return out
+
+
+def _check_state(plan, out: Mapping[str, TensorScale], state: Mapping[str, str]) -> None:
+    """Each state pair on one grid (the caller feeds the output back as the input)."""
+    for source, result in state.items():
+        a, b = out.get(source), out.get(result)
+        if a is None and b is None:
+            continue
+        if (a is not None and b is not None and a.qtype == b.qtype and a.scale_axes == b.scale_axes
+                and np.array_equal(np.ravel(a.scale), np.ravel(b.scale))
+                and np.array_equal(np.ravel(a.zero_point if a.zero_point is not None else 0),
+                                   np.ravel(b.zero_point if b.zero_point is not None else 0))):
+            continue
+        writer = plan.graph.edges[result].producer
+        raise CalibrationError(
+            f"State input {source!r} and output {result!r} (written by {writer!r}) get different scales: "
+            f"the output's is fixed by its op ({type(plan.edges[result].constraint).__name__}), not "
+            "calibrated, so the state cannot cross calls on one grid. Quantize the state at the op "
+            "that writes it (a select or dynamic_update_slice), or keep the pair float.")
 
 
 # An activation scale over this is no tensor's range but a sentinel's: an

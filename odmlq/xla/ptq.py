@@ -97,6 +97,7 @@ class QuantizedModel:
         Returns:
           The model's outputs, or ``(outputs, {edge_id: value})`` with `capture`.
         """
+        inputs, codes = self._state_in(inputs)
         graph = self._graphs.graph_for(inputs)
         leaves, tree = _params.flat_leaves(params)
         weights = {p: q for p, q in leaves if isinstance(q, QArray)}
@@ -105,14 +106,57 @@ class QuantizedModel:
         view = jax.tree_util.tree_unflatten(tree, [
             q.dequantize(self._dtypes.get(p, np.float32)) if isinstance(q, QArray) else q for p, q in leaves])
         lowerer = _lowering.Lowerer(graph, self.plan, self.scales, weights, self.lowerings, self._converted)
-        hooks = PlanHooks(self.plan, self.scales, _Kernels(self.plan, lowerer), capture=capture, feed=feed)
-        outputs = hooks.evaluate(graph, view, *inputs)
+        kernels = _Kernels(self.plan, lowerer, self.scales, codes)
+        hooks = PlanHooks(self.plan, self.scales, kernels, capture=capture, feed=feed)
+        outputs = self._state_out(hooks.evaluate(graph, view, *inputs), kernels.codes)
         return (outputs, hooks.captured) if capture else outputs
 
     def __call__(self, *inputs: Any, capture: bool = False, feed: Mapping[str, Any] | None = None) -> Any:
         feed = None if feed is None else {k: jnp.asarray(v) for k, v in feed.items()}
+        if any(isinstance(x, QArray) for x in inputs):  # state: the plan's shapes, run whole
+            self._graphs.graph_for(self._state_in(inputs, shapes_only=True)[0])
+            return self._jitted(self.params, *inputs, capture=capture, feed=feed)
         return self._graphs.run(inputs, lambda *xs: self._jitted(self.params, *xs, capture=capture, feed=feed),
                                 capturing=capture or bool(feed))
+
+    def _state_in(self, inputs: tuple, shapes_only: bool = False) -> tuple[tuple, dict]:
+        """``(inputs, codes)``: each state input given as a QArray (what the last
+        call returned) as its float value, and its codes by edge id."""
+        graph = self.plan.graph
+        state = {graph.inputs.index(source): source for source, _ in self.plan.state}
+        out, codes = list(inputs), {}
+        for i, x in enumerate(inputs):
+            if not isinstance(x, QArray):
+                continue
+            edge = state.get(i)
+            ts = self.scales.edges.get(edge)
+            if ts is None:
+                raise PlanError(f"Input {i} of {graph.model_name} is a QArray, but only quantized state inputs "
+                                f"({sorted(i for i, e in state.items() if e in self.scales.edges) or 'none'}: "
+                                "plan with state={input: output} and a rule that quantizes the op writing it) "
+                                "cross calls quantized; pass it as a float array.")
+            _check_state_qarray(i, x, ts, graph.edges[edge].shape)
+            dtype = graph.edges[edge].dtype
+            if shapes_only:
+                out[i] = jax.ShapeDtypeStruct(x.shape, dtype)
+                continue
+            codes[edge] = x.qvalue
+            out[i] = _dequantized(x.qvalue, ts, dtype)
+        return tuple(out), codes
+
+    def _state_out(self, outputs: Any, codes: Mapping[str, Any]) -> Any:
+        """The model's outputs with each quantized state output a QArray on its
+        edge's grid (its codes as the integer path made them, or quantized)."""
+        graph = self.plan.graph
+        quantized = {graph.outputs.index(result): graph.resolve(result) for _, result in self.plan.state
+                     if graph.resolve(result) in self.scales.edges}
+        if not quantized:
+            return outputs
+        leaves, tree = jax.tree_util.tree_flatten(outputs)
+        for i, edge in quantized.items():
+            ts = self.scales.edges[edge]
+            leaves[i] = (_stored(codes[edge], ts, leaves[i].shape) if edge in codes else ts.quantize(leaves[i]))
+        return jax.tree_util.tree_unflatten(tree, leaves)
 
     def __str__(self) -> str:
         rows = [("op", "schema", "kernel", "emulated")]
@@ -130,8 +174,14 @@ class _Kernels(FakeQuant):
     quantizes its dynamic input itself; other dynamic inputs (activation x
     activation) quantized here."""
 
-    def __init__(self, plan, lowerer):
-        self.plan, self.lowerer = plan, lowerer
+    def __init__(self, plan, lowerer, scales=None, codes=None):
+        self.plan, self.lowerer, self.scales = plan, lowerer, scales
+        # Edge id -> integer codes of edges computed on them (state, and the
+        # selects that write it): their float values are on the grid already.
+        self.codes = dict(codes or {})
+
+    def edge(self, edge_id, x, ts):
+        return x if edge_id in self.codes else ts.fake_quant(x)
 
     def integer_sums(self, op) -> bool:
         # A matmul with a quantized weight gets its kernel from the Lowerer;
@@ -144,12 +194,73 @@ class _Kernels(FakeQuant):
         return _lowering.dynamic_fake_quant(x, spec)
 
     def op(self, op, compute, operands):
+        if op.kind == "select_n" and any(e in self.codes for e in op.inputs[1:]):
+            return self._select_codes(op, compute, operands)
         return self.lowerer.on_op(op.id, compute, *operands)
+
+    def _select_codes(self, op, compute, operands):
+        """A select of a state's codes (a KV-cache write) chooses codes: its
+        other operands quantized at the output's grid, then dequantized once.
+        The same values as rounding the chosen floats (rounding is elementwise),
+        with one rounding of the new values instead of three passes over all."""
+        (out,) = op.outputs
+        ts = self.scales.edges.get(out) if self.scales is not None else None
+        same = ts is not None and all(e not in self.codes or _same_grid(self.scales.edges.get(e), ts)
+                                      for e in op.inputs[1:])
+        if not same or ts.qtype.bits < 8 or ts.rounding != "half_even" or ts.divisor != 1:
+            return self.lowerer.on_op(op.id, compute, *operands)  # the output edge rounds the choice
+        chosen = [self.codes[e] if e in self.codes else ts.quantize(x).qvalue
+                  for e, x in zip(op.inputs[1:], operands[1:])]
+        codes = jax.lax.select_n(operands[0], *chosen)
+        self.codes[out] = codes
+        return [_dequantized(codes, ts, jnp.float32)]
+
+
+def _dequantized(codes, ts, dtype):
+    return QArray(qvalue=codes, scale=jnp.asarray(ts.scale), zero_point=None if ts.zero_point is None else
+                  jnp.asarray(ts.zero_point), qtype=ts.qtype, shape=tuple(codes.shape), scale_axes=ts.scale_axes,
+                  narrow_range=ts.narrow_range).dequantize(dtype)
+
+
+def _stored(codes, ts, shape) -> QArray:
+    return QArray(qvalue=codes, scale=jnp.asarray(ts.scale), zero_point=None if ts.zero_point is None else
+                  jnp.asarray(ts.zero_point), qtype=ts.qtype, shape=tuple(shape), scale_axes=ts.scale_axes,
+                  narrow_range=ts.narrow_range)
+
+
+def _same_grid(a, b) -> bool:
+    return (a is not None and a.qtype == b.qtype and a.scale_axes == b.scale_axes
+            and np.array_equal(np.ravel(a.scale), np.ravel(b.scale))
+            and np.array_equal(np.ravel(0 if a.zero_point is None else a.zero_point),
+                               np.ravel(0 if b.zero_point is None else b.zero_point)))
+
+
+def _check_state_qarray(index: int, x: QArray, ts, shape) -> None:
+    """A state QArray on the grid of the edge it is fed to (its static
+    layout always; its scale where it is concrete, outside a trace)."""
+    problem = None
+    if x.qtype != ts.qtype or len(x.shape) != len(shape) or x.scale_axes != ts.scale_axes:
+        problem = (f"{x!r}, where the plan's state input is {ts.qtype.name} of rank {len(shape)}"
+                   + (f" with scale axes {ts.scale_axes}" if ts.scale_axes else " with one scale"))
+    elif not isinstance(x.scale, jax.core.Tracer) and not isinstance(x.zero_point, jax.core.Tracer) \
+            and not _same_grid(_as_scale(x), ts):
+        problem = "a QArray quantized at another scale than this plan's state"
+    if problem:
+        raise PlanError(f"State input {index} is {problem}; feed back what this model's last call returned "
+                        "(or a float array).")
+
+
+def _as_scale(x: QArray):
+    from odmlq.scales import TensorScale
+
+    return TensorScale(qtype=x.qtype, scale=np.asarray(x.scale), zero_point=None if x.zero_point is None else
+                       np.asarray(x.zero_point), scale_axes=x.scale_axes, narrow_range=x.narrow_range)
 
 
 def ptq(model: Any, rules: Sequence | Plan, params: Any = None, calibration: Calibration | None = None, *,
         example_inputs: Sequence[Any] | None = None,
-        target: Target | Sequence[Target] = TARGET, method: Any = None) -> QuantizedModel:
+        target: Target | Sequence[Target] = TARGET, method: Any = None,
+        state: Mapping[int, int] | None = None) -> QuantizedModel:
     """Quantizes `model` for XLA: QArray weights, integer (or fp8) matmuls.
 
     The schema follows from the rules, as for the LiteRT export: weights alone
@@ -174,6 +285,11 @@ def ptq(model: Any, rules: Sequence | Plan, params: Any = None, calibration: Cal
         call), as `odmlq.plan` takes it; a Plan carries its own. Two methods
         (a decoder's prefill and decode) share quantized params: pass one
         model's `params` to the other's `ptq`.
+      state: ``{input index: output index}``: outputs the caller feeds back
+        as inputs (a KV cache; see `odmlq.plan`). A state pair quantized by
+        the rules is returned as a `QArray` on the pair's one grid and taken
+        back as one, so it stays integer between calls (float accepted too,
+        for the first call); a Plan carries its own.
 
     Returns:
       A `QuantizedModel`; `print` it to see the kernel of every quantized op.
@@ -197,6 +313,9 @@ def ptq(model: Any, rules: Sequence | Plan, params: Any = None, calibration: Cal
         else:
             raise PlanError(f"ptq needs the params of {type(model).__name__}: pass them as params=...")
     if isinstance(rules, Plan):
+        if state is not None and rules.state_indices != dict(state):
+            raise PlanError(f"state={dict(state)}, but the plan given carries state={rules.state_indices}; "
+                            "leave state out (the plan carries it) or plan with this state.")
         if method is not None and method != rules.graph.method:
             raise PlanError(f"method={method!r}, but the plan given traced {rules.graph.method or '__call__'!r}; "
                             "leave method out (the plan carries it) or plan that method.")
@@ -206,7 +325,8 @@ def ptq(model: Any, rules: Sequence | Plan, params: Any = None, calibration: Cal
             raise PlanError("ptq with rules needs example_inputs=(x, ...) to trace the model "
                             "(or pass a Plan made with odmlq.plan).")
         traced, variables = _for_tracing(model, params)
-        plan = make_plan(traced, rules, *example_inputs, variables=variables, method=method, target=target)
+        plan = make_plan(traced, rules, *example_inputs, variables=variables, method=method, target=target,
+                         state=state)
     leaves, _ = _params.flat_leaves(params)
     _params.check_paths(dict(leaves), plan, partial=False)
     qparams = _params.quantize_params(params, plan, calibration=calibration)
