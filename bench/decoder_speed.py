@@ -12,7 +12,8 @@ not from this CPU's 32 MiB cache). For each:
   embedding int8), all timed in the same interleaved rounds
   (`odmlq.litert.interleaved_latency`);
 - XLA CPU, jitted: float against int8 and int4 blockwise weight-only `ptq`,
-  in interleaved rounds.
+  and int8 weight-only with the KV cache int8 between steps (QArrays, the
+  sample's `KV_CACHE_RULE`), in interleaved rounds.
 
 Speed does not depend on the weights' values: the weights are rounded to
 nearest (no calibration data) and the files are not verified here (the
@@ -34,7 +35,7 @@ import numpy as np  # noqa: E402
 
 import odmlq  # noqa: E402
 from samples.decoder_model import Decoder, DecoderConfig  # noqa: E402
-from samples.decoder_tflite import decode_inputs, xla_decode_ms  # noqa: E402
+from samples.decoder_tflite import KV_CACHE_RULE, decode_inputs, xla_decode_ms  # noqa: E402
 
 R = odmlq.Rule
 SIZES = {
@@ -60,6 +61,28 @@ XLA = {
 }
 
 
+def _kv_cache_step(model, variables, inputs):
+    """The int8 weight-only step with its KV cache int8 between steps (`state`): calibrated on
+    a few steps after a random prompt, and timed fed the QArray cache its own first step returns
+    (in place of the float cache `inputs` carry)."""
+    rng = np.random.default_rng(0)
+    _, *cache = model.apply(variables, rng.integers(0, 256, (1, 64)).astype(np.int32), *model.empty_cache(1),
+                            method="prefill")
+    steps = []
+    for position in range(64, 68):
+        steps.append((rng.integers(0, 256, (1, 1)).astype(np.int32), np.array([position], np.int32),
+                      *(np.asarray(x) for x in cache)))
+        _, *cache = model.apply(variables, *steps[-1], method="decode")
+    rules = [KV_CACHE_RULE, *XLA["int8 weight-only"]]
+    plan = odmlq.plan(model, rules, *inputs, variables=variables, method="decode", target="xla",
+                      state=model.decode_state())
+    qmodel = odmlq.ptq(model, plan, variables, odmlq.calibrate(model, plan, steps, variables=variables,
+                                                                 progress=False))
+    jitted, params = jax.jit(qmodel.apply), jax.device_put(qmodel.params)
+    cache = jitted(params, *inputs)[1:]
+    return lambda token, position, *_: jitted(params, token, position, *cache)
+
+
 def measure(name: str, model, variables) -> list[dict]:
     inputs = decode_inputs(model)
     files = {schema: odmlq.export_tflite(model, rules, [inputs], variables=variables, method="decode",
@@ -72,6 +95,7 @@ def measure(name: str, model, variables) -> list[dict]:
         qmodel = odmlq.ptq(model, rules, variables, example_inputs=inputs, method="decode", target="xla")
         jitted = jax.jit(qmodel.apply)
         steps[schema] = (lambda f, p: (lambda *x: f(p, *x)))(jitted, qmodel.params)
+    steps["int8 weight-only, int8 KV cache"] = _kv_cache_step(model, variables, inputs)
     xla_ms = dict(zip(steps, xla_decode_ms(list(steps.values()), inputs)))
     parameters = sum(np.size(x) for x in jax.tree.leaves(variables))
     rows = [{"size": f"{name} ({parameters / 1e6:.1f}M)", "backend": "LiteRT 1 thread", "schema": schema,
