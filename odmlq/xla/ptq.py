@@ -194,26 +194,39 @@ class _Kernels(FakeQuant):
         return _lowering.dynamic_fake_quant(x, spec)
 
     def op(self, op, compute, operands):
-        if op.kind == "select_n" and any(e in self.codes for e in op.inputs[1:]):
-            return self._select_codes(op, compute, operands)
+        data = _CHOOSING.get(op.kind)
+        if data is not None and any(op.inputs[i] in self.codes for i in data(len(op.inputs))):
+            return self._chosen_codes(op, compute, operands, data(len(op.inputs)))
         return self.lowerer.on_op(op.id, compute, *operands)
 
-    def _select_codes(self, op, compute, operands):
-        """A select of a state's codes (a KV-cache write) chooses codes: its
-        other operands quantized at the output's grid, then dequantized once.
-        The same values as rounding the chosen floats (rounding is elementwise),
-        with one rounding of the new values instead of three passes over all."""
+    def _chosen_codes(self, op, compute, operands, data):
+        """A write into a state given as codes (a KV-cache write: a select against
+        the position, or a dynamic_update_slice) chooses codes: its new values
+        quantized at the output's grid, the rest kept, then dequantized once. The
+        same values as rounding the chosen floats (rounding is elementwise), with
+        the new values rounded once instead of every element three times."""
         (out,) = op.outputs
         ts = self.scales.edges.get(out) if self.scales is not None else None
-        same = ts is not None and all(e not in self.codes or _same_grid(self.scales.edges.get(e), ts)
-                                      for e in op.inputs[1:])
-        if not same or ts.qtype.bits < 8 or ts.rounding != "half_even" or ts.divisor != 1:
+        shape = self.plan.graph.edges[out].shape
+        usable = (ts is not None and ts.qtype.bits >= 8 and ts.rounding == "half_even" and ts.divisor == 1
+                  and all(_same_grid(self.scales.edges.get(op.inputs[i]), ts) if op.inputs[i] in self.codes
+                          else all(np.shape(operands[i])[a] == shape[a] for a in ts.scale_axes) for i in data))
+        if not usable:
             return self.lowerer.on_op(op.id, compute, *operands)  # the output edge rounds the choice
-        chosen = [self.codes[e] if e in self.codes else ts.quantize(x).qvalue
-                  for e, x in zip(op.inputs[1:], operands[1:])]
-        codes = jax.lax.select_n(operands[0], *chosen)
+        chosen = list(operands)
+        for i in data:
+            chosen[i] = self.codes[op.inputs[i]] if op.inputs[i] in self.codes else ts.quantize(operands[i]).qvalue
+        codes = (jax.lax.select_n(*chosen) if op.kind == "select_n"
+                 else jax.lax.dynamic_update_slice(chosen[0], chosen[1], chosen[2:]))
         self.codes[out] = codes
         return [_dequantized(codes, ts, jnp.float32)]
+
+
+# Ops that choose among their data operands' values, by kind: the data operands' indices.
+_CHOOSING = {
+    "select_n": lambda n: range(1, n),  # (predicate, *cases)
+    "dynamic_update_slice": lambda n: (0, 1),  # (operand, update, *start indices)
+}
 
 
 def _dequantized(codes, ts, dtype):

@@ -1,6 +1,8 @@
 """State across calls (`state={input: output}`): a decoder's KV cache kept int8 between XLA decode steps."""
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -130,3 +132,35 @@ def test_a_state_read_in_float_and_written_in_int8_is_refused_naming_both_ops():
     with pytest.raises(PlanError, match="read by 'mul'.*written by 'add'.*would cross calls as float but is written as int8"):
         odmlq.plan(step, [R("", op="add", act_qtype="int8")], x, cache, variables={"decay": np.float32(0.5)},
                    state={1: 1})
+
+
+class _UpdatedCache(nn.Module):
+    """A cache written with lax.dynamic_update_slice (transformers' Flax decoders' form)."""
+
+    @nn.compact
+    def __call__(self, x, position, cache):  # x (1, 1, 16), position (1,), cache (1, 8, 16)
+        new = nn.Dense(16, use_bias=False)(x)
+        cache = jax.lax.dynamic_update_slice(cache, new, (0, position[0], 0))
+        return jnp.einsum("bqd,bkd->bqk", x, cache), cache
+
+
+def test_a_cache_written_by_dynamic_update_slice_stays_codes_and_equals_simulate():
+    model, rng = _UpdatedCache(), np.random.default_rng(1)
+    x, cache = rng.normal(size=(1, 1, 16)).astype(np.float32), np.zeros((1, 8, 16), np.float32)
+    variables = model.init(jax.random.key(0), x, np.array([0], np.int32), cache)
+    data = []
+    for position in range(6):
+        data.append((rng.normal(size=(1, 1, 16)).astype(np.float32), np.array([position], np.int32), cache))
+        cache = np.asarray(model.apply(variables, *data[-1])[1])
+    rules = [R(".*", op="dynamic_update_slice", writes_output=True, act_qtype="int8")]
+    plan = odmlq.plan(model, rules, *data[0], variables=variables, target="xla", state={2: 1})
+    qmodel = odmlq.ptq(model, plan, variables, odmlq.calibrate(model, plan, data, variables=variables,
+                                                               progress=False))
+    simulated = odmlq.Simulator(model, plan, qmodel.scales, variables=variables)
+    kept, reference = np.zeros((1, 8, 16), np.float32), np.zeros((1, 8, 16), np.float32)
+    lsb = np.asarray(qmodel.scales.edges[plan.state[0][0]].scale)
+    for step, (x, position, _) in enumerate(data):
+        (scores, kept), (want, reference) = qmodel(x, position, kept), simulated(x, position, reference)
+        assert isinstance(kept, odmlq.QArray)
+        assert np.max(np.abs(np.asarray(kept.dequantize()) - np.asarray(reference)) / lsb) == 0.0, step
+        np.testing.assert_allclose(np.asarray(scores), np.asarray(want), rtol=1e-6, atol=1e-6)
