@@ -36,7 +36,7 @@ from odmlq.plan._passes import (
 )
 from odmlq.plan._spec import QuantSpec, spec_or_none as _spec_or_none
 from odmlq.plan._shared import share_weight_specs
-from odmlq.plan._state import check_state_specs, state_pairs
+from odmlq.plan._state import check_state_specs, state_indices, state_pairs
 from odmlq.plan._specs_of import act_spec, constant_operand_spec, constant_specs, dynamic_input_spec, weight_spec
 from odmlq.rules import Rule, rules_from_dicts, rules_to_dicts, warn_unmatched
 
@@ -229,13 +229,12 @@ class Plan:
             raise PlanError(
                 f"This plan was read from JSON: it names its targets {list(self.targets)} but does not "
                 "hold their constraint tables; plan again with odmlq.plan(model, rules, x, target=...).")
-        return plan_graph(self.graph, rules, self.target_tables, state=self.state_indices)
+        return plan_graph(self.graph, rules, self.target_tables, state=self.state)
 
     @property
     def state_indices(self) -> dict[int, int]:
         """`state` as ``{input index: output index}``, as `plan` takes it."""
-        graph = self.graph
-        return {graph.inputs.index(i): graph.outputs.index(o) for i, o in self.state}
+        return state_indices(self.graph, self.state)
 
     def to_json(self, indent: int | None = 1) -> str:
         return json.dumps({
@@ -291,9 +290,9 @@ def plan(model: Any, rules: Sequence[Rule] | Rule, *example_inputs: Any,
         backend has one: ``odmlq.litert.TARGET``, ``odmlq.xla.TARGET``; the
         face's ``odmlq.plan`` takes their names). Their scale constraints are
         resolved into the edges. None given: every scale is free.
-      state: ``{input index: output index}`` over the flattened inputs and
-        outputs: an output the caller feeds back as that input at the next
-        call (a decoder's KV cache). Each pair keeps one qtype and one scale;
+      state: ``{input index: output index}`` among the model's arguments and
+        returned items: an output the caller feeds back as that input at the
+        next call (a decoder's KV cache; a pytree is paired leaf by leaf). Each pair keeps one qtype and one scale;
         on XLA a quantized state crosses calls as a `QArray`.
 
     Returns:

@@ -75,8 +75,8 @@ class QuantizedModel:
         self._jitted = jax.jit(self.apply, static_argnames=("capture",))
         examples = [jax.ShapeDtypeStruct(plan.graph.edges[e].shape, plan.graph.edges[e].dtype)
                     for e in plan.graph.inputs]
-        if plan.graph.program is not None:
-            jax.eval_shape(self.apply, params, *examples)  # records `lowerings`
+        if plan.graph.program is not None:  # (inputs as the model takes them: pytrees too)
+            jax.eval_shape(self.apply, params, *_structured(plan.graph, examples))  # records `lowerings`
 
     @property
     def nbytes(self) -> int:
@@ -113,7 +113,7 @@ class QuantizedModel:
 
     def __call__(self, *inputs: Any, capture: bool = False, feed: Mapping[str, Any] | None = None) -> Any:
         feed = None if feed is None else {k: jnp.asarray(v) for k, v in feed.items()}
-        if any(isinstance(x, QArray) for x in inputs):  # state: the plan's shapes, run whole
+        if any(map(_is_qarray, jax.tree_util.tree_leaves(inputs, is_leaf=_is_qarray))):  # state: run whole
             self._graphs.graph_for(self._state_in(inputs, shapes_only=True)[0])
             return self._jitted(self.params, *inputs, capture=capture, feed=feed)
         return self._graphs.run(inputs, lambda *xs: self._jitted(self.params, *xs, capture=capture, feed=feed),
@@ -121,11 +121,13 @@ class QuantizedModel:
 
     def _state_in(self, inputs: tuple, shapes_only: bool = False) -> tuple[tuple, dict]:
         """``(inputs, codes)``: each state input given as a QArray (what the last
-        call returned) as its float value, and its codes by edge id."""
+        call returned) as its float value, and its codes by edge id. Indices
+        count the inputs' leaves (a cache in a dict of arrays too)."""
         graph = self.plan.graph
         state = {graph.inputs.index(source): source for source, _ in self.plan.state}
-        out, codes = list(inputs), {}
-        for i, x in enumerate(inputs):
+        leaves, tree = jax.tree_util.tree_flatten(inputs, is_leaf=_is_qarray)
+        out, codes = list(leaves), {}
+        for i, x in enumerate(leaves):
             if not isinstance(x, QArray):
                 continue
             edge = state.get(i)
@@ -142,7 +144,7 @@ class QuantizedModel:
                 continue
             codes[edge] = x.qvalue
             out[i] = _dequantized(x.qvalue, ts, dtype)
-        return tuple(out), codes
+        return jax.tree_util.tree_unflatten(tree, out), codes
 
     def _state_out(self, outputs: Any, codes: Mapping[str, Any]) -> Any:
         """The model's outputs with each quantized state output a QArray on its
@@ -227,6 +229,20 @@ _CHOOSING = {
     "select_n": lambda n: range(1, n),  # (predicate, *cases)
     "dynamic_update_slice": lambda n: (0, 1),  # (operand, update, *start indices)
 }
+
+
+def _is_qarray(x) -> bool:
+    return isinstance(x, QArray)
+
+
+def _structured(graph, leaves: list) -> list:
+    """The graph's flat input leaves as the inputs its model takes (pytrees)."""
+    trees = graph.program.in_tree.children()[1:]
+    out, start = [], 0
+    for tree in trees:
+        out.append(jax.tree_util.tree_unflatten(tree, leaves[start:start + tree.num_leaves]))
+        start += tree.num_leaves
+    return out if start == len(leaves) else leaves
 
 
 def _dequantized(codes, ts, dtype):

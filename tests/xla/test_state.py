@@ -116,9 +116,9 @@ def test_a_qarray_where_no_state_is_quantized_or_at_another_scale_is_refused(dec
 
 def test_state_pairs_that_cannot_be_one_tensor_are_refused_by_name(decoder):
     model, variables, steps = decoder
-    with pytest.raises(PlanError, match="not among the model's 5 flattened outputs"):
+    with pytest.raises(PlanError, match="not among the model.s 5 outputs"):
         odmlq.plan(model, [CACHE], *steps[0], variables=variables, method="decode", state={2: 7})
-    with pytest.raises(PlanError, match="not one tensor across calls"):
+    with pytest.raises(PlanError, match="are not one tensor .or pytree of tensors. across calls"):
         odmlq.plan(model, [CACHE], *steps[0], variables=variables, method="decode", state={2: 0})
     with pytest.raises(PlanError, match="fed back as input 2 and as input 3"):
         odmlq.plan(model, [CACHE], *steps[0], variables=variables, method="decode", state={2: 1, 3: 1})
@@ -164,3 +164,46 @@ def test_a_cache_written_by_dynamic_update_slice_stays_codes_and_equals_simulate
         assert isinstance(kept, odmlq.QArray)
         assert np.max(np.abs(np.asarray(kept.dequantize()) - np.asarray(reference)) / lsb) == 0.0, step
         np.testing.assert_allclose(np.asarray(scores), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+def test_a_transformers_flax_gpt2_keeps_its_own_cache_int8_between_steps():
+    # transformers' Flax GPT-2 keeps its cache in a Flax collection (a dict of per-layer keys,
+    # values and a write index) written by lax.dynamic_update_slice: state={3: 1} pairs the
+    # dict argument with the dict it returns, leaf by leaf (the int32 index stays as it is).
+    from transformers import FlaxGPT2LMHeadModel, GPT2Config
+
+    hf = FlaxGPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2), seed=0)
+    module, params = hf.module, hf.params
+
+    def step(params, token, position, mask, cache):
+        out, new = module.apply({"params": params, "cache": cache}, token, mask, position, init_cache=False,
+                                deterministic=True, mutable=["cache"])
+        return out.logits, new["cache"]
+
+    def inputs(position, token):
+        mask = np.zeros((1, 16), np.int32)
+        mask[0, :position + 1] = 1
+        return np.array([[token]], np.int32), np.array([[position]], np.int32), mask
+
+    rng, empty = np.random.default_rng(0), hf.init_cache(1, 16)
+    data, cache = [], empty
+    for position in range(3, 9):
+        data.append((*inputs(position, int(rng.integers(0, 128))), cache))
+        cache = step(params, *data[-1])[1]
+    rules = [R(".*", op="dynamic_update_slice", writes_output=True, act_qtype="int8"),
+             R(".*", op="dot_general", weight_qtype="int8", weight_algorithm=odmlq.Nearest())]
+    plan = odmlq.plan(step, rules, *data[0], variables=params, target="xla", state={3: 1})
+    assert len(plan.state) == 6 and plan.state_indices == {3: 1}
+    qmodel = odmlq.ptq(step, plan, params, odmlq.calibrate(step, plan, data, variables=params, progress=False))
+    simulated = odmlq.Simulator(step, plan, qmodel.scales, variables=params)
+    kept, reference = empty, empty
+    for position in range(3, 9):
+        (logits, kept), (want, reference) = (qmodel(*inputs(position, 7 + position), kept),
+                                             simulated(*inputs(position, 7 + position), reference))
+        layer = kept["transformer"]["h"]["0"]["attn"]
+        assert isinstance(layer["cached_key"], odmlq.QArray) and not isinstance(layer["cache_index"], odmlq.QArray)
+        for got, expected in zip(jax.tree.leaves(kept, is_leaf=lambda x: isinstance(x, odmlq.QArray)),
+                                 jax.tree.leaves(reference)):
+            got = got.dequantize() if isinstance(got, odmlq.QArray) else got
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))  # the same integers
+        np.testing.assert_allclose(np.asarray(logits), np.asarray(want), rtol=1e-5, atol=1e-6)
