@@ -47,6 +47,9 @@ SCHEMAS: dict[str, list] = {
     # Full integer: int8 activations at calibrated scales too (the cache crosses the
     # signature as float, quantized at each one's own scale), what an NPU runs.
     "int8 full integer": [R(".*", weight_qtype="int8", act_qtype="int8")],
+    # The same, the cache crossing both signatures as int8 codes on one scale per tensor
+    # (`STATE_DTYPE`): the app keeps it in int8, and no step converts the whole cache.
+    "int8 full integer, int8 cache": [R(".*", weight_qtype="int8", act_qtype="int8")],
     # int4 in blocks of 32 on XNNPACK's blockwise kernel; the tied embedding (also the
     # table every token is looked up in) stays int8 per channel.
     "int4 blockwise dynamic": [
@@ -64,6 +67,7 @@ SCHEMAS: dict[str, list] = {
         R(".*", weight_qtype="int4", weight_granularity=odmlq.PerBlock(32), act_qtype="int8", act_dynamic=True,
           weight_algorithm=odmlq.Nearest())],
 }
+STATE_DTYPE = {"int8 full integer, int8 cache": "int8"}
 # XLA serving: weights alone quantized (a decode step is memory-bound: int8 weights move a
 # quarter of float's bytes), the activations float.
 XLA_WEIGHT_ONLY: dict[str, list] = {
@@ -146,16 +150,26 @@ def perplexity(prefill, empty_cache, text: np.ndarray, length: int = PROMPT) -> 
 def _litert(tflite: bytes, cache_names: list[str]):
     runner = odmlq.litert.interpreter(tflite, num_threads=1)
     prefill, decode = runner.get_signature_runner("prefill"), runner.get_signature_runner("decode")
+    details = prefill.get_input_details()
 
     def outputs(out):
         return out["logits"], *(out[name] for name in cache_names)
 
+    def cache_feed(cache):  # a float cache (the first call's) given to an int8-cache file: its codes
+        feed = {}
+        for name, x in zip(cache_names, cache):
+            x, d = np.asarray(x), details[name]
+            if d["dtype"] == np.int8 and x.dtype.kind == "f":
+                scale, zero = d["quantization"]
+                x = np.clip(np.round(x / scale) + zero, -128, 127).astype(np.int8)
+            feed[name] = x
+        return feed
+
     def run_prefill(tokens, *cache):
-        return outputs(prefill(tokens=tokens, **{n: np.asarray(x) for n, x in zip(cache_names, cache)}))
+        return outputs(prefill(tokens=tokens, **cache_feed(cache)))
 
     def run_decode(token, position, *cache):
-        return outputs(decode(token=token, position=position,
-                              **{n: np.asarray(x) for n, x in zip(cache_names, cache)}))
+        return outputs(decode(token=token, position=position, **cache_feed(cache)))
 
     return run_prefill, run_decode
 
@@ -223,7 +237,8 @@ def _schema(schema, model, variables, prefill_data, decode_data, tests, held_out
     rules = SCHEMAS[schema]
     path = os.path.join(out_dir, f"decoder_{schema.replace(' ', '_')}.tflite")
     exported = odmlq.export_signatures(model, rules, _signatures(model, prefill_data, decode_data), path,
-                                       variables=variables, progress=False)
+                                       variables=variables, progress=False,
+                                       state_dtype=STATE_DTYPE.get(schema, "float"))
     single = exported.signatures
     simulated = {name: odmlq.Simulator(model, single[name].plan, single[name].scales, variables=variables)
                  for name in single}
@@ -251,7 +266,24 @@ def _schema(schema, model, variables, prefill_data, decode_data, tests, held_out
     xla_step = jax.jit(xla_decode.apply)
     row["xla_ms"], row["float_xla_ms"] = xla_decode_ms(
         [lambda *x: xla_step(xla_decode.params, *x), float_xla_decode], inputs)
+    if schema in STATE_DTYPE:  # the combined file's decode (int8 cache) against the float-cache one
+        runs = [(exported.tflite, "decode"), (single["decode"].tflite, None), (float_decode_file, None)]
+        row["state_ms"], row["float_state_ms"], row["float_file_ms"] = _signature_ms(runs, inputs, model.cache_names())
+        row["cache_bytes"] = sum(np.asarray(x).nbytes for x in litert_decode(*inputs)[1:])
     return row
+
+
+def _signature_ms(runs, inputs, cache_names, rounds: int = 15, calls: int = 50) -> list[float]:
+    """Median ms per decode call through each file's signature runner (`None`: its
+    only one), its cache inputs in the dtype the file takes, in interleaved rounds."""
+    calls_of = []
+    for tflite, key in runs:
+        runner = odmlq.litert.interpreter(tflite, num_threads=1).get_signature_runner(key)
+        details = runner.get_input_details()
+        feed = {"token": inputs[0], "position": inputs[1],
+                **{n: np.asarray(x).astype(details[n]["dtype"]) for n, x in zip(cache_names, inputs[2:])}}
+        calls_of.append(lambda runner=runner, feed=feed: runner(**feed))
+    return interleaved_ms(calls_of, rounds=rounds, repeats=calls)
 
 
 def _weight_only(rules, model, variables, prefill_data, held_out, float_xla_decode) -> dict:
@@ -356,6 +388,10 @@ def _print(results: dict, config) -> None:
         print("  perplexity: " + ", ".join(
             f"{run} {row[run]['perplexity']:.4f} ({100 * (row[run]['perplexity'] / flt['perplexity'] - 1):+.2f}%)"
             for run in ("simulate", "xla", "litert")))
+        if "state_ms" in row:
+            print(f"  decode through the signature runner, the cache int8 ({row['cache_bytes']:,} bytes): "
+                  f"{row['state_ms']:.3f} ms vs {row['float_state_ms']:.3f} ms with it float (int8 full integer) and "
+                  f"{row['float_file_ms']:.3f} ms for the float file ({row['float_file_ms'] / row['state_ms']:.2f}x)")
         print(f"  decode step, LiteRT 1 thread: {row['litert_ms']:.3f} ms vs float {row['float_litert_ms']:.3f} ms "
               f"({row['float_litert_ms'] / row['litert_ms']:.2f}x float's tokens/s); XLA (same rules) "
               f"{row['xla_ms']:.3f} ms vs {row['float_xla_ms']:.3f} ms")

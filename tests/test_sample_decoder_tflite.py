@@ -28,7 +28,8 @@ def _exported(model, variables, schema):
     prefill_data, decode_data = decoder_tflite.calibration(model, variables, training)
     exported = odmlq.export_signatures(model, decoder_tflite.SCHEMAS[schema],
                                        decoder_tflite._signatures(model, prefill_data, decode_data),
-                                       variables=variables, progress=False)
+                                       variables=variables, progress=False,
+                                       state_dtype=decoder_tflite.STATE_DTYPE.get(schema, "float"))
     return exported, held_out
 
 
@@ -94,6 +95,50 @@ def test_a_full_integer_decoder_exports_verified_and_continues_its_prompt(traine
     assert _continuation_sqnr_db(model, variables, litert, held_out) >= 20.0
 
 
+def test_a_full_integer_decoder_keeps_its_cache_int8_across_both_signatures(trained):
+    """state_dtype='int8': the cache tensors cross prefill and decode as int8 codes, each
+    name on one grid in both signatures (what prefill writes, decode reads), with no
+    QUANTIZE or DEQUANTIZE of the cache left in either; simulate and XLA of the shared
+    scales still generate alike, and the prompt continues as the float model does."""
+    from odmlq.litert.signatures import _histograms, _subgraphs
+
+    model, variables = trained
+    exported, held_out = _exported(model, variables, "int8 full integer, int8 cache")
+    runner, names = odmlq.litert.interpreter(exported.tflite), model.cache_names()
+    grids = {}
+    for signature in ("prefill", "decode"):
+        sig = runner.get_signature_runner(signature)
+        for details in (sig.get_input_details(), sig.get_output_details()):
+            for name in names:
+                assert details[name]["dtype"] == np.int8, (signature, name)
+                assert grids.setdefault(name, details[name]["quantization"]) == details[name]["quantization"]
+        assert sig.get_output_details()["logits"]["dtype"] == np.float32
+        combined = _histograms(exported.tflite)[_subgraphs(exported.tflite)[signature]]
+        alone = _histograms(exported.signatures[signature].tflite)[0]
+        assert combined.get("QUANTIZE", 0) == alone["QUANTIZE"] - len(names), signature
+        assert combined.get("DEQUANTIZE", 0) == alone["DEQUANTIZE"] - len(names), signature
+    simulated, xla = _simulate_and_xla(model, variables, exported.signatures)
+    for prompt in decoder_tflite.prompts(held_out, 2, seed=5):
+        np.testing.assert_array_equal(*(decoder_tflite.greedy(*run, prompt[None], model.empty_cache, steps=16)
+                                        for run in (simulated, xla)))
+    litert = decoder_tflite._litert(exported.tflite, names)
+    assert _continuation_sqnr_db(model, variables, litert, held_out) >= 20.0
+
+
+def test_an_int8_cache_needs_full_integer_rules_and_named_state(trained):
+    model, variables = trained
+    training, _ = decoder_lm.corpus()
+    prefill_data, decode_data = decoder_tflite.calibration(model, variables, training)
+    signatures = decoder_tflite._signatures(model, prefill_data, decode_data)
+    with pytest.raises(odmlq.PlanError, match="needs full-integer rules"):
+        odmlq.export_signatures(model, decoder_tflite.SCHEMAS["int8 dynamic"], signatures, variables=variables,
+                                progress=False, state_dtype="int8")
+    unnamed = {"decode": odmlq.Signature(method="decode", rep_dataset=decode_data)}
+    with pytest.raises(odmlq.PlanError, match="share none"):
+        odmlq.export_signatures(model, decoder_tflite.SCHEMAS["int8 full integer"], unnamed, variables=variables,
+                                progress=False, state_dtype="int8")
+
+
 def test_simulate_and_xla_add_int4_block_sums_in_the_same_order():
     """A blockwise weight's scaled block sums are added one block after another, from
     the first, in simulate and in XLA, so the two give a prefill's logits bit for bit.
@@ -138,9 +183,10 @@ def test_the_sample_generates_identically_and_keeps_perplexity(tmp_path):
     # simulate and XLA compute the same integers. LiteRT's int8 lookup-table kernels are within
     # one step of simulate's, and int8 logits tie, so its bytes are not asserted (the export
     # verifies every op).
-    row = results["int8 full integer"]
-    assert row["simulate_vs_xla"] == every, row
-    assert row["litert"]["perplexity"] <= 1.05 * flt, (row["litert"]["perplexity"], flt)
+    for schema in ("int8 full integer", "int8 full integer, int8 cache"):
+        row = results[schema]
+        assert row["simulate_vs_xla"] == every, (schema, row)
+        assert row["litert"]["perplexity"] <= 1.05 * flt, (schema, row["litert"]["perplexity"], flt)
     assert results["XLA int8 weight-only"]["perplexity"] <= 1.01 * flt
     # The int8 KV cache, read through decode steps: within 1% of float's perplexity there, a
     # quarter of float's cache bytes (codes) and a little for the per-channel scales.

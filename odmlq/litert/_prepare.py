@@ -76,10 +76,12 @@ def prepare(model: Any, rules: Sequence | Plan, rep_dataset, *, variables: Any =
             example_inputs: Sequence[Any] | None = None, calibration: Calibration | None = None,
             allow_float_ops: bool = False, input_names: Sequence[str] | None = None,
             output_names: Sequence[str] | None = None, io_dtype: str = "float", batch_size: int = 1,
-            method: Any = None, progress: bool | None = None, weights: Scales | None = None) -> Prepared:
+            method: Any = None, progress: bool | None = None, weights: Scales | None = None,
+            state: dict[int, int] | None = None) -> Prepared:
     """Everything of `export_tflite` before conversion (see its arguments).
     `weights`: the weights' scales and rounded values to use instead of
-    computing them (another signature's, so that one file shares them)."""
+    computing them (another signature's, so that one file shares them);
+    `state`: as `odmlq.plan`'s, for the plan made from rules."""
     params = params_for(model, variables, "export_tflite")
     check_finite_params(params)
     batches = list(rep_dataset() if callable(rep_dataset) else rep_dataset or [])
@@ -90,7 +92,8 @@ def prepare(model: Any, rules: Sequence | Plan, rep_dataset, *, variables: Any =
         raise PlanError(f"method={method!r}, but the plan given traced {rules.graph.method or '__call__'!r}; "
                         "leave method out (the plan carries it) or plan that method.")
     plan = (rules if isinstance(rules, Plan)
-            else make_plan(model, rules, *example_inputs, variables=variables, method=method, target=TARGET))
+            else make_plan(model, rules, *example_inputs, variables=variables, method=method, target=TARGET,
+                           state=state))
     float_ops = check_plan(plan, allow_float_ops=allow_float_ops)
     schema = schema_of(plan)
     if io_dtype not in ("float", "int8", "int16"):

@@ -39,6 +39,7 @@ from odmlq.litert import _convert, _external
 from odmlq.litert._probe import LiteRTCrashError, probe
 from odmlq.litert._runtime import interpreter
 from odmlq.litert._prepare import Prepared, prepare
+from odmlq.litert._state_io import check_integer_state, integer_state, state_of, unified
 from odmlq.litert.export import Export, annotated, build, finished, with_module_paths, write_atomically
 from odmlq.litert.verify import verification_samples
 from odmlq.progress import Stage
@@ -97,7 +98,7 @@ class SignatureExport:
 def export_signatures(model: Any, rules: Sequence, signatures: Mapping[str, Signature],
                       path: str | os.PathLike | None = None, *, variables: Any = None, verify: bool = True,
                       verify_samples: int = 32, allow_float_ops: bool = False,
-                      external_weights: bool | None = None,
+                      external_weights: bool | None = None, state_dtype: str = "float",
                       progress: bool | None = None) -> SignatureExport:
     """Exports several methods of `model` into one LiteRT flatbuffer (see the module doc).
 
@@ -109,6 +110,10 @@ def export_signatures(model: Any, rules: Sequence, signatures: Mapping[str, Sign
       path: where to write the file (atomically), or None.
       verify, verify_samples, allow_float_ops, external_weights, progress:
         as `export_tflite`'s (a weight several signatures read is stored once).
+      state_dtype: 'float' (default: every input and output float), or
+        'int8': the tensors a signature takes and gives back under one name
+        (a KV cache) cross the file as int8 codes, each name on one scale in
+        every signature (`odmlq.litert._state_io`; full-integer rules).
 
     Raises:
       PlanError: no signature, a name that is not an identifier, signatures
@@ -120,6 +125,10 @@ def export_signatures(model: Any, rules: Sequence, signatures: Mapping[str, Sign
     if path is not None:
         check_output_path(path)
     _check_names(signatures)
+    if state_dtype not in ("float", "int8"):
+        raise PlanError(f"state_dtype={state_dtype!r}; choose 'float' or 'int8'.")
+    states = ({name: state_of(name, s.input_names, s.output_names) for name, s in signatures.items()}
+              if state_dtype == "int8" else {})
     prepared: dict[str, Prepared] = {}
     for name, signature in signatures.items():
         first = next(iter(prepared.values()), None)
@@ -127,21 +136,32 @@ def export_signatures(model: Any, rules: Sequence, signatures: Mapping[str, Sign
             model, rules, signature.rep_dataset, variables=variables, example_inputs=signature.example_inputs,
             allow_float_ops=allow_float_ops, input_names=signature.input_names,
             output_names=signature.output_names, method=signature.method, progress=progress,
-            weights=None if first is None else first.scales))
+            weights=None if first is None else first.scales, state=states.get(name)))
     schemas = {name: p.schema for name, p in prepared.items()}
     if len(set(schemas.values())) > 1:
         raise PlanError(f"The signatures' rules give different schemas ({schemas}); one file is converted "
                         "as one schema. Give every signature the same kind of activation quantization.")
+    if states:
+        prepared = _on_shared_state_scales(model, prepared, states, signatures, variables, allow_float_ops, progress)
     singles = {name: _named(name, lambda: build(model, p, variables=variables, verify=verify,
                                                  verify_samples=verify_samples, allow_float_ops=allow_float_ops,
                                                  progress=progress, external_weights=external_weights))
                for name, p in prepared.items()}
-    tflite = _combined(model, prepared, variables, progress, external_weights)
+    tflite, externalized = _combined(model, prepared, variables, progress, external_weights)
     try:
         probe(tflite, f"the model exported for {os.fspath(path)!r}" if path is not None else "the exported model")
     except LiteRTCrashError as error:
         raise LiteRTCrashError(f"{error}\nNothing was written.") from None
     _check_combined(tflite, singles, prepared, verify_samples)
+    if states:
+        if externalized:
+            raise PlanError("state_dtype='int8' rewrites the converted file, whose weights are written outside "
+                            "the flatbuffer here (external_weights); pass external_weights=False or "
+                            "state_dtype='float'. Nothing was written.")
+        tflite = integer_state(tflite, {name: [prepared[name].input_names[i] for i in state]
+                                        for name, state in states.items()})
+        check_integer_state(tflite, singles, prepared, interpreter,
+                            lambda held: verification_samples(held, verify_samples))
     written = write_atomically(path, tflite) if path is not None else None
     return SignatureExport(tflite=tflite, path=written, signatures=singles)
 
@@ -194,7 +214,22 @@ def _combined(model: Any, prepared: Mapping[str, Prepared], variables: Any, prog
         with Stage("writing the weights", progress=progress):
             held, tflite = [tflite], None
             tflite = _external.externalized(held, list(placeholders.values()))
-    return tflite
+    return tflite, bool(placeholders)
+
+
+def _on_shared_state_scales(model, prepared, states, signatures, variables, allow_float_ops, progress) -> dict:
+    """The signatures prepared again with each state name on one range
+    (`_state_io.unified`): the calibration and the first signature's weights
+    kept, the scales computed from the shared ranges."""
+    if next(iter(prepared.values())).schema != "static":
+        raise PlanError("state_dtype='int8' needs full-integer rules (act_qtype='int8' without act_dynamic): "
+                        "a dynamic-range model keeps its cache float.")
+    plans, weights = unified(prepared, states), next(iter(prepared.values())).scales
+    return {name: _named(name, lambda: prepare(
+        model, plans[name][0], signatures[name].rep_dataset, variables=variables,
+        example_inputs=signatures[name].example_inputs, calibration=plans[name][1],
+        allow_float_ops=allow_float_ops, input_names=p.input_names, output_names=p.output_names,
+        progress=progress, weights=weights)) for name, p in prepared.items()}
 
 
 def _subgraphs(tflite: bytes) -> dict[str, int]:
