@@ -269,7 +269,7 @@ def _schema(schema, model, variables, prefill_data, decode_data, tests, held_out
     if schema in STATE_DTYPE:  # the combined file's decode (int8 cache) against the float-cache one
         runs = [(exported.tflite, "decode"), (single["decode"].tflite, None), (float_decode_file, None)]
         row["state_ms"], row["float_state_ms"], row["float_file_ms"] = _signature_ms(runs, inputs, model.cache_names())
-        row["cache_bytes"] = sum(np.asarray(x).nbytes for x in litert_decode(*inputs)[1:])
+        row["litert_cache_bytes"] = sum(np.asarray(x).nbytes for x in litert_decode(*inputs)[1:])
     return row
 
 
@@ -364,7 +364,7 @@ def _print(results: dict, config) -> None:
     for schema, row in results.items():
         if schema in ("float", "text"):
             continue
-        if "cache_bytes" in row:  # XLA, int8 KV cache
+        if "kv" in row:  # XLA, int8 KV cache
             print(f"{schema}: perplexity through the cache {row['kv']:.4f} ({100 * (row['kv'] / row['float'] - 1):+.2f}% "
                   f"vs float's {row['float']:.4f}; weights alone int8 {row['weights']:.4f}); cache "
                   f"{row['cache_bytes']:,} bytes vs {row['float_cache_bytes']:,}; greedy bytes = weights alone int8 on "
@@ -389,7 +389,7 @@ def _print(results: dict, config) -> None:
             f"{run} {row[run]['perplexity']:.4f} ({100 * (row[run]['perplexity'] / flt['perplexity'] - 1):+.2f}%)"
             for run in ("simulate", "xla", "litert")))
         if "state_ms" in row:
-            print(f"  decode through the signature runner, the cache int8 ({row['cache_bytes']:,} bytes): "
+            print(f"  decode through the signature runner, the cache int8 ({row['litert_cache_bytes']:,} bytes): "
                   f"{row['state_ms']:.3f} ms vs {row['float_state_ms']:.3f} ms with it float (int8 full integer) and "
                   f"{row['float_file_ms']:.3f} ms for the float file ({row['float_file_ms'] / row['state_ms']:.2f}x)")
         print(f"  decode step, LiteRT 1 thread: {row['litert_ms']:.3f} ms vs float {row['float_litert_ms']:.3f} ms "

@@ -12,6 +12,8 @@ by op against `simulate` on its own held-back batch; the signatures are then
 converted together into one flatbuffer, each in its own subgraph, and the
 combined file is checked against the single ones: the same ops in each
 subgraph, and the same outputs, bit for bit, on the verification rows.
+With ``state_dtype='int8'`` the tensors a signature takes and gives back by
+one name (the cache) then cross the file as int8 codes (`_state_io`).
 
 Example:
   >>> cache = model.empty_cache(1)   # keys_0, values_0, keys_1, ... as tensors

@@ -133,9 +133,9 @@ class QuantizedModel:
             edge = state.get(i)
             ts = self.scales.edges.get(edge)
             if ts is None:
-                raise PlanError(f"Input {i} of {graph.model_name} is a QArray, but only quantized state inputs "
-                                f"({sorted(i for i, e in state.items() if e in self.scales.edges) or 'none'}: "
-                                "plan with state={input: output} and a rule that quantizes the op writing it) "
+                raise PlanError(f"Input leaf {i} of {graph.model_name} is a QArray, but only quantized state "
+                                f"inputs (leaves {sorted(i for i, e in state.items() if e in self.scales.edges) or 'none'}"
+                                ": plan with state={input: output} and a rule that quantizes the op writing it) "
                                 "cross calls quantized; pass it as a float array.")
             _check_state_qarray(i, x, ts, graph.edges[edge].shape)
             dtype = graph.edges[edge].dtype
@@ -275,7 +275,7 @@ def _check_state_qarray(index: int, x: QArray, ts, shape) -> None:
             and not _same_grid(_as_scale(x), ts):
         problem = "a QArray quantized at another scale than this plan's state"
     if problem:
-        raise PlanError(f"State input {index} is {problem}; feed back what this model's last call returned "
+        raise PlanError(f"State input leaf {index} is {problem}; feed back what this model's last call returned "
                         "(or a float array).")
 
 

@@ -110,7 +110,7 @@ def test_a_qarray_where_no_state_is_quantized_or_at_another_scale_is_refused(dec
         other = odmlq.quantize(np.asarray(cache[0]) + 1.0, "int8", scale=np.float32(0.5), zero_point=np.int32(0))
         qmodel(token, position, other, *out[2:])
     plain = odmlq.ptq(model, [WEIGHTS], variables, example_inputs=steps[0], method="decode", target="xla")
-    with pytest.raises(PlanError, match="only quantized state inputs"):
+    with pytest.raises(PlanError, match="only quantized state.inputs"):
         plain(token, position, *out[1:])
 
 
