@@ -11,6 +11,9 @@ not from this CPU's 32 MiB cache). For each:
   int8 dynamic-range and int4 blockwise dynamic-range (blocks of 32; the tied
   embedding int8), all timed in the same interleaved rounds
   (`odmlq.litert.interleaved_latency`);
+- LiteRT, through the signature runner (the cache copied in and out): the
+  full-integer prefill + decode file with its cache float and int8
+  (``state_dtype='int8'``) against the float file;
 - XLA CPU, jitted: float against int8 and int4 blockwise weight-only `ptq`,
   and int8 weight-only with the KV cache int8 between steps (QArrays, the
   sample's `KV_CACHE_RULE`), in interleaved rounds.
@@ -83,6 +86,26 @@ def _kv_cache_step(model, variables, inputs):
     return lambda token, position, *_: jitted(params, token, position, *cache)
 
 
+def _full_integer_caches(model, variables, inputs) -> list[tuple]:
+    """The full-integer prefill + decode file with its cache float and int8 (`state_dtype`),
+    and the float file: a decode call through each file's signature runner, the cache copied
+    in and out as an app's loop does, in the same interleaved rounds. Full integer needs
+    calibration: the sample's (prompts of Python's docs and the decode steps after them)."""
+    from samples.decoder_lm import corpus
+    from samples.decoder_tflite import SCHEMAS, _signature_ms, _signatures, calibration
+
+    signatures = _signatures(model, *calibration(model, variables, corpus()[0]))
+    files = {"float": odmlq.export_signatures(model, [], signatures, variables=variables, verify=False,
+                                              progress=False).tflite}
+    for state in ("float", "int8"):
+        files[f"int8 full integer, {state} cache"] = odmlq.export_signatures(
+            model, SCHEMAS["int8 full integer"], signatures, variables=variables, verify=False, progress=False,
+            state_dtype=state).tflite
+    ms = dict(zip(files, _signature_ms([(f, "decode") for f in files.values()], inputs, model.cache_names(),
+                                       rounds=11, calls=10)))
+    return [(schema, len(files[schema]), ms[schema], ms["float"] / ms[schema]) for schema in files]
+
+
 def measure(name: str, model, variables) -> list[dict]:
     inputs = decode_inputs(model)
     files = {schema: odmlq.export_tflite(model, rules, [inputs], variables=variables, method="decode",
@@ -101,6 +124,9 @@ def measure(name: str, model, variables) -> list[dict]:
     rows = [{"size": f"{name} ({parameters / 1e6:.1f}M)", "backend": "LiteRT 1 thread", "schema": schema,
              "bytes": len(files[schema]), "ms": ms, "speedup": litert_ms["float"] / ms}
             for schema, ms in litert_ms.items()]
+    rows += [{"size": f"{name} ({parameters / 1e6:.1f}M)", "backend": "LiteRT 1 thread, signature runner",
+              "schema": schema, "bytes": size, "ms": ms, "speedup": speedup}
+             for schema, size, ms, speedup in _full_integer_caches(model, variables, inputs)]
     rows += [{"size": f"{name} ({parameters / 1e6:.1f}M)", "backend": "XLA CPU", "schema": schema, "bytes": None,
               "ms": ms, "speedup": xla_ms["float"] / ms} for schema, ms in xla_ms.items()]
     return rows
