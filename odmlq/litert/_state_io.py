@@ -171,7 +171,7 @@ def check_integer_state(tflite: bytes, singles: Mapping, prepared: Mapping, inte
                     d = details[key]
                     if d["dtype"] == np.int8 and x.dtype.kind == "f":
                         scale, zero = d["quantization"]
-                        codes = np.clip(np.round(x / scale) + zero, -128, 127).astype(np.int8)
+                        codes = _int8_codes(x, d["quantization"])
                         feed[key], floats[key] = codes, ((codes.astype(np.float32) - zero) * scale).astype(x.dtype)
                     else:
                         feed[key] = floats[key] = x
@@ -180,9 +180,14 @@ def check_integer_state(tflite: bytes, singles: Mapping, prepared: Mapping, inte
                 for key, want in expected.items():
                     have = got[key]
                     if outputs[key]["dtype"] == np.int8 and want.dtype.kind == "f":
-                        scale, zero = outputs[key]["quantization"]
-                        want = np.clip(np.round(want / scale) + zero, -128, 127).astype(np.int8)
+                        want = _int8_codes(want, outputs[key]["quantization"])
                     if not np.array_equal(want, have):
                         raise ConversionError(
                             f"Signature {name!r}: output {key!r} with the state as int8 differs from the "
                             "float-interface file verified op by op; nothing was written.")
+
+
+def _int8_codes(x: np.ndarray, quantization: tuple) -> np.ndarray:
+    """`x` as the int8 codes of a tensor quantized ``(scale, zero point)``."""
+    scale, zero = quantization
+    return np.clip(np.round(x / scale) + zero, -128, 127).astype(np.int8)

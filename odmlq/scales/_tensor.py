@@ -67,6 +67,14 @@ class TensorScale:
         """One quantization step, in the tensor's float units."""
         return np.asarray(self.scale, np.float32)
 
+    def same_grid(self, other: "TensorScale | None") -> bool:
+        """Whether `other` puts values on this grid: one qtype, scale axes,
+        scales and zero points (whatever their keepdims shapes)."""
+        return (other is not None and other.qtype == self.qtype and other.scale_axes == self.scale_axes
+                and np.array_equal(np.ravel(other.scale), np.ravel(self.scale))
+                and np.array_equal(np.ravel(0 if other.zero_point is None else other.zero_point),
+                                   np.ravel(0 if self.zero_point is None else self.zero_point)))
+
 
 def tensor_scale(spec, lo, hi, shape) -> TensorScale:
     """The scale (and zero point) of `spec` for the float range [lo, hi]."""

@@ -31,7 +31,7 @@ from odmlq.graph import is_keras, is_nnx_module, keras_state, params_tree, split
 from odmlq.hooks import FakeQuant, PlanHooks
 from odmlq.plan import Plan, plan as make_plan
 from odmlq.qarray import QArray
-from odmlq.scales import Scales, compute_scales, fake_quant_bias
+from odmlq.scales import Scales, TensorScale, compute_scales, fake_quant_bias
 from odmlq.xla import _inputs, _lowering, _params
 
 __all__ = ["ptq", "QuantizedModel", "TARGET"]
@@ -211,7 +211,7 @@ class _Kernels(FakeQuant):
         ts = self.scales.edges.get(out) if self.scales is not None else None
         shape = self.plan.graph.edges[out].shape
         usable = (ts is not None and ts.qtype.bits >= 8 and ts.rounding == "half_even" and ts.divisor == 1
-                  and all(_same_grid(self.scales.edges.get(op.inputs[i]), ts) if op.inputs[i] in self.codes
+                  and all(ts.same_grid(self.scales.edges.get(op.inputs[i])) if op.inputs[i] in self.codes
                           else all(np.shape(operands[i])[a] == shape[a] for a in ts.scale_axes) for i in data))
         if not usable:
             return self.lowerer.on_op(op.id, compute, *operands)  # the output edge rounds the choice
@@ -257,13 +257,6 @@ def _stored(codes, ts, shape) -> QArray:
                   narrow_range=ts.narrow_range)
 
 
-def _same_grid(a, b) -> bool:
-    return (a is not None and a.qtype == b.qtype and a.scale_axes == b.scale_axes
-            and np.array_equal(np.ravel(a.scale), np.ravel(b.scale))
-            and np.array_equal(np.ravel(0 if a.zero_point is None else a.zero_point),
-                               np.ravel(0 if b.zero_point is None else b.zero_point)))
-
-
 def _check_state_qarray(index: int, x: QArray, ts, shape) -> None:
     """A state QArray on the grid of the edge it is fed to (its static
     layout always; its scale where it is concrete, outside a trace)."""
@@ -272,16 +265,14 @@ def _check_state_qarray(index: int, x: QArray, ts, shape) -> None:
         problem = (f"{x!r}, where the plan's state input is {ts.qtype.name} of rank {len(shape)}"
                    + (f" with scale axes {ts.scale_axes}" if ts.scale_axes else " with one scale"))
     elif not isinstance(x.scale, jax.core.Tracer) and not isinstance(x.zero_point, jax.core.Tracer) \
-            and not _same_grid(_as_scale(x), ts):
+            and not ts.same_grid(_as_scale(x)):
         problem = "a QArray quantized at another scale than this plan's state"
     if problem:
         raise PlanError(f"State input leaf {index} is {problem}; feed back what this model's last call returned "
                         "(or a float array).")
 
 
-def _as_scale(x: QArray):
-    from odmlq.scales import TensorScale
-
+def _as_scale(x: QArray) -> TensorScale:
     return TensorScale(qtype=x.qtype, scale=np.asarray(x.scale), zero_point=None if x.zero_point is None else
                        np.asarray(x.zero_point), scale_axes=x.scale_axes, narrow_range=x.narrow_range)
 
