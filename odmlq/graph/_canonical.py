@@ -33,7 +33,14 @@ table would otherwise need twice, are written in forms it can
 - ``jnp.stack`` (JAX's ``stack`` primitive; GPT-J's interleaved rotary
   embedding) is each input with an axis of size 1 added (a RESHAPE) and
   their concatenation along it: what the converter lowers it to, and one
-  kind (CONCATENATION, its shared scale) for every backend.
+  kind (CONCATENATION, its shared scale) for every backend;
+- a gather of an activation along one axis at constant positions that repeat
+  each position k times in order (``jax.image.resize(..., 'nearest')`` by an
+  integer factor, as U-Nets and feature pyramids upsample) is that axis split
+  in two, the copies broadcast along the new one (the broadcast's form above)
+  and the two merged back; at consecutive positions it is a slice. XNNPACK
+  takes no GATHER_ND: each resized axis split the graph off the delegate, and
+  an int16 GATHER_ND of an activation does not convert.
 """
 
 from __future__ import annotations
@@ -85,15 +92,18 @@ def portable_forms(walker, steps: list) -> None:
     """Rewrites, in place, each float ``neg`` of an activation as ``x * -1``,
     each boolean ``xor`` (of constants too) as ``!=``, each broadcast that
     copies an activation as a concatenation (at most `MAX_COPIES` copies) or a
-    MUL by ones (module doc), and each ``stack`` of activations as a
-    concatenation, in scan bodies too."""
+    MUL by ones (module doc), each ``stack`` of activations as a
+    concatenation, and each gather of an activation at constant positions
+    that repeat or run consecutively as a repeat or a slice, in scan bodies too."""
     for step in list(steps):
         if isinstance(step, _Region):
             portable_forms(walker, step.body.steps)
             continue
-        if not isinstance(step, _Step) or step.eqn is None or step.kind not in ("neg", "xor", "broadcast_in_dim", "stack"):
+        if not isinstance(step, _Step) or step.eqn is None or step.kind not in ("neg", "xor", "broadcast_in_dim", "stack",
+                                                                           "gather"):
             continue
         dtype = step.eqn.outvars[0].aval.dtype
+        operands = list(step.ins)
         constant = all(isinstance(r, _Lit) or walker.is_weight(r) for r in step.ins)
         # A negated weight is folded; a xor of constants (a mask built from a constant
         # table) is left to the converter, which folds no XOR.
@@ -108,9 +118,16 @@ def portable_forms(walker, steps: list) -> None:
         elif step.kind == "stack" and not constant and not any(isinstance(r, _Lit) for r in step.ins):
             axis = step.eqn.params["axis"]
             fn = lambda *xs: lax.concatenate([lax.expand_dims(x, (axis,)) for x in xs], axis)  # noqa: E731
+        elif (step.kind == "gather" and not walker.is_weight(step.ins[0]) and len(step.ins) == 2
+              and step.ins[1] in walker.constants):
+            fn = _gather_form(step.eqn.params, walker.avals[step.ins[0]].shape, dtype,
+                              walker.constants[step.ins[1]])
+            if fn is None:
+                continue
+            operands = operands[:1]  # the positions are folded into the form
         else:
             continue
-        new = walker.walk_function(fn, list(step.ins), step.outs[0], step.stack)
+        new = walker.walk_function(fn, operands, step.outs[0], step.stack)
         if new is not None:
             at = steps.index(step)
             steps[at:at + 1] = new
@@ -143,3 +160,35 @@ def _broadcast_form(params: dict, in_shape: tuple[int, ...], dtype):
         return y
 
     return fn
+
+
+def _gather_form(params: dict, in_shape: tuple[int, ...], dtype, indices):
+    """A gather of one whole axis at constant `indices` (``jnp.take(x, idx, axis)``'s form: the
+    positions on that axis of the output) as a repeat of each position k times (positions
+    0, .., 0, 1, .., 1, ..: a nearest resize by an integer factor) or as a slice (consecutive
+    positions); None for any other gather."""
+    dn = params["dimension_numbers"]
+    if (len(dn.start_index_map) != 1 or tuple(dn.collapsed_slice_dims) != tuple(dn.start_index_map)
+            or dn.operand_batching_dims or dn.start_indices_batching_dims):
+        return None
+    axis, rank = dn.start_index_map[0], len(in_shape)
+    if (tuple(params["slice_sizes"]) != tuple(1 if d == axis else n for d, n in enumerate(in_shape))
+            or tuple(dn.offset_dims) != tuple(d for d in range(rank) if d != axis)):
+        return None
+    positions = np.asarray(indices)
+    if positions.ndim != 2 or positions.shape[1] != 1 or not len(positions):
+        return None
+    positions, n = positions[:, 0].astype(np.int64), in_shape[axis]
+    copies = len(positions) // n
+    out_shape = tuple(len(positions) if d == axis else size for d, size in enumerate(in_shape))
+    if copies >= 2 and len(positions) == n * copies and np.array_equal(positions, np.repeat(np.arange(n), copies)):
+        split = in_shape[:axis + 1] + (1,) + in_shape[axis + 1:]
+        copied = split[:axis + 1] + (copies,) + split[axis + 2:]
+        broadcast = _broadcast_form({"shape": copied, "broadcast_dimensions": tuple(range(rank + 1))}, split, dtype)
+        if broadcast is None:
+            return None
+        return lambda x: jnp.reshape(broadcast(jnp.reshape(x, split)), out_shape)
+    start = int(positions[0])
+    if 0 <= start and start + len(positions) <= n and np.array_equal(positions, start + np.arange(len(positions))):
+        return lambda x: lax.slice_in_dim(x, start, start + len(positions), axis=axis)
+    return None

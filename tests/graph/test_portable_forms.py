@@ -6,7 +6,8 @@ ended its full-integer export: NEG, SiLU's LOGISTIC and MUL, and BROADCAST_TO
 stayed float; XOR did not convert; ``x ** 2`` had no kernel. Here each is
 exported alone between two quantized matmuls (JAX's ``stack`` primitive too,
 which GPT-J's rotary embedding ends, and which the op table had no entry for): no float island, every op
-within its tolerance of simulate (the export's own op-by-op verification).
+within its tolerance of simulate (the export's own op-by-op verification). A nearest
+resize's gather (XNNPACK takes no GATHER_ND) is a repeat of copies.
 """
 
 import flax.linen as nn
@@ -61,6 +62,12 @@ CASES = {
     "broadcast": (lambda x: jnp.broadcast_to(x[:, None, :], (x.shape[0], 17, 16)).reshape(x.shape[0], -1),
                   {"mul"}, "broadcast_in_dim copying"),
     "stack": (_interleave, {"concatenate"}, "stack"),
+    # Nearest 2x (a gather at positions 0, 0, 1, 1, ..): the copies concatenated, no GATHER_ND.
+    "nearest": (lambda x: jax.image.resize(x, (x.shape[0], 32), "nearest"), {"concatenate"}, "gather"),
+    # 3x: three copies (past 16 copies the broadcast's MUL by ones, as above).
+    "nearest_3x": (lambda x: jax.image.resize(x, (x.shape[0], 48), "nearest"), {"concatenate"}, "gather"),
+    # Consecutive constant positions: a slice.
+    "take_run": (lambda x: jnp.take(x, np.arange(3, 13), axis=1), {"slice"}, "gather"),
 }
 
 
@@ -90,6 +97,50 @@ def test_a_broadcast_of_many_copies_is_an_int16_mul_too():
     assert result.summary.float_islands == (), [o.name for o in result.summary.float_islands]
     assert "MUL" in dict(result.summary.op_histogram) and "BROADCAST_TO" not in dict(result.summary.op_histogram)
     assert result.verification.passed, str(result.verification)
+
+
+class _Resized(nn.Module):
+    """Conv, nearest resize of the feature map (2x rows, 3x columns), Conv."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(8, (3, 3), name="conv0")(x))
+        b, h, w, c = x.shape
+        return nn.Conv(4, (3, 3), name="conv1")(jax.image.resize(x, (b, 2 * h, 3 * w, c), "nearest"))
+
+
+@pytest.mark.parametrize("act_qtype", ["int8", "int16"])
+def test_a_nearest_resize_of_a_feature_map_runs_on_xnnpack_in_one_partition(act_qtype):
+    """Both resized axes become copies (no GATHER_ND, which XNNPACK does not take and
+    litert-converter 0.5.0 refuses in int16): int8 in one XNNPACK partition, int16x8
+    full integer (it was refused), verified op by op; simulate equals the float model's
+    resize exactly on the graph."""
+    model = _Resized()
+    x = np.random.default_rng(1).normal(size=(16, 8, 8, 3)).astype(np.float32)
+    variables = model.init(jax.random.key(0), x[:1])
+    graph = trace(model, x, variables=variables)
+    assert "gather" not in {op.kind for op in graph.ops}
+    np.testing.assert_allclose(graph.evaluate(variables, x), model.apply(variables, x), rtol=0, atol=0)
+    rules = [odmlq.Rule(".*", weight_qtype="int8", act_qtype=act_qtype)]
+    result = odmlq.export_tflite(model, rules, [x[:8], x[8:]], variables=variables, benchmark=False)
+    assert result.summary.float_islands == (), [o.name for o in result.summary.float_islands]
+    assert "GATHER_ND" not in dict(result.summary.op_histogram)
+    assert result.verification.passed, str(result.verification)
+    if act_qtype == "int8":
+        assert result.delegation.partitions == 1 and not result.delegation.outside, str(result.delegation)
+
+
+def test_a_gather_at_other_constant_positions_stays_a_gather():
+    """Positions that neither repeat in order nor run consecutively (0, 0, 1, 3, 2):
+    the gather is kept, and its values are the model's."""
+    def fn(params, x):
+        return jnp.take(x, np.array([0, 0, 1, 3, 2]), axis=1) * params["a"]
+
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    params = {"a": np.float32(2.0)}
+    graph = trace(fn, x, variables=params)
+    assert "gather" in {op.kind for op in graph.ops}
+    np.testing.assert_array_equal(np.asarray(graph.evaluate(params, x)), np.asarray(fn(params, x)))
 
 
 class _TiedLM(nn.Module):

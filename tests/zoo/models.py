@@ -13,6 +13,9 @@ processor would, token ids in the vocabulary with padded attention masks).
   attribute (``self.rngs``), in eval mode.
 - ``unet_linen``: a U-Net (tests/zoo/unet.py): BatchNorm convolutions, max
   pools, transposed convolutions up, skip concatenations, per-pixel logits.
+- ``unet_resize_linen``: that U-Net with resize-convolutions up in place of
+  its transposed convolutions (nearest ``jax.image.resize`` 2x, then a 3x3
+  Conv, as diffusers' FlaxUpsample2D upsamples).
 - ``transformer_lm_linen``: a decoder-only TransformerLM as Flax's
   examples/lm1b writes it (shift right, nn.Embed, sinusoidal positions, causal +
   padding mask, pre-LayerNorm MultiHeadDotProductAttention and ReLU MLP), every
@@ -464,13 +467,14 @@ def transformer_lm_linen() -> ZooModel:
 
 from tests.zoo.hf_models import (hf_bert, hf_bloom, hf_distilbert, hf_gpt2, hf_gpt_neo, hf_gptj,  # noqa: E402
                                   hf_llama, hf_marian, hf_resnet, hf_vit, hf_wav2vec2)
-from tests.zoo.unet import unet_linen  # noqa: E402
+from tests.zoo.unet import unet_linen, unet_resize_linen  # noqa: E402
 
 
 ZOO: dict[str, Callable[[], ZooModel]] = {
     "resnet18_linen": resnet18_linen,
     "cnn_nnx": cnn_nnx,
     "unet_linen": unet_linen,
+    "unet_resize_linen": unet_resize_linen,
     "transformer_lm_linen": transformer_lm_linen,
     "hf_bert": hf_bert,
     "hf_vit": hf_vit,

@@ -53,3 +53,38 @@ def unet_linen():
     variables = jax.jit(functools.partial(model.init))(_key(), example[0])
     variables = randomize_batchnorm_linen(variables)
     return ZooModel("unet_linen", model, variables, example, make, "cnn")
+
+
+
+class ResizeUNet(nn.Module):
+    """The U-Net above with resize-convolution upsampling in place of its transposed
+    convolutions: nearest ``jax.image.resize`` 2x, then a 3x3 Conv (diffusers'
+    FlaxUpsample2D; segmentation U-Nets written to avoid a transposed convolution's
+    checkerboard)."""
+
+    classes: int = 4
+    base: int = 8
+
+    @nn.compact
+    def __call__(self, x):
+        def up(x, features, name):
+            b, h, w, c = x.shape
+            return nn.Conv(features, (3, 3), name=name)(jax.image.resize(x, (b, 2 * h, 2 * w, c), "nearest"))
+
+        d1 = DoubleConv(self.base, name="down1")(x)
+        d2 = DoubleConv(2 * self.base, name="down2")(nn.max_pool(d1, (2, 2), strides=(2, 2)))
+        b = DoubleConv(4 * self.base, name="bottom")(nn.max_pool(d2, (2, 2), strides=(2, 2)))
+        u2 = DoubleConv(2 * self.base, name="dec2")(jnp.concatenate([up(b, 2 * self.base, "up2"), d2], axis=-1))
+        u1 = DoubleConv(self.base, name="dec1")(jnp.concatenate([up(u2, self.base, "up1"), d1], axis=-1))
+        return nn.Conv(self.classes, (1, 1), name="head")(u1)
+
+
+def unet_resize_linen():
+    from tests.zoo.models import SEED, ZooModel, _image_batches, _key, randomize_batchnorm_linen
+
+    model = ResizeUNet()
+    make = _image_batches(32, 32, 3)
+    example = make(1, 1, SEED + 1)[0]
+    variables = jax.jit(functools.partial(model.init))(_key(), example[0])
+    variables = randomize_batchnorm_linen(variables)
+    return ZooModel("unet_resize_linen", model, variables, example, make, "cnn")
