@@ -156,11 +156,13 @@ def _transposed_conv(op, qtype: str, graph) -> str | None:
 def _int16_gather(op, qtype: str, graph) -> str | None:
     """An embedding table (a weight) gathered in mode 'fill' (nn.Embed,
     jnp.take's default) is int16; a gather of an activation, or in another
-    mode (jnp.take(..., mode='clip'), a nearest resize), is not."""
+    mode (jnp.take(..., mode='clip'), a nearest resize by a factor that is not an
+    integer), is not. A nearest resize by an integer factor is copies, not a gather
+    (`graph/_canonical`)."""
     if qtype != "int16":
         return None
     if any(o.role == "input" and o.dtype.startswith(("float", "bfloat")) for o in op.operands):
-        what = "of an activation (a nearest resize gathers so)"
+        what = "of an activation (a nearest resize by a factor that is not an integer gathers so)"
     elif op.attributes.get("mode", "fill_or_drop") != "fill_or_drop":
         what = f"in mode {op.attributes['mode']!r} (jnp.take(..., mode='fill'), nn.Embed's, converts)"
     else:
