@@ -16,11 +16,11 @@ NNX, or a plain ``fn(params, *inputs)``) into a `Graph`:
 A matmul or convolution followed by an ``add`` of a weight is one op (the
 bias is fused, as LiteRT and XLA kernels do). ``jnp.einsum`` is one op.
 ``jax.nn`` functions that JAX keeps as named calls (relu, relu6, sigmoid,
-hard_swish, ...) are one op each; other calls are inlined (silu is its
-``logistic`` and ``mul``: two integer kernels on LiteRT), and the
-functions traced as several primitives (``jax.nn.gelu`` in both forms,
-``jax.nn.softmax``, ``x * relu6(x + 3) / 6``, ``jnp.mean``) are matched back
-into one op each (see ``_patterns``). Literals and closed-over arrays that
+...) are one op each; other calls are inlined (silu is its ``logistic`` and
+``mul``, hard_swish its ``add``, ``relu6``, ``div`` and ``mul``: integer
+kernels XNNPACK runs), and the functions traced as several primitives
+(``jax.nn.gelu`` in both forms, ``jax.nn.softmax``, ``jnp.mean``) are matched
+back into one op each (see ``_patterns``). Literals and closed-over arrays that
 an op reads are its ``constant`` operands, with their values. Loops made by
 ``nn.scan`` are a ``scan`` op whose body ops are listed with ``region`` set to
 it; stacked weights keep their stacking axis (each layer gets its own scales).

@@ -18,17 +18,21 @@ from odmlq.graph._program import _eval_eqn, _inline_call, _Lit, _Program, _Regio
 
 # jax.nn functions JAX keeps as named calls (`jit[name=...]`); each is one op.
 # (silu and swish are not: x * sigmoid(x) is traced as its LOGISTIC and MUL,
-# each an integer kernel, with the sigmoid's own edge between them.)
+# each an integer kernel, with the sigmoid's own edge between them. Nor is
+# hard_swish (hard_silu): x * relu6(x + 3) / 6 is its ADD, RELU6, MUL by 1/6 and
+# MUL. LiteRT's int8 HARD_SWISH runs outside XNNPACK and has no int16 kernel; a
+# MobileNetV3-like CNN ran at 4.3x float with it and 0.6x float as those four
+# integer kernels, at 0.2 dB more SQNR: bench/README.md.)
 NAMED_FUNCTIONS = frozenset({
-    "relu", "relu6", "hard_silu", "hard_swish",
+    "relu", "relu6",
     "hard_tanh", "elu", "selu", "celu", "leaky_relu", "softplus", "soft_sign",
     "log_sigmoid", "sigmoid", "gelu", "glu", "log_softmax", "softmax",
     "squareplus", "mish", "sparse_plus",
 })
 # Primitives whose kind gets a shorter name in plans and rules.
 KIND_NAMES = {"conv_general_dilated": "conv", "reduce_window_max": "max_pool"}
-# Named calls whose kind is the name users know (jax.nn.hard_swish is hard_silu).
-NAMED_KINDS = {"hard_silu": "hard_swish"}
+# Named calls whose kind is the name users know (none renamed at present).
+NAMED_KINDS: dict[str, str] = {}
 ANCHORS = ("dot_general", "conv_general_dilated")
 _SAME_AXES = frozenset({"convert_element_type", "copy", "copy_p", "reduce_precision"})
 _INLINE_CALLS = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "closed_call", "remat2",

@@ -267,7 +267,6 @@ OP_SPEC: dict[str, OpSpec] = {
     # within a few LSB (tanh's form, the x^3 term at a step set by the input's range).
     "gelu": OpSpec(_BOTH, becomes="GELU (int8); MUL, ADD, LOGISTIC (int16)", tolerance_lsb={"int16": 16.0},
                    note="int16: x * sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3)) from int16 kernels"),
-    "hard_swish": OpSpec(_INT8, becomes="HARD_SWISH", refused={"int16": _NO_INT16.format("hard_swish")}),
     "max": OpSpec(_BOTH, SHARED, becomes="MAXIMUM"),
     "min": OpSpec(_BOTH, SHARED, becomes="MINIMUM"),
     "reduce_sum": OpSpec(_BOTH, becomes="SUM"),

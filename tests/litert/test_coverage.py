@@ -47,7 +47,7 @@ _MORE = {
 KIND_CASE = {
     "dot_general": "dense", "einsum": "einsum_weight", "conv": "conv_valid", "add": "add_residual",
     "sub": "sub_residual", "mul": "mul_activations", "div": "div_by_constant", "relu": "relu",
-    "relu6": "relu6", "gelu": "gelu_tanh", "hard_swish": "hard_swish", "max": "clip", "min": "clip",
+    "relu6": "relu6", "gelu": "gelu_tanh", "max": "clip", "min": "clip",
     "reduce_sum": "sum", "reduce_max": "reduce_max", "reduce_min": "reduce_min", "mean": "mean",
     "square": "square", "rsqrt": "rsqrt", "sqrt": "sqrt", "gather": "embedding",
     "concatenate": "concatenate", "avg_pool": "avg_pool", "tanh": "tanh", "logistic": "sigmoid",

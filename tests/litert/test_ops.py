@@ -142,8 +142,9 @@ CASES = {
     "relu6_fused_into_mul": Case(_Fn(lambda x: nn.relu6(x * 4.0)), (8,), "MUL"),
     "sigmoid": Case(_Fn(nn.sigmoid), (8,), "LOGISTIC"),
     "tanh": Case(_Fn(jnp.tanh), (8,), "TANH"),
-    "hard_swish": Case(_Fn(jax.nn.hard_swish), (8,), "HARD_SWISH"),
-    "hard_swish_written_out": Case(_Fn(lambda x: x * nn.relu6(x + 3.0) / 6.0), (8,), "HARD_SWISH"),
+    # Its ADD (RELU6 fused), MUL by 1/6 and MUL: XNNPACK runs no int8 HARD_SWISH.
+    "hard_swish": Case(_Fn(jax.nn.hard_swish), (8,), ("ADD", "MUL")),
+    "hard_swish_written_out": Case(_Fn(lambda x: x * nn.relu6(x + 3.0) / 6.0), (8,), ("ADD", "MUL")),
     # MobileNetV3's gate: ADD (RELU6 fused) and a MUL by 1/6, all XNNPACK's.
     "hard_sigmoid": Case(_Fn(jax.nn.hard_sigmoid), (8,), ("ADD", "MUL"), input_scale=3.0),
     # A pixel shuffle (depth to space) through 6 axes: the 6-axis edges move integers unmarked.
@@ -315,8 +316,8 @@ def test_softmax_over_another_axis_is_refused_before_work():
 
 
 @pytest.mark.parametrize("name, message", [
-    ("hard_swish", r"op 'fc/hard_swish' .* no int16 kernel for 'hard_swish'"),
-], ids=["hard_swish"])
+    ("log", r"op 'fc/log' .* no int16 kernel for 'log'"),
+], ids=["log"])
 def test_int16_ops_the_converter_rejects_are_refused_before_work(name, message):
     case = CASES[name]
     batches = _batches(case.shape)
@@ -471,7 +472,7 @@ def test_int16_padded_max_pool(after_relu):
 
 
 class _Int16Block(nn.Module):
-    """A ViT-like block: a class token concatenated, LayerNorm, a scaling, a hard-swish."""
+    """A ViT-like block: a class token concatenated, LayerNorm, a scaling, a hard-swish, a log."""
 
     @nn.compact
     def __call__(self, x):
@@ -479,11 +480,11 @@ class _Int16Block(nn.Module):
         cls = self.param("cls", nn.initializers.normal(1.0), (1, 1, 8))
         h = jnp.concatenate([jnp.broadcast_to(cls, (h.shape[0], 1, 8)), h], axis=1)
         h = nn.hard_swish(nn.LayerNorm(name="norm")(h) / 3.0)
-        return nn.Dense(4, name="out")(h)
+        return nn.Dense(4, name="out")(jnp.log(h * h + 1.0))
 
 
 def test_an_int16_transformer_block_with_float_ops_allowed_exports_and_verifies():
-    """int16x8 ops without a LiteRT kernel (HARD_SWISH), or whose kernel would miss
+    """int16x8 ops without a LiteRT kernel (LOG), or whose kernel would miss
     simulate on the calibrated inputs (RSQRT's table), stay float under
     allow_float_ops; the weights and constants only they read are
     stored as their plan values in float, not dequantized at every invocation;
@@ -496,11 +497,40 @@ def test_an_int16_transformer_block_with_float_ops_allowed_exports_and_verifies(
         result = odmlq.export_tflite(model, rules, batches, variables=variables, allow_float_ops=True)
     assert result.verification.passed, str(result.verification)
     computing = {o.name for o in result.summary.float_islands} - {"QUANTIZE", "DEQUANTIZE"}
-    # CONCATENATION (as PAD + ADD) and DIV are int16; RSQRT is float: its
-    # calibrated variances span 33x, where LiteRT's int16 table is 251 LSB off
-    # (`_tables`), and MAXIMUM floors its input where 1/sqrt clips.
-    assert computing == {"HARD_SWISH", "RSQRT", "MAXIMUM"}, computing
+    # CONCATENATION (as PAD + ADD), DIV and the hard-swish's ADD and MULs are
+    # int16; RSQRT is float: its calibrated variances span 33x, where LiteRT's
+    # int16 table is 251 LSB off (`_tables`), and MAXIMUM floors its input where
+    # 1/sqrt clips.
+    assert computing == {"LOG", "RSQRT", "MAXIMUM"}, computing
     assert result.summary.weight_work_at_run_time == ()
     reference = np.asarray(model.apply(variables, batches[-1]))
     simulated = np.asarray(odmlq.simulate(model, result.plan, result.scales, batches[-1], variables=variables))
     assert 10 * np.log10(np.sum(reference ** 2) / np.sum((reference - simulated) ** 2)) >= 40.0  # int16 activations
+
+
+class _HardSwishCNN(nn.Module):
+    """Conv, hard-swish, depthwise Conv, hard-swish, Conv: MobileNetV3's activation."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.hard_swish(nn.Conv(16, (3, 3), name="conv0")(x))
+        x = nn.hard_swish(nn.Conv(16, (3, 3), feature_group_count=16, name="dw")(x))
+        return nn.Conv(8, (1, 1), name="conv1")(x)
+
+
+@pytest.mark.parametrize("act_qtype", ["int8", "int16"])
+def test_a_hard_swish_cnn_runs_whole_on_xnnpack_in_int8_and_exports_int16x8(act_qtype):
+    """hard_swish as its ADD, MUL by 1/6 and MUL: int8 in one XNNPACK partition with
+    no op outside it (LiteRT's int8 HARD_SWISH ran on the reference kernels, a
+    partition split at each), and int16x8 full integer (HARD_SWISH has no int16
+    kernel); both verified op by op."""
+    model = _HardSwishCNN()
+    batches = _batches((8, 8, 3))
+    variables = model.init(jax.random.key(0), batches[0][:1])
+    rules = [odmlq.Rule(".*", weight_qtype="int8", act_qtype=act_qtype)]
+    result = odmlq.export_tflite(model, rules, batches, variables=variables, benchmark=False)
+    assert result.verification.passed, str(result.verification)
+    assert result.summary.float_islands == (), [o.name for o in result.summary.float_islands]
+    assert "HARD_SWISH" not in dict(result.summary.op_histogram)
+    if act_qtype == "int8":
+        assert result.delegation.partitions == 1 and not result.delegation.outside, str(result.delegation)

@@ -16,6 +16,9 @@ processor would, token ids in the vocabulary with padded attention masks).
 - ``unet_resize_linen``: that U-Net with resize-convolutions up in place of
   its transposed convolutions (nearest ``jax.image.resize`` 2x, then a 3x3
   Conv, as diffusers' FlaxUpsample2D upsamples).
+- ``mobilenet_v3_linen``: a MobileNetV3-Small-like CNN (tests/zoo/mobilenet.py):
+  hard-swish, depthwise 3x3 and 5x5 convolutions, squeeze-excite gated by
+  ``jax.nn.hard_sigmoid``, inference BatchNorm.
 - ``transformer_lm_linen``: a decoder-only TransformerLM as Flax's
   examples/lm1b writes it (shift right, nn.Embed, sinusoidal positions, causal +
   padding mask, pre-LayerNorm MultiHeadDotProductAttention and ReLU MLP), every
@@ -70,7 +73,7 @@ class ZooModel:
     variables: Any
     example_inputs: tuple[np.ndarray, ...]
     make_batches: Callable[[int, int, int], list[tuple[np.ndarray, ...]]]
-    family: str  # 'cnn', 'transformer' or 'audio' (the test floors: tests/zoo/test_zoo.py)
+    family: str  # 'cnn', 'mobile', 'transformer' or 'audio' (the test floors: tests/zoo/test_zoo.py)
 
     def apply(self, *inputs):
         """The float model's output on `inputs`."""
@@ -467,6 +470,7 @@ def transformer_lm_linen() -> ZooModel:
 
 from tests.zoo.hf_models import (hf_bert, hf_bloom, hf_distilbert, hf_gpt2, hf_gpt_neo, hf_gptj,  # noqa: E402
                                   hf_llama, hf_marian, hf_resnet, hf_vit, hf_wav2vec2)
+from tests.zoo.mobilenet import mobilenet_v3_linen  # noqa: E402
 from tests.zoo.unet import unet_linen, unet_resize_linen  # noqa: E402
 
 
@@ -475,6 +479,7 @@ ZOO: dict[str, Callable[[], ZooModel]] = {
     "cnn_nnx": cnn_nnx,
     "unet_linen": unet_linen,
     "unet_resize_linen": unet_resize_linen,
+    "mobilenet_v3_linen": mobilenet_v3_linen,
     "transformer_lm_linen": transformer_lm_linen,
     "hf_bert": hf_bert,
     "hf_vit": hf_vit,

@@ -66,7 +66,10 @@ def _sqnr_db(reference, value) -> float:
 # Output SQNR floors against float JAX on held-out inputs (the real-models issue). Audio
 # (Wav2Vec2) measures 22-24 dB at int8: its first LayerNorm's norm factor, over
 # features of raw audio, spans a wide range in one per-tensor int8 scale (26.7 dB there).
-FLOOR_DB = {"cnn": 30.0, "transformer": 25.0, "audio": 20.0}
+# Mobile (the MobileNetV3-like CNN) measures 27.1 dB at int8: its squeeze-excite gates and
+# hard-swishes are each an int8 edge (36-43 dB apiece), and the classifier over 256 random
+# features loses 11.6 dB against its input edge (38.5 -> 26.9 dB).
+FLOOR_DB = {"cnn": 30.0, "transformer": 25.0, "audio": 20.0, "mobile": 25.0}
 
 
 @functools.cache

@@ -85,7 +85,7 @@ class TunedModel:
 
         A group is the ops at one module path. Where the backend runs some of
         them at a candidate and not others (a block's residual ADD takes int16,
-        its HARD_SWISH does not), the path is split by op kind, so that one kind's
+        its LOG does not), the path is split by op kind, so that one kind's
         limits do not hold back the others. A selector is (module path, op
         kinds or None for all)."""
         every: dict[str, list] = {}  # module path -> all its ops, quantized or not
