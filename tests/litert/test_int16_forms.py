@@ -182,3 +182,40 @@ def test_a_near_zero_mean_of_large_terms_is_taken_on_the_codes():
     assert result.verification.passed, result.verification
     mean = next(c for c in result.verification.checks if c.edge == "ln2/mean")
     assert mean.mean_lsb < 0.05, mean
+
+
+class _Int16Block(nn.Module):
+    """A ViT-like block: a class token concatenated, LayerNorm, a scaling, a hard-swish, a log."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(8, name="fc")(x)
+        cls = self.param("cls", nn.initializers.normal(1.0), (1, 1, 8))
+        h = jnp.concatenate([jnp.broadcast_to(cls, (h.shape[0], 1, 8)), h], axis=1)
+        h = nn.hard_swish(nn.LayerNorm(name="norm")(h) / 3.0)
+        return nn.Dense(4, name="out")(jnp.log(h * h + 1.0))
+
+
+def test_an_int16_transformer_block_with_float_ops_allowed_exports_and_verifies():
+    """int16x8 ops without a LiteRT kernel (LOG), or whose kernel would miss
+    simulate on the calibrated inputs (RSQRT's table), stay float under
+    allow_float_ops; the weights and constants only they read are
+    stored as their plan values in float, not dequantized at every invocation;
+    every int16 ADD and MUL gets same-shaped int16 operands."""
+    model = _Int16Block()
+    batches = _batches((4, 8))
+    variables = model.init(jax.random.key(0), batches[0][:1])
+    rules = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int16")]
+    with pytest.warns(UserWarning, match="float ops in the exported model"):
+        result = odmlq.export_tflite(model, rules, batches, variables=variables, allow_float_ops=True)
+    assert result.verification.passed, str(result.verification)
+    computing = {o.name for o in result.summary.float_islands} - {"QUANTIZE", "DEQUANTIZE"}
+    # CONCATENATION (as PAD + ADD), DIV and the hard-swish's ADD and MULs are
+    # int16; RSQRT is float: its calibrated variances span 33x, where LiteRT's
+    # int16 table is 251 LSB off (`_tables`), and MAXIMUM floors its input where
+    # 1/sqrt clips.
+    assert computing == {"LOG", "RSQRT", "MAXIMUM"}, computing
+    assert result.summary.weight_work_at_run_time == ()
+    reference = np.asarray(model.apply(variables, batches[-1]))
+    simulated = np.asarray(odmlq.simulate(model, result.plan, result.scales, batches[-1], variables=variables))
+    assert 10 * np.log10(np.sum(reference ** 2) / np.sum((reference - simulated) ** 2)) >= 40.0  # int16 activations

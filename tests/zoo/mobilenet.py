@@ -9,8 +9,6 @@ with hard-swish, global average pooling, a hard-swish Dense and the classifier.
 
 from __future__ import annotations
 
-import functools
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -73,11 +71,6 @@ class MobileNetV3(nn.Module):
 
 
 def mobilenet_v3_linen():
-    from tests.zoo.models import SEED, ZooModel, _image_batches, _key, randomize_batchnorm_linen
+    from tests.zoo.models import linen_cnn
 
-    model = MobileNetV3()
-    make = _image_batches(32, 32, 3)
-    example = make(1, 1, SEED + 1)[0]
-    variables = jax.jit(functools.partial(model.init))(_key(), example[0])
-    variables = randomize_batchnorm_linen(variables)
-    return ZooModel("mobilenet_v3_linen", model, variables, example, make, "mobile")
+    return linen_cnn("mobilenet_v3_linen", MobileNetV3(), "mobile")

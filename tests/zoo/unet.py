@@ -9,8 +9,6 @@ concatenated at each level, and a 1x1 head giving per-pixel class logits.
 
 from __future__ import annotations
 
-import functools
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -45,14 +43,9 @@ class UNet(nn.Module):
 
 
 def unet_linen():
-    from tests.zoo.models import SEED, ZooModel, _image_batches, _key, randomize_batchnorm_linen
+    from tests.zoo.models import linen_cnn
 
-    model = UNet()
-    make = _image_batches(32, 32, 3)
-    example = make(1, 1, SEED + 1)[0]
-    variables = jax.jit(functools.partial(model.init))(_key(), example[0])
-    variables = randomize_batchnorm_linen(variables)
-    return ZooModel("unet_linen", model, variables, example, make, "cnn")
+    return linen_cnn("unet_linen", UNet())
 
 
 
@@ -80,11 +73,6 @@ class ResizeUNet(nn.Module):
 
 
 def unet_resize_linen():
-    from tests.zoo.models import SEED, ZooModel, _image_batches, _key, randomize_batchnorm_linen
+    from tests.zoo.models import linen_cnn
 
-    model = ResizeUNet()
-    make = _image_batches(32, 32, 3)
-    example = make(1, 1, SEED + 1)[0]
-    variables = jax.jit(functools.partial(model.init))(_key(), example[0])
-    variables = randomize_batchnorm_linen(variables)
-    return ZooModel("unet_resize_linen", model, variables, example, make, "cnn")
+    return linen_cnn("unet_resize_linen", ResizeUNet())
