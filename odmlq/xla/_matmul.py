@@ -51,6 +51,13 @@ BLOCK_ELEMENTS = 2**20
 VECTOR_ROWS = 4
 VECTOR_BLOCK_ELEMENTS = 2**16
 VECTOR_DECODED_BLOCK_ELEMENTS = 2**13
+# A large weight decoded in blocks of 2^13 elements is hundreds of scan steps (a 768 x 2,048
+# matrix: 192), whose per-step cost shows: on an AMD EPYC with a 1 MiB L2, a 38M decoder's
+# weight-only step ran at 0.82x float with 2^13 blocks and 0.94-1.01x with 2^16; on the Xeon
+# of the 2^13 measurement, 2^13 and 2^16 tied there (1.01-1.02x), and its small decoder kept
+# 2^13 (its largest weight: 2^17.6 elements). So weights of at least this many elements are
+# decoded in blocks of VECTOR_BLOCK_ELEMENTS (bench/README.md, "decode steps").
+VECTOR_DECODED_LARGE_WEIGHT = 2**19
 _DOT = (((1,), (0,)), ((), ()))
 
 
@@ -169,7 +176,8 @@ def matrix_weight(q: QArray, layout: DotLayout, block_elements: int | None = Non
         return None
     zero_point = _matrix_param(q.zero_point, layout, nc)
     rows_per_scale = 0 if scale.shape[0] == 1 else k // scale.shape[0]
-    rows = block_rows(k, n, max(rows_per_scale, 1), block_elements or default_block_elements(layout.m, decoded))
+    rows = block_rows(k, n, max(rows_per_scale, 1),
+                      block_elements or default_block_elements(layout.m, decoded, k * n))
     packed = q.qtype_info.values_per_byte == 2 and layout.w_identity and n % 2 == 0
     if packed:
         codes = q.qvalue.reshape(k // rows, rows, n // 2)
@@ -208,12 +216,15 @@ def _matrix_param(p, layout: DotLayout, nc: int):
     return jnp.broadcast_to(moved, contraction + layout.w_free).reshape(ks, layout.n)
 
 
-def default_block_elements(m: int, decoded: bool) -> int:
-    """Weight elements per block for a matmul of `m` activation rows whose
-    blocks are `decoded` into float32 (weight-only) or multiplied as codes."""
+def default_block_elements(m: int, decoded: bool, elements: int = 0) -> int:
+    """Weight elements per block for a matmul of `m` activation rows and a
+    weight of `elements` elements whose blocks are `decoded` into float32
+    (weight-only) or multiplied as codes."""
     if m > VECTOR_ROWS:
         return BLOCK_ELEMENTS
-    return VECTOR_DECODED_BLOCK_ELEMENTS if decoded else VECTOR_BLOCK_ELEMENTS
+    if decoded and elements < VECTOR_DECODED_LARGE_WEIGHT:
+        return VECTOR_DECODED_BLOCK_ELEMENTS
+    return VECTOR_BLOCK_ELEMENTS
 
 
 def block_rows(k: int, n: int, multiple: int, block_elements: int) -> int:
@@ -364,7 +375,7 @@ def dot_rows(x2: jax.Array, codes: jax.Array, scale: jax.Array, x_zero_point: ja
     n, k = codes.shape
     m = x2.shape[0]
     integer = jnp.issubdtype(x2.dtype, jnp.integer)
-    rows = block_rows(n, k, 1, block_elements or default_block_elements(m, not integer))
+    rows = block_rows(n, k, 1, block_elements or default_block_elements(m, not integer, n * k))
     if integer and x_zero_point is not None:
         x2 = jnp.concatenate([x2, jnp.ones((1, k), x2.dtype)])
     dims = (((1,), (1,)), ((), ()))
