@@ -71,6 +71,6 @@ class MobileNetV3(nn.Module):
 
 
 def mobilenet_v3_linen():
-    from tests.zoo.models import linen_cnn
+    from tests.zoo.unet import linen_cnn
 
     return linen_cnn("mobilenet_v3_linen", MobileNetV3(), "mobile")

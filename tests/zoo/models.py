@@ -116,15 +116,6 @@ def _image_batches(h: int, w: int, c: int, *, nchw: bool = False, mean=None, std
     return make
 
 
-def linen_cnn(name: str, model, family: str = "cnn") -> "ZooModel":
-    """A Linen CNN with BatchNorm on 32x32x3 images: initialized at the zoo's seed, its
-    BatchNorm statistics randomized (`randomize_batchnorm_linen`)."""
-    make = _image_batches(32, 32, 3)
-    example = make(1, 1, SEED + 1)[0]
-    variables = randomize_batchnorm_linen(jax.jit(model.init)(_key(), example[0]))
-    return ZooModel(name, model, variables, example, make, family)
-
-
 def _tokens(rng: np.random.Generator, n: int, seq: int, vocab: int, *, min_len: int,
             lengths: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Right-padded token ids in [1, vocab) (0 is padding) and their 0/1 mask."""

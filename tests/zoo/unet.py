@@ -42,9 +42,18 @@ class UNet(nn.Module):
         return nn.Conv(self.classes, (1, 1), name="head")(u1)
 
 
-def unet_linen():
-    from tests.zoo.models import linen_cnn
+def linen_cnn(name: str, model, family: str = "cnn"):
+    """A zoo entry of a Linen CNN with BatchNorm on 32x32x3 images: initialized at the
+    zoo's seed, its BatchNorm statistics randomized (`randomize_batchnorm_linen`)."""
+    from tests.zoo.models import SEED, ZooModel, _image_batches, _key, randomize_batchnorm_linen
 
+    make = _image_batches(32, 32, 3)
+    example = make(1, 1, SEED + 1)[0]
+    variables = randomize_batchnorm_linen(jax.jit(model.init)(_key(), example[0]))
+    return ZooModel(name, model, variables, example, make, family)
+
+
+def unet_linen():
     return linen_cnn("unet_linen", UNet())
 
 
@@ -73,6 +82,4 @@ class ResizeUNet(nn.Module):
 
 
 def unet_resize_linen():
-    from tests.zoo.models import linen_cnn
-
     return linen_cnn("unet_resize_linen", ResizeUNet())
