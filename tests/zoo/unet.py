@@ -5,6 +5,7 @@ size): two 3x3 Conv + BatchNorm + ReLU per level, max pool down, transposed
 convolutions up (a 2x2 kernel at stride 2 with its own bias, and a 3x3 one
 with Flax's 'SAME' padding followed by BatchNorm), the encoder's features
 concatenated at each level, and a 1x1 head giving per-pixel class logits.
+`ResizeUNet` upsamples by nearest resize and convolution instead.
 """
 
 from __future__ import annotations
@@ -55,7 +56,6 @@ def linen_cnn(name: str, model, family: str = "cnn"):
 
 def unet_linen():
     return linen_cnn("unet_linen", UNet())
-
 
 
 class ResizeUNet(nn.Module):
