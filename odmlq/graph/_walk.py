@@ -31,8 +31,6 @@ NAMED_FUNCTIONS = frozenset({
 })
 # Primitives whose kind gets a shorter name in plans and rules.
 KIND_NAMES = {"conv_general_dilated": "conv", "reduce_window_max": "max_pool"}
-# Named calls whose kind is the name users know (none renamed at present).
-NAMED_KINDS: dict[str, str] = {}
 ANCHORS = ("dot_general", "conv_general_dilated")
 _SAME_AXES = frozenset({"convert_element_type", "copy", "copy_p", "reduce_precision"})
 _INLINE_CALLS = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "closed_call", "remat2",
@@ -141,7 +139,7 @@ class _Walker:
         if name == "integer_pow" and eqn.params.get("y") == 2:
             step.kind = "square"  # x ** 2 (jnp.power(x, 2), as transformers' RMSNorms write it) is x * x
         if name in ("jit", "pjit"):
-            step.kind = NAMED_KINDS.get(eqn.params["name"], eqn.params["name"])
+            step.kind = eqn.params["name"]
             step.fn = _inline_call(eqn.params["jaxpr"])
         step.einsum = _einsum_of(stack)
         if (name == "convert_element_type" and np.issubdtype(eqn.outvars[0].aval.dtype, np.floating)

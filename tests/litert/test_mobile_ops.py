@@ -3,15 +3,10 @@
 
 import flax.linen as nn
 import jax
-import numpy as np
 import pytest
 
 import odmlq
-
-
-def _batches(shape, n=3, batch=8, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.standard_normal((batch, *shape)).astype(np.float32) for _ in range(n)]
+from tests.litert.test_ops import _batches
 
 
 class _HardSwishCNN(nn.Module):
