@@ -15,8 +15,8 @@ import numpy as np
 
 from odmlq.litert._islands import constant_derived
 
-__all__ = ["as_edge", "dequantize_tensor", "float_island_outputs", "map_conversions", "map_float_tensors", "map_tensors",
-           "params_match", "produced_tensors"]
+__all__ = ["as_edge", "dequantize_tensor", "float_island_outputs", "layout_copies", "map_conversions", "map_float_tensors",
+           "map_tensors", "params_match", "produced_tensors"]
 
 # The scope of what the export computes from an op's input, inside the op's
 # own scope, to lay it out for its kernel (a 1-D convolution's input given an
@@ -26,7 +26,7 @@ _JIT_PREFIX = re.compile(r"^jit\((?:[^()]|\([^()]*\))*\)/")
 
 
 def map_tensors(details: Sequence[dict], produced: set[int], plan, scales,
-                conversions: frozenset[int] = frozenset()) -> dict[str, int]:
+                conversions: frozenset[int] = frozenset(), ops: Sequence[dict] = ()) -> dict[str, int]:
     """Plan edge id -> index of the tensor that carries it.
 
     A tensor's name lists the locations of the ops fused into it
@@ -37,7 +37,15 @@ def map_tensors(details: Sequence[dict], produced: set[int], plan, scales,
     `map_conversions`) carries an edge only where no other tensor does and
     it has the edge's size (the converter writes a broadcast's reshape of it
     as the same tensor; a reduction reading it is another tensor).
+
+    With the model's `ops`, a layout copy (`layout_copies`) carries an edge
+    only with the edge's scale and zero point: the converter names the RESHAPE
+    that lays a matmul's input out for FULLY_CONNECTED after the matmul
+    (diffusers' VAE attention), and the matmul's own output after the
+    transpose it absorbed. Such a copy holds its input's value, checked
+    under its own name, and can be no wrong kernel.
     """
+    copies = layout_copies(ops, details)
     order = {e: i for i, e in enumerate(plan.graph.edges)}
     candidates: dict[str, list[int]] = {}
     for d in details:
@@ -55,11 +63,34 @@ def map_tensors(details: Sequence[dict], produced: set[int], plan, scales,
         # A conversion's tensor stands for an edge only as a reshape of it
         # (same size): it is named in its reader's scope, whatever that computes.
         indices = [i for i in indices if i not in conversions or _size(by_index[i]["shape"]) == size]
+        indices = [i for i in indices if i not in copies or params_match(by_index[i], scales.edges[edge])]
         if not indices:
             continue
         matching = [i for i in indices if params_match(by_index[i], scales.edges[edge])]
         pool = matching or [i for i in indices if i not in conversions] or indices
         out[edge] = ([i for i in pool if i not in conversions] or pool)[-1]
+    return out
+
+
+# LiteRT ops that only lay their first input's values out anew.
+_LAYOUT_OPS = frozenset({"RESHAPE", "SQUEEZE", "EXPAND_DIMS"})
+
+
+def layout_copies(ops: Sequence[dict], details: Sequence[dict]) -> set[int]:
+    """Integer tensors a RESHAPE, SQUEEZE or EXPAND_DIMS writes from a tensor
+    of the same scale and zero point: the same values in another shape."""
+    by_index = {d["index"]: d for d in details}
+    out = set()
+    for op in ops:
+        if op["op_name"] not in _LAYOUT_OPS or len(op["outputs"]) != 1 or not len(op["inputs"]):
+            continue
+        source, copy = by_index.get(int(op["inputs"][0])), by_index.get(int(op["outputs"][0]))
+        if source is None or copy is None or copy["dtype"] not in (np.int8, np.int16):
+            continue
+        qs, qc = source["quantization_parameters"], copy["quantization_parameters"]
+        if (source["dtype"] == copy["dtype"] and np.array_equal(qs["scales"], qc["scales"])
+                and np.array_equal(qs["zero_points"], qc["zero_points"])):
+            out.add(copy["index"])
     return out
 
 

@@ -381,6 +381,10 @@ def requantized_from_producer(plan, c) -> bool:
     return c.source != "float" and sets_own_scale(plan, c.edge, c.source)
 
 
+# Op kinds that move values only; the converter may remove them (`sets_own_scale`).
+_LAYOUT_KINDS = frozenset({"reshape", "transpose", "squeeze", "expand_dims"})
+
+
 def sets_own_scale(plan, edge_id: str, qtype: str) -> bool:
     """Whether the op producing `edge_id` (quantized as `qtype`) writes it at
     a scale of its own, not its input's: a conversion of that edge to another
@@ -390,6 +394,13 @@ def sets_own_scale(plan, edge_id: str, qtype: str) -> bool:
     if producer is None or edge is None:
         return False
     kind = plan.graph.op(producer).kind
+    inputs = plan.graph.op(producer).inputs
+    if kind in _LAYOUT_KINDS and isinstance(edge.constraint, SameAsInput) and len(inputs) == 1:
+        # The converter drops a reshape or a unit-axis transpose and folds the
+        # conversion into the op before it (diffusers' one-head VAE attention:
+        # FULLY_CONNECTED int8 -> int16, its scale not the plan's).
+        source = plan.edges.get(inputs[0])
+        return source is not None and source.spec is not None and sets_own_scale(plan, inputs[0], qtype)
     # An average pool lowered as a depthwise convolution requantizes too.
     return edge.constraint is None or (
         kind == "avg_pool" and pool_as_depthwise(plan.graph.op(producer), qtype))

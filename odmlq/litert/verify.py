@@ -221,7 +221,7 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
     # input is several of its reader's output.
     ops = interpreter._get_ops_details()
     conversions = map_conversions(ops, details, plan, scales)
-    mapping = map_tensors(details, produced, plan, scales, conversions=frozenset(conversions.values()))
+    mapping = map_tensors(details, produced, plan, scales, conversions=frozenset(conversions.values()), ops=ops)
     island_outputs = float_island_outputs(ops, details, plan)
     # No quantized edge: every float tensor of an edge is fed and checked.
     float_mapping = {} if scales.edges else map_float_tensors(

@@ -86,8 +86,9 @@ def node_data(report, tflite: bytes, plan, scales, metric: str) -> dict:
         raise OdmlqError(f"metric={metric!r} is not a run of this report; choose one of {choices}.")
     summary = inspect(tflite)
     producer = {t: op.index for op in summary.ops for t in op.outputs}
-    details = preserving_interpreter(tflite).get_tensor_details()
-    mapping = map_tensors(details, set(producer), plan, scales)
+    interpreter = preserving_interpreter(tflite)
+    details = interpreter.get_tensor_details()
+    mapping = map_tensors(details, set(producer), plan, scales, ops=interpreter._get_ops_details())
     values: dict[int, float] = {}
     for edge, tensor in mapping.items():
         if edge in edges and metric in edges[edge].runs:

@@ -126,7 +126,7 @@ def litert_run(tflite: bytes, plan, scales, inputs: tuple,
     check_litert_inputs(interpreter, inputs, whole=device is not None)
     details = {d["index"]: d for d in interpreter.get_tensor_details()}
     produced = set(produced_tensors(interpreter))
-    mapping = map_tensors(list(details.values()), produced, plan, scales)
+    mapping = map_tensors(list(details.values()), produced, plan, scales, ops=interpreter._get_ops_details())
     outputs_detail = output_details(interpreter)
     values: dict[str, list] = {e: [] for e in mapping}
     outs: list[list] = [[] for _ in outputs_detail]

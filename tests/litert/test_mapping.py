@@ -1,0 +1,107 @@
+"""Which .tflite tensor carries which plan edge (`odmlq.litert._mapping`), on
+the converter's own naming.
+
+diffusers' VAE attention (FlaxAttentionBlock: one head, Dense on the
+flattened feature map, the heads' transpose a no-op) is the case: the
+converter names the RESHAPE that lays each Dense's input out for
+FULLY_CONNECTED after the Dense, and the FULLY_CONNECTED's output after the
+transpose it absorbed. The Dense's edge was read from its input's copy,
+and every export of the model failed verification ("scale/zero point ...
+not the plan's").
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import odmlq
+from odmlq.litert._mapping import layout_copies, map_tensors
+from odmlq.litert.verify import preserving_interpreter
+
+
+class _OneHeadAttention(nn.Module):
+    """As diffusers' FlaxAttentionBlock computes it (written out: diffusers is not
+    a test dependency), after a convolution."""
+
+    channels: int = 16
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Conv(self.channels, (3, 3), name="conv")(x)
+        batch, height, width, channels = x.shape
+        h = x.reshape((batch, height * width, channels))
+
+        def heads(p):  # (B, T, C) -> (B, 1, T, C)
+            return jnp.transpose(p.reshape(p.shape[:-1] + (1, -1)), (0, 2, 1, 3))
+
+        q, k, v = (heads(nn.Dense(channels, name=n)(h)) for n in ("query", "key", "value"))
+        scale = 1 / math.sqrt(math.sqrt(channels))
+        weights = nn.softmax(jnp.einsum("...qc,...kc->...qk", q * scale, k * scale), axis=-1)
+        h = jnp.einsum("...kc,...qk->...qc", v, weights)
+        h = jnp.transpose(h, (0, 2, 1, 3)).reshape((batch, height * width, channels))
+        h = nn.Dense(channels, name="proj")(h)
+        return h.reshape((batch, height, width, channels)) + x
+
+
+def _batches(n, seed):
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal((8, 8, 8, 3)).astype(np.float32),) for _ in range(n)]
+
+
+def test_one_head_attention_exports_int8_and_every_dense_is_checked_at_its_output():
+    model = _OneHeadAttention()
+    variables = model.init(jax.random.key(0), _batches(1, 0)[0][0][:1])
+    rules = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
+    result = odmlq.export_tflite(model, rules, _batches(4, 1), variables=variables, benchmark=False)
+    assert result.verification.passed, str(result.verification)
+    interpreter = preserving_interpreter(result.tflite)
+    details = interpreter.get_tensor_details()
+    ops = interpreter._get_ops_details()
+    mapping = map_tensors(details, {int(t) for op in ops for t in op["outputs"]}, result.plan, result.scales,
+                          ops=ops)
+    copies = layout_copies(ops, details)
+    # The Dense inputs' RESHAPEs, named for the Dense, are copies and carry no Dense edge.
+    named_for_dense = [d["index"] for d in details if "/query/dot_general" in d["name"] and d["index"] in copies]
+    assert named_for_dense, [d["name"] for d in details]
+    assert not set(named_for_dense) & set(mapping.values())
+    # What a FULLY_CONNECTED writes is checked: under the transpose it absorbed, if not its own edge.
+    fc_outputs = {int(op["outputs"][0]) for op in ops if op["op_name"] == "FULLY_CONNECTED"}
+    assert len(fc_outputs) == 4 and fc_outputs <= set(mapping.values()), (fc_outputs, mapping)
+
+
+def test_attention_in_int16_reads_the_value_projection_after_a_separator():
+    """The attention matmuls and softmax in int16 (their int8 softmax output is
+    1/256 per LSB: over 64 keys, near-uniform weights are a few LSB each), the
+    projections int8. The value's transpose is a no-op the converter drops, so
+    its int16 conversion would fold into the FULLY_CONNECTED (int8 in, int16 out,
+    not the plan's scale): it is read after a same-scale MAXIMUM, as a
+    projection's own output is (`spec.sets_own_scale`)."""
+    model = _OneHeadAttention()
+    variables = model.init(jax.random.key(0), _batches(1, 0)[0][0][:1])
+    rules = [odmlq.Rule(".*", op=("softmax", "einsum"), weight_qtype="int8", act_qtype="int16"),
+             odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
+    result = odmlq.export_tflite(model, rules, _batches(4, 1), variables=variables, benchmark=False)
+    assert result.verification.passed, str(result.verification)
+    ops = preserving_interpreter(result.tflite)._get_ops_details()
+    # Before the int16 query, key and value, and before the int8 copy of the context.
+    assert [op["op_name"] for op in ops].count("MAXIMUM") == 4
+
+
+def _detail(index, name, scale, zero_point=0, dtype=np.int8):
+    return {"index": index, "name": name, "shape": np.array([1, 4]), "dtype": dtype,
+            "quantization_parameters": {"scales": np.array([scale]), "zero_points": np.array([zero_point])}}
+
+
+def test_a_layout_copy_keeps_its_input_params_and_anything_else_is_no_copy():
+    details = [_detail(0, "a", 0.5, 3), _detail(1, "b", 0.5, 3), _detail(2, "c", 0.25, 3),
+               _detail(3, "d", 0.5, 3, np.int16)]
+    ops = [{"op_name": "RESHAPE", "inputs": [0, 9], "outputs": [1]},
+           {"op_name": "RESHAPE", "inputs": [0, 9], "outputs": [2]},  # requantized: no copy
+           {"op_name": "EXPAND_DIMS", "inputs": [0, 9], "outputs": [3]},  # another dtype
+           {"op_name": "TANH", "inputs": [1], "outputs": [0]}]
+    assert layout_copies(ops, details) == {1}
