@@ -381,6 +381,25 @@ class Annotation(FakeQuant):
         producer = self.graph.edges[edge_id].producer
         return producer is not None and self.graph.op(producer).kind in _LAYOUT_KINDS
 
+    def _read_after_layout(self, op) -> TensorScale | None:
+        """The scale of the activation an int16 square, MUL or ADD reads twice,
+        or an int16 ADD reads beside a constant, where a reshape or transpose
+        wrote it (Flax's GroupNorm squares its (..., groups, channels) view, and
+        adds its epsilon to a statistic reshaped to broadcast). litert-converter
+        0.5.0 moves the layout op past the MUL or ADD, and fails ('tfl.reshape'
+        op quantization parameters violate the same scale constraint; 'tfl.add'
+        op failed to verify): read through `separated`, it stays in place."""
+        reads = [o for o in op.operands if o.role == "input"]
+        if (_qtype(self.scales, op) != "int16" or not reads or reads[0].edge is None
+                or not ((len(reads) == 1 and op.kind in ("square", "add"))
+                        or (len(reads) == 2 and op.kind in ("mul", "add") and reads[0].edge == reads[1].edge))):
+            return None
+        producer = self.graph.edges[self.graph.resolve(reads[0].edge)].producer
+        if producer is None or self.graph.op(producer).kind not in _LAYOUT_KINDS:
+            return None
+        ts = self._read_at(reads[0])
+        return ts if ts is not None and ts.qtype == "int16" and not ts.scale_axes else None
+
     def _read_at(self, operand) -> TensorScale | None:
         """The scale an int16 op reads an activation operand at (its conversion's, or its edge's)."""
         edge = self.graph.resolve(operand.edge) if operand.role == "input" and operand.edge is not None else None
@@ -408,6 +427,13 @@ class Annotation(FakeQuant):
         scales = self.scales
         if op.id in self.activated:
             return list(inputs)  # applied to a transposed convolution's phases (`_phases`)
+        if (read_at := self._read_after_layout(op)) is not None:
+            at = [i for i, o in enumerate(op.operands) if o.role == "input"][-1]
+            with jax.named_scope(f"{op.operands[at].edge}/separated"):
+                other = separated(inputs[at], read_at, fake_quant_composite)
+            if op.kind == "square":
+                return [inputs[0] * other]
+            inputs = [other if i == at else x for i, x in enumerate(inputs)]
         if op.kind == "avg_pool" and len(inputs) == 1:
             out = scales.edges.get(op.outputs[0])
             if out is not None and pool_as_depthwise(op, out.qtype):

@@ -52,8 +52,14 @@ def loops_recomputed(plan, edge_id: str, fed) -> list:
 def _kernel_lsb(plan, op_id, qtype) -> float:
     if op_id is None or qtype is None:
         return 0.0
-    kernel = getattr(OP_SPEC.get(plan.graph.op(op_id).kind), "tolerance_lsb", None)
-    return (kernel or {}).get(str(qtype), 0.0)
+    op = plan.graph.op(op_id)
+    spec = OP_SPEC.get(op.kind)
+    allowed = ((spec and spec.tolerance_lsb) or {}).get(str(qtype), 0.0)
+    per_element = ((spec and spec.tolerance_lsb_per_element) or {}).get(str(qtype))
+    shape = plan.graph.edges[op.inputs[0]].shape if per_element and op.inputs else None
+    if shape:
+        allowed = max(allowed, per_element * shape[-1])
+    return allowed
 
 
 def _qtype(plan, op):

@@ -49,8 +49,11 @@ def rows() -> list[dict[str, str]]:
                               else "quantized table, float output" if kind == "gather" else "float")
         row["output scale"] = _output(spec)
         tolerance = spec.tolerance_lsb or {}
-        row["tolerance"] = ", ".join(f"{'int16x8' if q == 'int16' else q} {tolerance.get(q, 1.0):g} LSB"
-                                     for q, _ in _SCHEMAS if q in spec.schemas)
+        per_element = spec.tolerance_lsb_per_element or {}
+        row["tolerance"] = ", ".join(
+            f"{'int16x8' if q == 'int16' else q} {tolerance.get(q, 1.0):g} LSB"
+            + (f" or {per_element[q]:g} per element of the last axis, if more" if q in per_element else "")
+            for q, _ in _SCHEMAS if q in spec.schemas)
         row["notes"] = spec.note
         out.append(row)
     for kind in sorted(WITHOUT_KERNEL):
