@@ -72,8 +72,10 @@ def map_tensors(details: Sequence[dict], produced: set[int], plan, scales,
     return out
 
 
-# LiteRT ops that only lay their first input's values out anew.
+# LiteRT ops that only lay their first input's values out anew, and plan op
+# kinds that do.
 _LAYOUT_OPS = frozenset({"RESHAPE", "SQUEEZE", "EXPAND_DIMS"})
+_LAYOUT_KINDS = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "broadcast_in_dim"})
 
 
 def layout_copies(ops: Sequence[dict], details: Sequence[dict]) -> set[int]:
@@ -110,6 +112,10 @@ def map_float_tensors(details: Sequence[dict], produced: Sequence[int], plan, sc
     live = {int(o) for op in ops for o in op["outputs"]} | {int(i) for i in inputs}
     constant = constant_derived(((op["inputs"], op["outputs"]) for op in ops),
                                 {int(i) for op in ops for i in op["inputs"] if int(i) >= 0} - live)
+    # What a RESHAPE writes is its input's value: it carries an edge only that
+    # a layout op produces (the converter names a FULLY_CONNECTED's input
+    # RESHAPE after the matmul: diffusers' VAE attention).
+    copies = {int(op["outputs"][0]) for op in ops if op["op_name"] in _LAYOUT_OPS and len(op["outputs"]) == 1}
     out: dict[str, int] = {}
     for index in produced:  # execution order: a later tensor of the same edge wins
         d = by_index.get(index)
@@ -120,6 +126,9 @@ def map_float_tensors(details: Sequence[dict], produced: Sequence[int], plan, sc
             continue
         edge = max(named, key=order.get)
         if edge in scales.edges or plan.graph.edges[edge].alias is not None:
+            continue
+        producer = plan.graph.edges[edge].producer
+        if index in copies and (producer is None or plan.graph.op(producer).kind not in _LAYOUT_KINDS):
             continue
         if _size(d["shape"]) == _size(plan.graph.edges[edge].shape):
             out[edge] = index

@@ -73,7 +73,7 @@ class ZooModel:
     variables: Any
     example_inputs: tuple[np.ndarray, ...]
     make_batches: Callable[[int, int, int], list[tuple[np.ndarray, ...]]]
-    family: str  # 'cnn', 'mobile', 'transformer' or 'audio' (the test floors: tests/zoo/test_zoo.py)
+    family: str  # 'cnn', 'mobile', 'transformer', 'audio', 'vae' (the test floors: tests/zoo/test_zoo.py)
 
     def apply(self, *inputs):
         """The float model's output on `inputs`."""
@@ -470,6 +470,7 @@ def transformer_lm_linen() -> ZooModel:
 
 from tests.zoo.hf_models import (hf_bert, hf_bloom, hf_distilbert, hf_gpt2, hf_gpt_neo, hf_gptj,  # noqa: E402
                                   hf_llama, hf_marian, hf_resnet, hf_vit, hf_wav2vec2)
+from tests.zoo.diffusion import vae_decoder_diffusers  # noqa: E402
 from tests.zoo.mobilenet import mobilenet_v3_linen  # noqa: E402
 from tests.zoo.unet import unet_linen, unet_resize_linen  # noqa: E402
 
@@ -492,6 +493,8 @@ ZOO: dict[str, Callable[[], ZooModel]] = {
     "hf_gptj": hf_gptj,
     "hf_marian": hf_marian,
     "hf_wav2vec2": hf_wav2vec2,
+    "vae_decoder_diffusers": vae_decoder_diffusers,
 }
 
 NEEDS_TRANSFORMERS = frozenset(name for name in ZOO if name.startswith("hf_"))
+NEEDS_DIFFUSERS = frozenset(name for name in ZOO if name.endswith("_diffusers"))

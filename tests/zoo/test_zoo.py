@@ -20,7 +20,7 @@ import pytest
 
 import odmlq
 from odmlq.graph import GraphCache
-from tests.zoo.models import NEEDS_TRANSFORMERS, ZOO
+from tests.zoo.models import NEEDS_DIFFUSERS, NEEDS_TRANSFORMERS, ZOO
 
 RULES = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
 
@@ -28,6 +28,8 @@ RULES = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
 def _zoo_model(name: str):
     if name in NEEDS_TRANSFORMERS:
         pytest.importorskip("transformers")
+    if name in NEEDS_DIFFUSERS:
+        pytest.importorskip("diffusers")
     return _build(name)
 
 
@@ -69,7 +71,10 @@ def _sqnr_db(reference, value) -> float:
 # Mobile (the MobileNetV3-like CNN) measures 27.1 dB at int8: its squeeze-excite gates and
 # hard-swishes are each an int8 edge (36-43 dB apiece), and the classifier over 256 random
 # features loses 11.6 dB against its input edge (38.5 -> 26.9 dB).
-FLOOR_DB = {"cnn": 30.0, "transformer": 25.0, "audio": 20.0, "mobile": 25.0}
+# The VAE decoder (diffusers) measures 22 dB at int8: its middle block's attention over
+# 256 latent positions reads an int8 softmax (1/256 per LSB, so the mean weight is one
+# LSB: 15 dB there), and eight GroupNorm residual blocks follow it.
+FLOOR_DB = {"cnn": 30.0, "transformer": 25.0, "audio": 20.0, "mobile": 25.0, "vae": 18.0}
 
 
 @functools.cache
@@ -142,7 +147,15 @@ def test_compare_lines_up_xla_and_litert_edge_by_edge(name):
     for out in report.outputs.values():
         assert out.sqnr_db >= FLOOR_DB[z.family] - 3.0  # two samples, not the floor's eight
     xla_lsb = [e.runs["xla"].simulate_lsb for e in lined_up if e.runs["xla"].simulate_lsb is not None]
-    assert xla_lsb and max(xla_lsb) <= 2.0, max(xla_lsb)
+    assert xla_lsb and max(xla_lsb) <= XLA_DRIFT_LSB.get(z.family, 2.0), max(xla_lsb)
+
+
+# XLA and simulate round a requantization's ties their own ways: an edge may be one LSB
+# apart, and each later edge sees it. A sigmoid's output moves by up to
+# 0.25 x (input scale / output scale) LSB per input LSB: in the VAE decoder one
+# convolution's LSB (the first difference) is 2-3 LSB at the next SiLU's sigmoid, and
+# 7 LSB after eight GroupNorm/SiLU blocks (measured on its held-out latents).
+XLA_DRIFT_LSB = {"vae": 8.0}
 
 
 DYNAMIC_RULES = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8", act_dynamic=True)]
