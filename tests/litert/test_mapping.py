@@ -74,6 +74,17 @@ def test_one_head_attention_exports_int8_and_every_dense_is_checked_at_its_outpu
     assert len(fc_outputs) == 4 and fc_outputs <= set(mapping.values()), (fc_outputs, mapping)
 
 
+def test_one_head_attention_exports_dynamic_range_and_verifies():
+    """Float tensors too: the RESHAPE named for the value projection holds its
+    input; simulate fed it as the projection's output missed by 1.8x its range."""
+    model = _OneHeadAttention()
+    variables = model.init(jax.random.key(0), _batches(1, 0)[0][0][:1])
+    rules = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8", act_dynamic=True)]
+    result = odmlq.export_tflite(model, rules, _batches(2, 1), variables=variables, benchmark=False)
+    assert result.verification.passed, str(result.verification)
+    assert result.summary.schema == "dynamic"
+
+
 def test_attention_in_int16_reads_the_value_projection_after_a_separator():
     """The attention matmuls and softmax in int16 (their int8 softmax output is
     1/256 per LSB: over 64 keys, near-uniform weights are a few LSB each), the
