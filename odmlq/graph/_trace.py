@@ -7,7 +7,7 @@ the grouping (`_grouping`) turns equations into ops and edges.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -95,7 +95,18 @@ def _apply_fn(model, example_inputs, variables, method):
     if isinstance(model, nn.Module):
         name = type(model).__name__
         if variables is None:
-            variables = jax.eval_shape(model.init, jax.random.key(0), *example_inputs)
+            try:
+                variables = jax.eval_shape(model.init, jax.random.key(0), *example_inputs)
+            except Exception as e:
+                passed = [x for x in example_inputs if isinstance(x, Mapping) and "params" in x]
+                hint = ("an example input is a variables dict: pass it as variables=..., not "
+                        "among the example inputs" if passed else
+                        "check that the example inputs are what its __call__ takes, or pass "
+                        "the trained variables as variables=...")
+                raise TraceError(
+                    f"{name}.init on the {len(example_inputs)} example input(s) failed "
+                    f"({type(e).__name__}: {e}); without variables=, a Linen model is "
+                    f"initialized from them: {hint}.") from e
 
         def fn(v, *xs):
             return model.apply(v, *xs, method=method)

@@ -91,6 +91,18 @@ def test_trace_failure_names_the_model_and_input_shapes():
         trace(model, jnp.zeros((1, 5)), variables=variables)
 
 
+def test_variables_among_the_example_inputs_are_named():
+    """odmlq.plan(model, rules, variables, x): the model's own init then failed
+    with a bare TypeError (too many positional arguments)."""
+    model, (x,), variables = SAMPLES["cnn"]()
+    with pytest.raises(TraceError, match=r"LinenCNN.init on the 2 example input\(s\) failed .*variables dict: "
+                                         r"pass it as variables="):
+        trace(model, variables, x)
+    with pytest.raises(TraceError, match=r"LinenCNN.init on the 1 example input\(s\) failed .*pass the trained "
+                                         r"variables as variables="):
+        trace(model, jnp.zeros((1, 5)))
+
+
 def test_plain_function_needs_params():
     with pytest.raises(TraceError, match="pass its params as variables"):
         trace(lambda p, x: x @ p["w"], jnp.ones((1, 2)))
