@@ -7,7 +7,7 @@ function into a `Graph` (see `_trace`, `_program`, `_grouping`, `_patterns`);
 
 from odmlq.graph._fold import affine_of, fold_params, folded_bias, folded_operands, folded_ops, operand_values, shift_output, unfold_params
 from odmlq.graph._linear import WeightLayout, phase_axes, transposed_by_phases, weight_inputs
-from odmlq.graph._graph import MATMUL_KINDS, MAX_CONSTANT_SIZE, Edge, Graph, Op, Operand
+from odmlq.graph._graph import MATMUL_KINDS, MAX_CONSTANT_SIZE, MOVES_VALUES, Edge, Graph, Op, Operand
 from odmlq.graph._trace import trace
 from odmlq.graph._keras import is_keras, keras_input_names, keras_layers, keras_state
 from odmlq.graph._program import evaluate_replacing
@@ -17,7 +17,7 @@ from odmlq.graph._run import GraphCache, check_inputs, params_for
 
 __all__ = [
     "is_keras", "keras_input_names", "keras_layers", "keras_state",
-    "Edge", "Graph", "GraphCache", "affine_of", "fold_params", "folded_bias", "folded_operands", "folded_ops", "shift_output", "unfold_params", "MATMUL_KINDS", "MAX_CONSTANT_SIZE", "Op", "Operand", "check_inputs",
+    "Edge", "Graph", "GraphCache", "affine_of", "fold_params", "folded_bias", "folded_operands", "folded_ops", "shift_output", "unfold_params", "MATMUL_KINDS", "MAX_CONSTANT_SIZE", "MOVES_VALUES", "Op", "Operand", "check_inputs",
     "operand_values", "check_finite_params", "evaluate_replacing",
     "flat_params", "is_nnx_module", "param_path", "params_for", "params_tree", "replace_params", "split_nnx", "trace",
     "WeightLayout", "phase_axes", "transposed_by_phases", "weight_inputs",

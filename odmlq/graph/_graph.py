@@ -49,7 +49,7 @@ MATMUL_KINDS = frozenset({"dot_general", "conv", "einsum"})
 
 
 # Op kinds that move values without computing new ones (`Graph.output_writers`).
-_MOVES_VALUES = frozenset({"reshape", "squeeze", "transpose", "broadcast_in_dim", "expand_dims", "copy",
+MOVES_VALUES = frozenset({"reshape", "squeeze", "transpose", "broadcast_in_dim", "expand_dims", "copy",
                            "convert_element_type"})
 
 
@@ -229,7 +229,7 @@ class Graph:
                 continue
             writers.add(producer)
             op = self.op(producer)
-            if op.kind in _MOVES_VALUES and op.inputs:
+            if op.kind in MOVES_VALUES and op.inputs:
                 pending.append(self.resolve(op.inputs[0]))
         return frozenset(writers)
 

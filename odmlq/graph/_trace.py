@@ -98,7 +98,7 @@ def _apply_fn(model, example_inputs, variables, method):
             try:
                 variables = jax.eval_shape(model.init, jax.random.key(0), *example_inputs)
             except Exception as e:
-                passed = [x for x in example_inputs if isinstance(x, Mapping) and "params" in x]
+                passed = any(isinstance(x, Mapping) and "params" in x for x in example_inputs)
                 hint = ("an example input is a variables dict: pass it as variables=..., not "
                         "among the example inputs" if passed else
                         "check that the example inputs are what its __call__ takes, or pass "

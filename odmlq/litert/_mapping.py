@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from odmlq.graph import MOVES_VALUES
 from odmlq.litert._islands import constant_derived
 
 __all__ = ["as_edge", "dequantize_tensor", "float_island_outputs", "layout_copies", "map_conversions", "map_float_tensors",
@@ -72,10 +73,8 @@ def map_tensors(details: Sequence[dict], produced: set[int], plan, scales,
     return out
 
 
-# LiteRT ops that only lay their first input's values out anew, and plan op
-# kinds that do.
+# LiteRT ops that only lay their first input's values out anew.
 _LAYOUT_OPS = frozenset({"RESHAPE", "SQUEEZE", "EXPAND_DIMS"})
-_LAYOUT_KINDS = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "broadcast_in_dim"})
 
 
 def layout_copies(ops: Sequence[dict], details: Sequence[dict]) -> set[int]:
@@ -128,7 +127,7 @@ def map_float_tensors(details: Sequence[dict], produced: Sequence[int], plan, sc
         if edge in scales.edges or plan.graph.edges[edge].alias is not None:
             continue
         producer = plan.graph.edges[edge].producer
-        if index in copies and (producer is None or plan.graph.op(producer).kind not in _LAYOUT_KINDS):
+        if index in copies and (producer is None or plan.graph.op(producer).kind not in MOVES_VALUES):
             continue
         if _size(d["shape"]) == _size(plan.graph.edges[edge].shape):
             out[edge] = index

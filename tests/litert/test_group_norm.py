@@ -23,6 +23,7 @@ from jax import lax
 
 import odmlq
 from odmlq.litert._tolerance import allowed_lsb
+from tests.litert.test_int16_forms import _sqnr_db
 
 
 class _GroupNormCNN(nn.Module):
@@ -58,11 +59,6 @@ class _Statistics(nn.Module):
 def _batches(n, seed, size=8):
     rng = np.random.default_rng(seed)
     return [rng.standard_normal((8, size, size, 3)).astype(np.float32) for _ in range(n)]
-
-
-def _sqnr_db(reference, value) -> float:
-    reference, value = np.asarray(reference, np.float64), np.asarray(value, np.float64)
-    return float(10 * np.log10(np.sum(reference ** 2) / np.sum((reference - value) ** 2)))
 
 
 def _randomized(variables):
