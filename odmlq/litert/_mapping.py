@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from odmlq.graph import MOVES_VALUES
+from odmlq.graph import MOVES_VALUES, repeated_edges
 from odmlq.litert._islands import constant_derived
 
 __all__ = ["as_edge", "dequantize_tensor", "float_island_outputs", "layout_copies", "map_conversions", "map_float_tensors",
@@ -45,6 +45,10 @@ def map_tensors(details: Sequence[dict], produced: set[int], plan, scales,
     (diffusers' VAE attention), and the matmul's own output after the
     transpose it absorbed. Such a copy holds its input's value, checked
     under its own name, and can be no wrong kernel.
+
+    An edge that repeats an earlier edge's computation on the same grid
+    (`odmlq.graph.repeated_edges`) and has no tensor of its own takes the
+    earlier one's: litert-converter keeps one tensor for both.
     """
     copies = layout_copies(ops, details)
     order = {e: i for i, e in enumerate(plan.graph.edges)}
@@ -70,7 +74,21 @@ def map_tensors(details: Sequence[dict], produced: set[int], plan, scales,
         matching = [i for i in indices if params_match(by_index[i], scales.edges[edge])]
         pool = matching or [i for i in indices if i not in conversions] or indices
         out[edge] = ([i for i in pool if i not in conversions] or pool)[-1]
+    # An edge that repeats an earlier one's computation on the same grid has
+    # no tensor of its own: the converter kept one (`repeated_edges`), and the
+    # ops that read the second read it.
+    for edge, earlier in repeated_edges(plan.graph).items():
+        if edge not in out and earlier in out and _same_grid(scales.edges.get(edge), scales.edges.get(earlier)):
+            out[edge] = out[earlier]
     return out
+
+
+def _same_grid(a, b) -> bool:
+    if a is None or b is None:
+        return False
+    zero = lambda ts: np.zeros(np.shape(ts.scale)) if ts.zero_point is None else np.asarray(ts.zero_point)
+    return (str(a.qtype) == str(b.qtype) and np.shape(a.scale) == np.shape(b.scale)
+            and np.array_equal(a.scale, b.scale) and np.array_equal(zero(a), zero(b)))
 
 
 # LiteRT ops that only lay their first input's values out anew.

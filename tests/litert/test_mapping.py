@@ -8,6 +8,10 @@ FULLY_CONNECTED after the Dense, and the FULLY_CONNECTED's output after the
 transpose it absorbed. The Dense's edge was read from its input's copy,
 and every export of the model failed verification ("scale/zero point ...
 not the plan's").
+
+A value computed twice (every ResNet block of diffusers' UNet applies
+nn.swish to the same time embedding) is kept once by the converter: the
+second computation's edges read the first one's tensor.
 """
 
 from __future__ import annotations
@@ -116,3 +120,58 @@ def test_a_layout_copy_keeps_its_input_params_and_anything_else_is_no_copy():
            {"op_name": "EXPAND_DIMS", "inputs": [0, 9], "outputs": [3]},  # another dtype
            {"op_name": "TANH", "inputs": [1], "outputs": [0]}]
     assert layout_copies(ops, details) == {1}
+
+
+class _SwishTwice(nn.Module):
+    """Each block applies nn.swish to the same embedding, as every ResNet block of
+    diffusers' Flax UNet does to the time embedding: litert-converter keeps one
+    LOGISTIC and one MUL, and all three Dense layers read them."""
+
+    @nn.compact
+    def __call__(self, x):
+        embedding = nn.Dense(64, name="embedding")(x)
+        first, second, third = (nn.Dense(48, name=n)(nn.swish(embedding)) for n in ("first", "second", "third"))
+        return first * 0.5 + third + second
+
+
+def test_a_computation_the_converter_keeps_once_is_checked_through_its_one_tensor():
+    """The repeated SiLU's edges have no tensor of their own. Before, simulate
+    computed them itself, from its own int16 sigmoid (2 LSB from LiteRT's table),
+    and the Dense layers reading them were checked against inputs LiteRT never
+    read: 0.12 LSB mean difference where the first Dense, fed what its kernel
+    read, showed 0.003 (a 2-LSB failure on diffusers' UNet in int16x8). Now they
+    are fed the one tensor, and every Dense differs only where its
+    requantization rounds a near-tie: at most 0.02 LSB on average."""
+    model = _SwishTwice()
+    rng = np.random.default_rng(0)
+    batches = [(3 * rng.standard_normal((16, 32)).astype(np.float32),) for _ in range(4)]
+    variables = model.init(jax.random.key(0), batches[0][0][:1])
+    rules = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int16")]
+    result = odmlq.export_tflite(model, rules, batches, variables=variables, benchmark=False)
+    report = result.verification
+    assert report.passed and not report.unmapped_edges, str(report)
+    tensor = {c.edge: c.tensor for c in report.checks}
+    for repeat in ("_1", "_2"):
+        assert tensor[f"embedding/logistic{repeat}"] == tensor["embedding/logistic"], str(report)
+        assert tensor[f"embedding/mul{repeat}"] == tensor["embedding/mul"], str(report)
+    dense = {c.edge: c.mean_lsb for c in report.checks if c.edge.endswith("/dot_general")}
+    assert all(mean <= 0.02 for mean in dense.values()), dense
+
+
+def test_repeated_edges_are_the_same_primitives_on_the_same_operands():
+    def f(params, x):
+        w = params["w"]
+        a, b = jnp.tanh(x), jnp.tanh(x)  # a repeat
+        c, d = a * x, x * b  # the same values, but in another operand order: not read as a repeat
+        left, right = x[:, :4], x[:, 4:]  # same primitive, other parameters
+        scaled, other = x * 2.0, x * 3.0  # other literals
+        return jnp.concatenate([c + d, left + right, scaled + other, (a + 1.0) @ w, (b + 1.0) @ w], axis=1)
+
+    x, w = np.ones((2, 8), np.float32), np.ones((8, 4), np.float32)
+    graph = odmlq.graph.trace(f, x, variables={"w": w})
+    repeated = odmlq.graph.repeated_edges(graph)
+    names = {op.outputs[0]: op.kind for op in graph.ops}
+    kinds = sorted(names[e] for e in repeated)
+    # tanh, then what reads it alone: the + 1.0 and the matmul after it.
+    assert kinds == ["add", "dot_general", "tanh"], (repeated, names)
+    assert all(names[e] == names[earlier] for e, earlier in repeated.items())
