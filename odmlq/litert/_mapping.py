@@ -114,7 +114,8 @@ def layout_copies(ops: Sequence[dict], details: Sequence[dict]) -> set[int]:
 
 
 def map_float_tensors(details: Sequence[dict], produced: Sequence[int], plan, scales,
-                      ops: Sequence[dict] = (), inputs: Sequence[int] = ()) -> dict[str, int]:
+                      ops: Sequence[dict] = (), inputs: Sequence[int] = (),
+                      outputs: Sequence[int] = ()) -> dict[str, int]:
     """Float plan edge id (not quantized in `scales`) -> index of the float32
     tensor that carries it: of the tensors whose names end in the edge (as
     `map_tensors` reads them) and that hold its number of values, the last
@@ -122,7 +123,12 @@ def map_float_tensors(details: Sequence[dict], produced: Sequence[int], plan, sc
     as a transposed matmul, writes the edge's value last). A tensor computed
     from constants only (`ops`, the graph's `inputs`) carries no edge: a plan
     edge depends on the model's inputs, and a fused name can name one (XGLM's
-    position lookup, folded to constants, was named for the token lookup too)."""
+    position lookup, folded to constants, was named for the token lookup too).
+
+    A tensor whose name holds no location (``select_n``: the converter loses
+    the SELECTs of a call it inlines, such as ``jax.nn.elu``'s) continues the
+    op whose tensors it reads, and the model's output tensors (`outputs`, in
+    the order of the graph's outputs) carry the graph's output edges."""
     order = {e: i for i, e in enumerate(plan.graph.edges)}
     by_index = {d["index"]: d for d in details}
     # Constants are the tensors ops read that no op writes and that are not graph inputs.
@@ -133,22 +139,33 @@ def map_float_tensors(details: Sequence[dict], produced: Sequence[int], plan, sc
     # a layout op produces (the converter names a FULLY_CONNECTED's input
     # RESHAPE after the matmul: diffusers' VAE attention).
     copies = {int(op["outputs"][0]) for op in ops if op["op_name"] in _LAYOUT_OPS and len(op["outputs"]) == 1}
+    producer_of = {int(o): op for op in ops for o in op["outputs"]}
+    named_of: dict[int, list[str]] = {}
     out: dict[str, int] = {}
     for index in produced:  # execution order: a later tensor of the same edge wins
         d = by_index.get(index)
-        if d is None or d["dtype"] != np.float32 or index in constant:
+        if d is None:
             continue
         named = _edges_named(d["name"], order)
-        if not named:
+        if not named and "/" not in d["name"] and index not in outputs and index in producer_of:
+            named = [e for i in producer_of[index]["inputs"] for e in named_of.get(int(i), ())]
+        named_of[index] = named
+        if not named or d["dtype"] != np.float32 or index in constant:
             continue
         edge = max(named, key=order.get)
-        if edge in scales.edges or plan.graph.edges[edge].alias is not None:
-            continue
+        if (edge in scales.edges or plan.graph.edges[edge].alias is not None
+                or not np.issubdtype(np.dtype(plan.graph.edges[edge].dtype), np.floating)):
+            continue  # quantized, an alias, or a mask or index the float tensor was computed from
         producer = plan.graph.edges[edge].producer
         if index in copies and (producer is None or plan.graph.op(producer).kind not in MOVES_VALUES):
             continue
         if _size(d["shape"]) == _size(plan.graph.edges[edge].shape):
             out[edge] = index
+    for edge, index in zip(plan.graph.outputs, outputs if len(outputs) == len(plan.graph.outputs) else ()):
+        d, e = by_index.get(int(index)), plan.graph.edges.get(edge)
+        if (d is not None and e is not None and d["dtype"] == np.float32 and edge not in scales.edges
+                and e.alias is None and not e.is_input and _size(d["shape"]) == _size(e.shape)):
+            out[edge] = int(index)
     return out
 
 

@@ -225,7 +225,8 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
     island_outputs = float_island_outputs(ops, details, plan)
     # No quantized edge: every float tensor of an edge is fed and checked.
     float_mapping = {} if scales.edges else map_float_tensors(
-        details, written, plan, scales, ops, [d["index"] for d in interpreter.get_input_details()])
+        details, written, plan, scales, ops, [d["index"] for d in interpreter.get_input_details()],
+        [d["index"] for d in output_details(interpreter)])
     float_stats: dict[str, list] = {e: [0.0, 0.0, 0] for e in float_mapping}
     targets, where = _checked_tensors(plan, scales, mapping, conversions)
     mapping = {**mapping, **conversions}
