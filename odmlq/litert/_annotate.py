@@ -31,7 +31,7 @@ from odmlq.litert.spec import (
     int16_full_shape_operand,
     padded_max_pool_reads_nonnegative,
     pool_as_depthwise,
-    pool_pads_with_zeros,
+    pool_pads_with_zeros, read_at_shared_scale,
     requantized_from_producer,
     scalar_divisor,
 )
@@ -42,7 +42,7 @@ from odmlq.litert._blockwise import Blockwise, payload, placeholder
 from odmlq.litert._check import blockwise_weights
 from odmlq.litert._external import Placeholder
 from odmlq.litert._composites import dynamic_range_composite, fake_quant_composite
-from odmlq.litert._conv1d import one_dimensional_as_two, with_unit_axis
+from odmlq.litert._conv1d import average_pool_as_two_dimensional, one_dimensional_as_two, with_unit_axis
 from odmlq.litert._conv_transpose import annotated_phases
 from odmlq.litert._forms import (added_at_one_shape, avg_pool_padded_with_zeros, concatenated_by_padded_sums,
                                 gelu_erf, gelu_in_int16, max_pool_padded_with_zeros, pool_as_depthwise_conv,
@@ -140,6 +140,7 @@ def annotated_function(graph, plan, scales: Scales, params: Any,
     flatbuffer once converted."""
     converted = {edge for edge, _ in scales.conversions}
     separated = frozenset(c.key for c in plan.conversions.values() if requantized_from_producer(plan, c))
+    shared_reads = read_at_shared_scale(plan, scales)
     # Only a float op next to a quantized tensor can be quantized by the
     # converter; a float model keeps its file as it was.
     keep_float = frozenset(
@@ -170,20 +171,15 @@ def annotated_function(graph, plan, scales: Scales, params: Any,
         if path in blockwise:
             continue  # annotated per channel; its blocks are written into the file (`_blockwise`)
         if len(ts.scale_axes) > 1 or ts.block_size is not None:
-            raise OdmlqError(
-                f"Weight {path!r} has {ts.scale_axes} scale axes / blocks; LiteRT takes one "
-                "quantized dimension. This should have been refused by the plan check."
-            )
-
+            raise OdmlqError(f"Weight {path!r} has {ts.scale_axes} scale axes / blocks; LiteRT takes one "
+                             "quantized dimension. This should have been refused by the plan check.")
 
     # A weight only float ops read (kept in float: no integer kernel) is stored
     # as its plan values in float: a quantized one would be dequantized at
     # every invocation.
     readers: dict[str, set] = {}
-    for op in plan.graph.ops:
-        for o in op.operands:
-            if o.param is not None:
-                readers.setdefault(o.param, set()).add(op.id)
+    for op, o in ((op, o) for op in plan.graph.ops for o in op.operands if o.param is not None):
+        readers.setdefault(o.param, set()).add(op.id)
     float_only = {p for p in scales.weights if readers.get(p) and readers[p] <= keep_float}
     # A transposed convolution's kernel is laid out as its phases' filter, a constant of
     # the converted file (`_conv_transpose`), also where the other weights are written after it.
@@ -217,7 +213,7 @@ def annotated_function(graph, plan, scales: Scales, params: Any,
 
         # The graph evaluated may be a re-trace of the plan's at other input shapes:
         # full-shape int16 operands take its shapes.
-        annotation = Annotation(scales, graph, keep_float, host_grid, separated)
+        annotation = Annotation(scales, graph, keep_float, host_grid, separated, shared_reads)
         return PlanHooks(plan, scales, annotation).evaluate(graph, qparams, *inputs)
 
     return Annotated(fn, payloads, list(placeholders.values()))
@@ -231,9 +227,7 @@ def _zeros(shape) -> jax.ShapeDtypeStruct:
 def _value(w) -> jax.Array:
     """`w` as a constant; a placeholder as zeros made in the traced function,
     one value in the StableHLO text however large the weight."""
-    if isinstance(w, jax.ShapeDtypeStruct):
-        return jnp.zeros(w.shape, w.dtype)
-    return jnp.asarray(w)
+    return jnp.zeros(w.shape, w.dtype) if isinstance(w, jax.ShapeDtypeStruct) else jnp.asarray(w)
 
 
 def _placeholder(param: str, shape, ts: TensorScale, layout, grid, blocks) -> Placeholder:
@@ -291,9 +285,11 @@ class Annotation(FakeQuant):
 
     host_folds = True  # a folded BatchNorm's bias as a constant (`hooks`)
 
-    def __init__(self, scales: Scales, graph, keep_float=frozenset(), grid=None, separated=frozenset()):
+    def __init__(self, scales: Scales, graph, keep_float=frozenset(), grid=None, separated=frozenset(),
+                 shared_reads=None):
         self.scales, self.graph, self.keep_float = scales, graph, keep_float
         self.separated = separated  # conversions read after a same-scale MAXIMUM (`converted_input`)
+        self.shared_reads = shared_reads or {}  # `spec.read_at_shared_scale`, read after one too
         self.grid = grid  # param -> its values on its grid (host), for kernels laid out here
         self.activated: set[str] = set()  # ReLUs applied where a transposed convolution's phases are
         self.marked_in_two_dimensions: set[str] = set()
@@ -427,6 +423,9 @@ class Annotation(FakeQuant):
         scales = self.scales
         if op.id in self.activated:
             return list(inputs)  # applied to a transposed convolution's phases (`_phases`)
+        for i, source, target in self.shared_reads.get(op.id, ()):
+            with jax.named_scope(f"{op.operands[i].edge}/shared_scale"):
+                inputs[i] = fake_quant_composite(separated(inputs[i], source, fake_quant_composite), target)
         if (read_at := self._read_after_layout(op)) is not None:
             at = [i for i, o in enumerate(op.operands) if o.role == "input"][-1]
             with jax.named_scope(f"{op.operands[at].edge}/separated"):
@@ -434,6 +433,8 @@ class Annotation(FakeQuant):
             if op.kind == "square":
                 return [inputs[0] * other]
             inputs = [other if i == at else x for i, x in enumerate(inputs)]
+        if op.kind == "avg_pool" and len(op.attributes.get("window", ())) == 3:  # 1-D (`_conv1d`)
+            return [average_pool_as_two_dimensional(op, inputs[0], _qtype(scales, op), fake_quant_composite)]
         if op.kind == "avg_pool" and len(inputs) == 1:
             out = scales.edges.get(op.outputs[0])
             if out is not None and pool_as_depthwise(op, out.qtype):
@@ -443,7 +444,7 @@ class Annotation(FakeQuant):
         if op.kind == "max_pool" and len(inputs) == 1:
             out = scales.edges.get(op.outputs[0])
             if out is not None and out.qtype == "int16" and padded_max_pool_reads_nonnegative(op, self.graph):
-                return [max_pool_padded_with_zeros(op, inputs[0])]
+                return one_dimensional_as_two(lambda x: [max_pool_padded_with_zeros(op, x)], inputs)
         if op.kind == "concatenate" and len(inputs) > 1 and _qtype(scales, op) == "int16":
             return [concatenated_by_padded_sums(inputs, op.attributes["axis"], scales.edges[op.outputs[0]],
                                                 fake_quant_composite)]
@@ -466,7 +467,7 @@ class Annotation(FakeQuant):
                 # attention's 1/sqrt(d) in transformers, hard_sigmoid's 1/6);
                 # its integer MUL by the reciprocal gives the same quotient.
                 return [inputs[0] * self._reciprocal(op, divisor)]
-        if op.kind == "conv":
+        if op.kind in ("conv", "max_pool", "avg_pool"):  # a 1-D one as 2-D (`_conv1d`)
             mark = dynamic_range_composite if op.id in self.marked_in_two_dimensions else None
             if op.attributes.get("transposed"):
                 phases = annotated_phases(self, op, compute, inputs, mark, fake_quant_composite)
@@ -496,5 +497,4 @@ class Annotation(FakeQuant):
 
 
 def _qtype(scales: Scales, op) -> str | None:
-    out = scales.edges.get(op.outputs[0])
-    return None if out is None else str(out.qtype)
+    return None if (out := scales.edges.get(op.outputs[0])) is None else str(out.qtype)

@@ -43,7 +43,7 @@ from odmlq.constraints import (
 )
 
 __all__ = ["OP_SPEC", "OpSpec", "TARGET", "WITHOUT_KERNEL", "pool_as_depthwise", "pool_pads_with_zeros",
-           "requantized_from_producer", "sets_own_scale"]
+           "read_at_shared_scale", "requantized_from_producer", "sets_own_scale"]
 
 SAME_AS_INPUT = SameAsInput()
 SHARED = SharedWithInputs()
@@ -387,6 +387,44 @@ def requantized_from_producer(plan, c) -> bool:
     same-scale MAXIMUM between them, which the converter does not fold through
     (`_annotate.Annotation.converted_input`)."""
     return c.source != "float" and sets_own_scale(plan, c.edge, c.source)
+
+
+def read_at_shared_scale(plan, scales) -> dict[str, tuple]:
+    """``{op id: ((input index, its scale, the op's output scale), ...)}``: the
+    quantized inputs that an op whose kernel reads every input at its output's
+    scale (`SHARED`: a concatenation, MAXIMUM, SELECT_V2...) receives on
+    another grid of its qtype. `scales` gives the shared scale to the
+    producers that can requantize; the others (a flip or a ReLU of an edge
+    another op reads too) keep their own, and the LiteRT lowering writes their
+    requantization out after a same-scale MAXIMUM. Left to litert-converter
+    0.5.0, it is folded into the op producing the input: a REVERSE_V2, RESHAPE
+    or SLICE then writes its input's codes under the new scale (a flip before
+    a concatenation: 135 LSB off), and a RELU a scale not the plan's."""
+    from odmlq.plan import input_conversion_scales
+
+    converted = {op_id: {index for index, _ in reads} for op_id, reads in
+                 input_conversion_scales(plan, scales).items()}
+    out = {}
+    for op in plan.graph.ops:
+        target = scales.edges.get(op.outputs[0]) if len(op.outputs) == 1 else None
+        if target is None or target.scale_axes or not isinstance(plan.edges[op.outputs[0]].constraint,
+                                                                   SharedWithInputs):
+            continue
+        indices = []
+        for index, operand in enumerate(op.operands):
+            source = scales.edges.get(plan.graph.resolve(operand.edge)) if operand.role == "input" else None
+            if (source is not None and not source.scale_axes and source.qtype == target.qtype
+                    and index not in converted.get(op.id, ())
+                    and not (np.allclose(source.scale, target.scale, rtol=1e-6, atol=0)
+                             and np.array_equal(_zero(source), _zero(target)))):
+                indices.append((index, source, target))
+        if indices:
+            out[op.id] = tuple(indices)
+    return out
+
+
+def _zero(ts) -> np.ndarray:
+    return np.zeros(1) if ts.zero_point is None else np.asarray(ts.zero_point).reshape(-1)
 
 
 # Op kinds that move values only; the converter may remove them (`sets_own_scale`).

@@ -111,3 +111,50 @@ def test_one_dimensional_filters_written_after_conversion_hold_the_same_integers
     external_interpreter.invoke()
     out = [i.get_tensor(i.get_output_details()[0]["index"]) for i in (inline_interpreter, external_interpreter)]
     np.testing.assert_array_equal(out[0], out[1])
+
+
+class Pooled(nn.Module):
+    """1-D max and average pools over (batch, time, channels), as a keyword
+    spotter or a time-series CNN writes them."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(16, (3,), name="first")(x))
+        x = nn.max_pool(x, (3,), strides=(1,), padding="SAME")  # (int16: padded with zeros after the ReLU)
+        x = nn.max_pool(x, (2,), strides=(2,))
+        x = nn.Conv(16, (3,), name="second")(x)
+        x = nn.avg_pool(x, (2,), strides=(2,))
+        x = nn.avg_pool(x, (3,), strides=(1,), padding="SAME")  # counts its padding (Flax's default)
+        x = nn.avg_pool(x, (3,), strides=(1,), padding="SAME", count_include_pad=False)
+        return nn.Dense(4, name="head")(x.reshape(x.shape[0], -1))
+
+
+@pytest.mark.parametrize("schema", ["int8", "int16x8", "dynamic", "float"])
+def test_a_one_dimensional_pool_is_a_two_dimensional_kernel_in_every_schema(schema):
+    """Before: every 1-D pool stayed a STABLEHLO_REDUCE_WINDOW, float and off
+    XNNPACK; a full-integer export refused the float islands (and a 1-D max pool
+    before a concatenation failed to convert)."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(12, 32, 3)).astype(np.float32)
+    model = Pooled()
+    variables = model.init(jax.random.key(0), x[:1])
+    result = odmlq.export_tflite(model, SCHEMAS.get(schema, []), [x[:8]], variables=variables, benchmark=False)
+    assert schema == "float" or result.verification.passed, str(result.verification)
+    histogram = dict(inspect(result.tflite).op_histogram)
+    assert not [name for name in histogram if name.startswith("STABLEHLO")], histogram
+    assert histogram.get("MAX_POOL_2D") == 2, histogram
+    # An int8 average pool is a depthwise convolution (XNNPACK has no int8 AVERAGE_POOL_2D),
+    # but for the one that does not count its padding.
+    assert histogram.get("AVERAGE_POOL_2D") == (1 if schema == "int8" else 3), histogram
+    # XNNPACK takes no int16 op, and no int8 AVERAGE_POOL_2D (as for 2-D pools).
+    outside = [op.name for op in result.delegation.outside]
+    assert outside == {"int8": ["AVERAGE_POOL_2D"], "int16x8": outside}.get(schema, []), result.delegation
+    if schema == "float":  # the file computes the model: float32 rounding only
+        interpreter = odmlq.litert.interpreter(result.tflite)
+        interpreter.set_tensor(interpreter.get_input_details()[0]["index"], x[8:9])
+        interpreter.invoke()
+        got = interpreter.get_tensor(interpreter.get_output_details()[0]["index"])
+        want = np.asarray(model.apply(variables, x[8:9]))
+        assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want)), (got, want)
+    else:  # (the file equals simulate, above) within the usual 25 dB of float
+        assert simulate_sqnr_db(model, result, x[8:], variables) > 25, schema

@@ -3,8 +3,14 @@
 REVERSE_V2, GATHER, RESHAPE) to the op that computes them, which then
 requantizes straight to it. The plan does the same (`scales._edges._free_chain`):
 before, a flipped or transposed input of a concatenation came out of the
-converter at another scale than the plan's, and verification refused the file
-(the bidirectional LSTM of tests/zoo/text_rnn.py, reversing its backward pass)."""
+converter at another scale than the plan's, and verification refused the file.
+
+Where that op's output is read elsewhere too, the chain keeps its own scale,
+and the LiteRT lowering writes the requantization out after a same-scale
+MAXIMUM (`litert.spec.read_at_shared_scale`). Left to the converter, it was
+folded into the REVERSE_V2, RESHAPE or RELU before the concatenation, which
+wrote its input's codes under the new scale (Flax's nn.Bidirectional RNN:
+26 LSB off)."""
 
 from __future__ import annotations
 
@@ -54,3 +60,63 @@ def test_a_moved_input_of_a_concatenation_takes_its_scale_back_to_the_op_computi
     # The Dense computing `a` writes at the concatenation's scale, and so does every move after it.
     for edge in ("a/dot_general", *concatenation.inputs):
         np.testing.assert_array_equal(np.ravel(result.scales.edges[edge].scale), np.ravel(shared.scale), edge)
+
+
+PINNED = {
+    "flip": lambda h: jnp.flip(h, 1),
+    "relu": nn.relu,
+    "relu6": nn.relu6,
+    "reshape": lambda h: h.reshape(h.shape[0], h.shape[1], 2, -1).reshape(h.shape),
+    "stack": lambda h: jnp.stack([h[:, i] for i in range(h.shape[1])], 1),
+}
+
+
+class _PinnedIntoConcatenation(nn.Module):
+    move: str
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(16, name="a")(x)
+        b = nn.Dense(16, name="b")(x) * 3.0  # a wider range: the concatenation's scale is b's
+        joined = jnp.concatenate([PINNED[self.move](h), b], -1)
+        # h is read here too, so its Dense keeps its own scale.
+        return nn.Dense(4, name="c")(joined) + nn.Dense(4, name="d")(h).mean(1, keepdims=True)
+
+
+@pytest.mark.parametrize("move", sorted(PINNED))
+def test_an_input_of_a_concatenation_on_another_grid_is_requantized_after_a_separator(move):
+    """Before: verification refused every case ('scale/zero point ... not the
+    plan's'; the flip was 135 LSB off)."""
+    model = _PinnedIntoConcatenation(move)
+    rng = np.random.default_rng(0)
+    batches = [rng.normal(size=(8, 6, 8)).astype(np.float32) for _ in range(4)]
+    variables = model.init(jax.random.key(0), batches[0][:1])
+    result = odmlq.export_tflite(model, INT8, batches, variables=variables, benchmark=False)
+    report = result.verification
+    assert report.passed, str(report)
+    assert all(check.max_lsb <= 1.0 + 1e-3 for check in report.checks), str(report)
+    assert result.summary.float_islands == ()
+    # The Dense keeps its own scale; the concatenation reads its moved output at b's.
+    assert not np.allclose(result.scales.edges["a/dot_general"].scale,
+                           result.scales.edges["b/mul"].scale)
+
+
+@pytest.mark.parametrize("act_qtype", ["int8", "int16"])
+def test_a_bidirectional_rnn_exports_full_integer(act_qtype):
+    """Flax's nn.Bidirectional: the backward RNN flips its input and its output,
+    and the two directions are concatenated."""
+
+    class Tagger(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            y = nn.Bidirectional(nn.RNN(nn.GRUCell(8)), nn.RNN(nn.GRUCell(8)))(x)
+            return nn.Dense(5)(y)
+
+    model = Tagger()
+    rng = np.random.default_rng(1)
+    batches = [rng.normal(size=(8, 6, 8)).astype(np.float32) for _ in range(4)]
+    variables = model.init(jax.random.key(0), batches[0][:1])
+    rules = [odmlq.Rule(".*", weight_qtype="int8", act_qtype=act_qtype)]
+    result = odmlq.export_tflite(model, rules, batches, variables=variables, benchmark=False)
+    assert result.verification.passed, str(result.verification)
+    assert result.summary.float_islands == ()
