@@ -61,6 +61,14 @@ def _softmax_axis(steps) -> dict:
     return {"axis": int(steps[0].eqn.params["axes"][0])}
 
 
+def _reduces_one_axis_moved(steps) -> bool:
+    """The softmax under `jax.vmap`: the max is taken over one axis of the
+    input, the sum over that axis after the transpose the batching put in."""
+    axes, summed = tuple(steps[0].eqn.params["axes"]), tuple(steps[8].eqn.params["axes"])
+    permutation = tuple(steps[5].eqn.params["permutation"])
+    return len(axes) == 1 and len(summed) == 1 and permutation[summed[0]] == axes[0]
+
+
 def _divides_by_count(steps) -> bool:
     shape = steps[0].eqn.invars[0].aval.shape
     count = math.prod(shape[a] for a in steps[0].eqn.params["axes"])
@@ -92,6 +100,15 @@ PATTERNS: tuple[Pattern, ...] = (
                         ("stop_gradient", (2,)), ("sub", (X, 3)), ("exp", (4,)),
                         ("reduce_sum", (5,)), ("broadcast_in_dim", (6,)), ("div", (5, 7))),
             check=_reduces_one_axis, attributes=_softmax_axis),
+    # The same under jax.vmap (NNX's MultiHeadAttention): batching moved the
+    # axes, so the input is transposed inside it; its axis is the output's.
+    Pattern("softmax", (("reduce_max", (X,)), ("max", (-math.inf, 0)), ("transpose", (1,)),
+                        ("broadcast_in_dim", (2,)), ("stop_gradient", (3,)), ("transpose", (X,)),
+                        ("sub", (5, 4)), ("exp", (6,)), ("reduce_sum", (7,)), ("broadcast_in_dim", (8,)),
+                        ("div", (7, 9))),
+            check=_reduces_one_axis_moved,
+            attributes=lambda steps: {"axis": int(steps[8].eqn.params["axes"][0]),
+                                      "permutation": [int(a) for a in steps[5].eqn.params["permutation"]]}),
     # (hard_swish, x * relu6(x + 3) / 6, is not one op: its ADD, RELU6, MUL by 1/6 and MUL
     # are integer kernels XNNPACK runs, where LiteRT's HARD_SWISH is not: `_walk`.)
     # jnp.mean(x, axis, keepdims=False / True): a sum divided by the count.

@@ -393,8 +393,7 @@ class Annotation(FakeQuant):
         producer = self.graph.edges[self.graph.resolve(reads[0].edge)].producer
         if producer is None or self.graph.op(producer).kind not in _LAYOUT_KINDS:
             return None
-        ts = self._read_at(reads[0])
-        return ts if ts is not None and ts.qtype == "int16" and not ts.scale_axes else None
+        return ts if (ts := self._read_at(reads[0])) is not None and ts.qtype == "int16" and not ts.scale_axes else None
 
     def _read_at(self, operand) -> TensorScale | None:
         """The scale an int16 op reads an activation operand at (its conversion's, or its edge's)."""
@@ -404,8 +403,7 @@ class Annotation(FakeQuant):
     def _reciprocal(self, op, divisor: float) -> jax.Array:
         """1 / divisor, quantized as the divisor is (a float op's plain float)."""
         value = np.asarray(1.0 / divisor, np.float32)
-        ts = self.scales.constants.get((op.id, 0))  # the op's one constant
-        if ts is None:
+        if (ts := self.scales.constants.get((op.id, 0))) is None:  # the op's one constant
             return value
         ts = reciprocal_scale(ts, float(value))
         with jax.named_scope(f"{op.id}/constant_0"):
@@ -474,6 +472,8 @@ class Annotation(FakeQuant):
                 if phases is not None:
                     return phases
             return one_dimensional_as_two(compute, inputs, mark)
+        if op.kind == "softmax" and "permutation" in op.attributes:  # under vmap (`graph._patterns`): canonical
+            return [jax.nn.softmax(jnp.transpose(inputs[0], op.attributes["permutation"]), axis=op.attributes["axis"])]
         if op.kind == "gelu" and _qtype(scales, op) == "int16" and (into := self._read_at(op.operands[0])):
             return [gelu_in_int16(inputs[0], into, fake_quant_composite)]
         if op.kind != "gelu" or op.attributes.get("approximate", True) or len(inputs) != 1:

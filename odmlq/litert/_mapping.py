@@ -135,10 +135,13 @@ def map_float_tensors(details: Sequence[dict], produced: Sequence[int], plan, sc
     live = {int(o) for op in ops for o in op["outputs"]} | {int(i) for i in inputs}
     constant = constant_derived(((op["inputs"], op["outputs"]) for op in ops),
                                 {int(i) for op in ops for i in op["inputs"] if int(i) >= 0} - live)
-    # What a RESHAPE writes is its input's value: it carries an edge only that
-    # a layout op produces (the converter names a FULLY_CONNECTED's input
-    # RESHAPE after the matmul: diffusers' VAE attention).
-    copies = {int(op["outputs"][0]) for op in ops if op["op_name"] in _LAYOUT_OPS and len(op["outputs"]) == 1}
+    # What a RESHAPE writes is its input's value: of a tensor another op
+    # computed, it carries an edge only that a layout op produces (the
+    # converter names a FULLY_CONNECTED's input RESHAPE after the matmul:
+    # diffusers' VAE attention); of the op's own (a BATCH_MATMUL's output laid
+    # out as its einsum's: NNX attention), it is the op's result.
+    copies = {int(op["outputs"][0]): int(op["inputs"][0]) for op in ops
+              if op["op_name"] in _LAYOUT_OPS and len(op["outputs"]) == 1 and len(op["inputs"])}
     producer_of = {int(o): op for op in ops for o in op["outputs"]}
     named_of: dict[int, list[str]] = {}
     out: dict[str, int] = {}
@@ -157,9 +160,11 @@ def map_float_tensors(details: Sequence[dict], produced: Sequence[int], plan, sc
                 or not np.issubdtype(np.dtype(plan.graph.edges[edge].dtype), np.floating)):
             continue  # quantized, an alias, or a mask or index the float tensor was computed from
         producer = plan.graph.edges[edge].producer
-        if index in copies and (producer is None or plan.graph.op(producer).kind not in MOVES_VALUES):
+        if (index in copies and edge not in named_of.get(copies[index], ())
+                and (producer is None or plan.graph.op(producer).kind not in MOVES_VALUES)):
             continue
-        if _size(d["shape"]) == _size(plan.graph.edges[edge].shape):
+        if _size(d["shape"]) == _size(plan.graph.edges[edge].shape) and _reshaped(d["shape"],
+                                                                                 plan.graph.edges[edge].shape):
             out[edge] = index
     for edge, index in zip(plan.graph.outputs, outputs if len(outputs) == len(plan.graph.outputs) else ()):
         d, e = by_index.get(int(index)), plan.graph.edges.get(edge)
@@ -180,6 +185,20 @@ def _edges_named(name: str, order: dict[str, int]) -> list[str]:
             continue  # an op's input laid out for its kernel (`_annotate`): not the op's output
         named += [e for e in ("/".join(parts[:n]) for n in range(1, len(parts) + 1)) if e in order]
     return named
+
+
+def _reshaped(shape, edge_shape) -> bool:
+    """Whether a tensor of `shape` can hold the edge's values in its order: its
+    axes split or merge the edge's (each boundary between its axes is one
+    between the edge's, or the other way round). A BATCH_MATMUL's output that
+    the converter transposes together with the op after it (NNX attention's
+    einsum, then a transpose: (1, 2, 6, 8) for an edge (1, 1, 6, 2, 8)) has the
+    size but not the order; simulate then computes the edge itself."""
+    def boundaries(dims):
+        return set(np.cumprod([int(n) for n in dims if int(n) != 1]).tolist())
+
+    a, b = boundaries(shape), boundaries(edge_shape)
+    return a <= b or b <= a
 
 
 def _size(shape) -> int:

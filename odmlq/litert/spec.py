@@ -320,6 +320,9 @@ OP_SPEC: dict[str, OpSpec] = {
     "softmax": OpSpec(_BOTH, _SIGMOID_LIKE, limitation=_softmax_axis, tolerance_lsb={"int16": 128.0},
                       tolerance_lsb_per_element={"int16": 2.0}, becomes="SOFTMAX", note="over the last axis only"),
     "reshape": OpSpec(_BOTH, SAME_AS_INPUT, becomes="RESHAPE"),
+    # The identity (a softmax's shift, written out where vmap moved its axes:
+    # NNX's MultiHeadAttention).
+    "stop_gradient": OpSpec(_BOTH, SAME_AS_INPUT, becomes="nothing (the identity)"),
     "squeeze": OpSpec(_BOTH, SAME_AS_INPUT, becomes="RESHAPE"),
     "transpose": OpSpec(_BOTH, SAME_AS_INPUT, becomes="TRANSPOSE"),
     "rev": OpSpec(_BOTH, SAME_AS_INPUT, becomes="REVERSE_V2", note="jnp.flip; XNNPACK does not run it"),
