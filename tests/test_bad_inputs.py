@@ -145,3 +145,23 @@ def test_verification_also_runs_on_inputs_no_calibration_range_covers(mlp):
     model, variables, batches = mlp
     result = odmlq.export_tflite(model, INT8, batches, variables=variables)
     assert result.verification.samples == 16 and result.verification.passed
+
+
+@pytest.mark.parametrize("rules", [[], [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")],
+                                   [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8", act_dynamic=True)]])
+def test_a_model_computing_in_bfloat16_is_refused_before_any_work(rules, tmp_path):
+    """Before: litert-converter failed ('tfl.batch_matmul' ... marked illegal),
+    or the plan asked for an int8 kernel of the bfloat16 casts."""
+
+    class Bf16(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4, dtype=jnp.bfloat16)(nn.relu(nn.Dense(16, dtype=jnp.bfloat16)(x)))
+
+    model = Bf16()
+    x = np.random.default_rng(0).normal(size=(4, 8)).astype(np.float32)
+    variables = model.init(jax.random.key(0), x[:1])
+    path = tmp_path / "model.tflite"
+    with pytest.raises(PlanError, match=r"(?s)Dense_1.*bfloat16.*dtype=jnp.float32"):
+        odmlq.export_tflite(model, rules, [x], str(path), variables=variables, benchmark=False)
+    assert not path.exists()

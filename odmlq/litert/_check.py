@@ -29,6 +29,22 @@ class FloatOpsError(OdmlqError, ValueError):
     """A full-integer export would run some ops in float."""
 
 
+def _check_float32(plan: Plan) -> None:
+    """A model that computes in bfloat16 or float16 (a Flax module built with
+    dtype=jnp.bfloat16) is refused before any work: LiteRT computes in float32
+    and integers, and litert-converter 0.5.0 fails on such ops ('tfl.batch_matmul'
+    ... explicitly marked illegal), or they stay casts no integer kernel takes."""
+    low = [e for e in plan.graph.edges.values() if e.dtype in ("bfloat16", "float16") and e.producer is not None]
+    if low:
+        module = plan.graph.op(low[0].producer).module_path
+        more = f", as are {len(low) - 1} more edges" if len(low) > 1 else ""
+        raise PlanError(
+            f"Edge {low[0].id!r} (module {module!r}) is {low[0].dtype}{more}: the model computes in "
+            f"{low[0].dtype}. LiteRT's kernels compute in float32 and integers; export the model "
+            "built to compute in float32 (a Flax module's dtype=jnp.float32, or a transformers model's "
+            "dtype=jnp.float32; its params can stay as they are).")
+
+
 def check_plan(plan: Plan, *, allow_float_ops: bool = False) -> list[str]:
     """LiteRT's check of a plan, before any work: what it cannot honour.
 
@@ -45,6 +61,7 @@ def check_plan(plan: Plan, *, allow_float_ops: bool = False) -> list[str]:
             "constraints (shared, fixed and same-as-input output scales, fused activations) are not "
             "in it; make it with odmlq.plan(model, rules, x, target='litert') or target='both' "
             "(the default).")
+    _check_float32(plan)
     float_ops = []
     for op in plan.graph.ops:
         op_plan = plan.ops[op.id]
