@@ -18,7 +18,8 @@ from odmlq.graph._program import _eval_eqn, _inline_call, _Lit, _Program, _Regio
 
 # jax.nn functions JAX keeps as named calls (`jit[name=...]`); each is one op.
 # (silu and swish are not: x * sigmoid(x) is traced as its LOGISTIC and MUL,
-# each an integer kernel, with the sigmoid's own edge between them. Nor is
+# each an integer kernel, with the sigmoid's own edge between them; nor glu,
+# its halves' LOGISTIC and MUL (as one op it stayed float). Nor is
 # hard_swish (hard_silu): x * relu6(x + 3) / 6 is its ADD, RELU6, MUL by 1/6 and
 # MUL. LiteRT's int8 HARD_SWISH runs outside XNNPACK and has no int16 kernel; a
 # MobileNetV3-like CNN ran at 4.3x float with it and 0.6x float as those four
@@ -26,7 +27,7 @@ from odmlq.graph._program import _eval_eqn, _inline_call, _Lit, _Program, _Regio
 NAMED_FUNCTIONS = frozenset({
     "relu", "relu6",
     "hard_tanh", "elu", "selu", "celu", "leaky_relu", "softplus", "soft_sign",
-    "log_sigmoid", "sigmoid", "gelu", "glu", "log_softmax", "softmax",
+    "log_sigmoid", "sigmoid", "gelu", "log_softmax", "softmax",
     "squareplus", "mish", "sparse_plus",
 })
 # Primitives whose kind gets a shorter name in plans and rules.

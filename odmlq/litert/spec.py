@@ -361,7 +361,6 @@ WITHOUT_KERNEL: dict[str, str] = {
     "log_sigmoid": "converted to a float chain (EXP, LOG, SELECT, ...)",
     "mish": "converted to a float chain (EXP, LOG, TANH, MUL, ...)",
     "hard_tanh": "its comparisons (GREATER, LESS) stay float; write jnp.clip(x, -1, 1) for MAXIMUM/MINIMUM",
-    "glu": "converted to LOGISTIC and MUL in float",
     "squareplus": "converted to MUL, ADD and SQRT in float",
     "sparse_plus": "its comparisons stay float",
     "argmax": "ARG_MAX runs on dequantized values", "argmin": "ARG_MIN runs on dequantized values",

@@ -42,6 +42,7 @@ _MORE = {
     # A cache write: a row copied into a tensor at a position.
     "update_slice": (_Fn(lambda x: jax.lax.dynamic_update_slice(x, 0.5 * x[:, :2], (0, 3))), (8,)),
     "embedding": (_Int16Pieces(), None),  # nn.Embed: a gather in mode fill
+    "stop_gradient": (_Fn(lambda x: jax.lax.stop_gradient(x) * 0.5), (8,)),  # the identity
 }
 # Kind -> the model that exercises it (a case name of CASES or _MORE).
 KIND_CASE = {
@@ -54,7 +55,7 @@ KIND_CASE = {
     "softmax": "softmax", "reshape": "flatten", "squeeze": "squeeze", "transpose": "transpose",
     "broadcast_in_dim": "broadcast", "max_pool": "max_pool", "slice": "slice", "split": "split",
     "select_n": "select", "exp": "exp", "log": "log", "abs": "abs", "leaky_relu": "leaky_relu",
-    "pad": "pad", "rev": "flip", "dynamic_update_slice": "update_slice",
+    "pad": "pad", "rev": "flip", "dynamic_update_slice": "update_slice", "stop_gradient": "stop_gradient",
     # jax 0.10 traces jax.nn.sigmoid as the logistic primitive; the entry serves a named call.
     "sigmoid": None,
 }
@@ -113,7 +114,7 @@ _WITHOUT = {
     "erf": jax.scipy.special.erf, "sin": jnp.sin, "cos": jnp.cos, "pow": lambda x: jnp.abs(x) ** 1.5,
     "cumsum": lambda x: jnp.cumsum(x, axis=-1), "selu": nn.selu, "celu": nn.celu,
     "soft_sign": nn.soft_sign, "log_sigmoid": nn.log_sigmoid, "mish": jax.nn.mish,
-    "hard_tanh": nn.hard_tanh, "glu": nn.glu,
+    "hard_tanh": nn.hard_tanh,
     "squareplus": jax.nn.squareplus, "sparse_plus": jax.nn.sparse_plus,
 }
 # Comparisons and ARG_MAX/ARG_MIN read a quantized input and write no float:
@@ -124,6 +125,24 @@ _READS_QUANTIZED = {
     "lt": (lambda x: jnp.where(x < 0, x, 0.0), "LESS"), "le": (lambda x: jnp.where(x <= 0, x, 0.0), "LESS_EQUAL"),
     "eq": (lambda x: jnp.where(x == 0, 1.0, x), "EQUAL"), "ne": (lambda x: jnp.where(x != 0, x, 1.0), "NOT_EQUAL"),
 }
+
+
+@pytest.mark.parametrize("act_qtype", ["int8", "int16"])
+def test_glu_is_its_split_logistic_and_mul(act_qtype):
+    """jax.nn.glu is not kept as one op (as silu is not): its halves, LOGISTIC and
+    MUL are integer kernels. As one op it stayed float ('no int8 kernel')."""
+    result = _export_fn(nn.glu, act_qtype)
+    assert result.summary.float_islands == (), [o.name for o in result.summary.float_islands]
+    assert result.verification.passed, str(result.verification)
+    histogram = dict(result.summary.op_histogram)
+    assert histogram.get("LOGISTIC") == 1 and histogram.get("MUL") == 1, histogram
+
+
+def _export_fn(fn, act_qtype):
+    model, batches = _Fn(fn), _batches((8,))
+    variables = model.init(jax.random.key(0), batches[0][:1])
+    rules = [odmlq.Rule(".*", weight_qtype="int8", act_qtype=act_qtype)]
+    return odmlq.export_tflite(model, rules, batches, variables=variables, benchmark=False)
 
 
 def test_every_kind_without_a_kernel_is_forced_by_a_test():
