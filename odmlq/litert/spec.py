@@ -339,6 +339,9 @@ OP_SPEC: dict[str, OpSpec] = {
     # measured up to 9 LSB from the exact value (inputs to 1.5x the range).
     "exp": OpSpec(_BOTH, becomes="EXP", tolerance_lsb={"int16": 16.0}),
     "log": OpSpec(_INT8, becomes="LOG", refused={"int16": _NO_INT16.format("log")}),
+    # LiteRT's int8 LOG_SOFTMAX writes a fixed grid: 16/256 per step, from -16 up to 0.
+    "log_softmax": OpSpec(_INT8, FixedOutput({"int8": FixedScale(16.0 / 256.0, 127)}), limitation=_softmax_axis,
+                          becomes="LOG_SOFTMAX", refused={"int16": _NO_INT16.format("log_softmax")}),
     "abs": OpSpec(_BOTH, becomes="ABS"),
     "leaky_relu": OpSpec(_BOTH, becomes="LEAKY_RELU"),
     "pad": OpSpec(_BOTH, SAME_AS_INPUT, becomes="PAD"),
@@ -350,7 +353,6 @@ OP_SPEC: dict[str, OpSpec] = {
 WITHOUT_KERNEL: dict[str, str] = {
     "elu": "converted to GREATER, EXP and SUB in float",
     "softplus": "converted to a float chain (EXP, LOG, ...)",
-    "log_softmax": "LiteRT's int8 LOG_SOFTMAX requires an output scale of 16/256 (allocation fails)",
     "erf": "expanded into a float polynomial",
     "sin": "SIN has no integer kernel", "cos": "COS has no integer kernel",
     "pow": "POW has no integer kernel",

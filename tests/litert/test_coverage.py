@@ -43,6 +43,7 @@ _MORE = {
     "update_slice": (_Fn(lambda x: jax.lax.dynamic_update_slice(x, 0.5 * x[:, :2], (0, 3))), (8,)),
     "embedding": (_Int16Pieces(), None),  # nn.Embed: a gather in mode fill
     "stop_gradient": (_Fn(lambda x: jax.lax.stop_gradient(x) * 0.5), (8,)),  # the identity
+    "log_softmax": (_Fn(jax.nn.log_softmax), (8,)),
 }
 # Kind -> the model that exercises it (a case name of CASES or _MORE).
 KIND_CASE = {
@@ -56,6 +57,7 @@ KIND_CASE = {
     "broadcast_in_dim": "broadcast", "max_pool": "max_pool", "slice": "slice", "split": "split",
     "select_n": "select", "exp": "exp", "log": "log", "abs": "abs", "leaky_relu": "leaky_relu",
     "pad": "pad", "rev": "flip", "dynamic_update_slice": "update_slice", "stop_gradient": "stop_gradient",
+    "log_softmax": "log_softmax",
     # jax 0.10 traces jax.nn.sigmoid as the logistic primitive; the entry serves a named call.
     "sigmoid": None,
 }
@@ -110,7 +112,7 @@ def test_a_refused_int16_kernel_really_fails_when_forced(kind, monkeypatch):
 
 
 _WITHOUT = {
-    "elu": nn.elu, "softplus": nn.softplus, "log_softmax": jax.nn.log_softmax,
+    "elu": nn.elu, "softplus": nn.softplus,
     "erf": jax.scipy.special.erf, "sin": jnp.sin, "cos": jnp.cos, "pow": lambda x: jnp.abs(x) ** 1.5,
     "cumsum": lambda x: jnp.cumsum(x, axis=-1), "selu": nn.selu, "celu": nn.celu,
     "soft_sign": nn.soft_sign, "log_sigmoid": nn.log_sigmoid, "mish": jax.nn.mish,
@@ -136,6 +138,17 @@ def test_glu_is_its_split_logistic_and_mul(act_qtype):
     assert result.verification.passed, str(result.verification)
     histogram = dict(result.summary.op_histogram)
     assert histogram.get("LOGISTIC") == 1 and histogram.get("MUL") == 1, histogram
+
+
+def test_log_softmax_is_an_int8_kernel_at_its_fixed_grid():
+    """LiteRT's int8 LOG_SOFTMAX takes only the output grid 16/256 (zero point
+    127): calibrated, its allocation failed, and the op was refused."""
+    result = _export_fn(jax.nn.log_softmax, "int8")
+    assert result.summary.float_islands == (), [o.name for o in result.summary.float_islands]
+    assert result.verification.passed, str(result.verification)
+    assert dict(result.summary.op_histogram).get("LOG_SOFTMAX") == 1, result.summary.op_histogram
+    (edge,) = [e for e in result.scales.edges if e.endswith("log_softmax")]
+    assert float(np.ravel(result.scales.edges[edge].scale)[0]) == 16.0 / 256.0
 
 
 def _export_fn(fn, act_qtype):
