@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
@@ -26,10 +27,14 @@ from odmlq.graph._program import _eval_eqn, _inline_call, _Lit, _Program, _Regio
 # integer kernels, at 0.2 dB more SQNR: bench/README.md.)
 NAMED_FUNCTIONS = frozenset({
     "relu", "relu6",
-    "hard_tanh", "elu", "selu", "celu", "leaky_relu", "softplus", "soft_sign",
+    "elu", "selu", "celu", "leaky_relu", "softplus", "soft_sign",
     "log_sigmoid", "sigmoid", "gelu", "log_softmax", "softmax",
     "squareplus", "mish", "sparse_plus",
 })
+# jax.nn functions traced as another form of the same values: hard_tanh's
+# comparisons and selects have no integer kernel (LiteRT runs them on
+# dequantized values); the clip is MAXIMUM and MINIMUM.
+REWRITTEN_FUNCTIONS = {"hard_tanh": lambda x: jnp.clip(x, -1.0, 1.0)}
 # Primitives whose kind gets a shorter name in plans and rules.
 KIND_NAMES = {"conv_general_dilated": "conv", "reduce_window_max": "max_pool"}
 ANCHORS = ("dot_general", "conv_general_dilated")
@@ -108,6 +113,13 @@ class _Walker:
         name = eqn.primitive.name
         stack = _join(prefix, str(eqn.source_info.name_stack))
         ins = [self.ref(env, a) for a in eqn.invars]
+        if name in ("jit", "pjit") and eqn.params.get("name") in REWRITTEN_FUNCTIONS and len(eqn.outvars) == 1:
+            out = self.new(eqn.outvars[0].aval)
+            rewritten = self.walk_function(REWRITTEN_FUNCTIONS[eqn.params["name"]], ins, out, stack)
+            if rewritten is not None:
+                env[eqn.outvars[0]] = out
+                steps += rewritten
+                return
         if name in ("jit", "pjit") and eqn.params.get("name") not in NAMED_FUNCTIONS:
             return self.inline(eqn, "jaxpr", ins, env, stack, steps)
         if name in _INLINE_CALLS:

@@ -362,7 +362,6 @@ WITHOUT_KERNEL: dict[str, str] = {
     "soft_sign": "converted to ABS, ADD and DIV in float",
     "log_sigmoid": "converted to a float chain (EXP, LOG, SELECT, ...)",
     "mish": "converted to a float chain (EXP, LOG, TANH, MUL, ...)",
-    "hard_tanh": "its comparisons (GREATER, LESS) stay float; write jnp.clip(x, -1, 1) for MAXIMUM/MINIMUM",
     "squareplus": "converted to MUL, ADD and SQRT in float",
     "sparse_plus": "its comparisons stay float",
     "argmax": "ARG_MAX runs on dequantized values", "argmin": "ARG_MIN runs on dequantized values",

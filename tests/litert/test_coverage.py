@@ -116,7 +116,6 @@ _WITHOUT = {
     "erf": jax.scipy.special.erf, "sin": jnp.sin, "cos": jnp.cos, "pow": lambda x: jnp.abs(x) ** 1.5,
     "cumsum": lambda x: jnp.cumsum(x, axis=-1), "selu": nn.selu, "celu": nn.celu,
     "soft_sign": nn.soft_sign, "log_sigmoid": nn.log_sigmoid, "mish": jax.nn.mish,
-    "hard_tanh": nn.hard_tanh,
     "squareplus": jax.nn.squareplus, "sparse_plus": jax.nn.sparse_plus,
 }
 # Comparisons and ARG_MAX/ARG_MIN read a quantized input and write no float:
@@ -138,6 +137,20 @@ def test_glu_is_its_split_logistic_and_mul(act_qtype):
     assert result.verification.passed, str(result.verification)
     histogram = dict(result.summary.op_histogram)
     assert histogram.get("LOGISTIC") == 1 and histogram.get("MUL") == 1, histogram
+
+
+@pytest.mark.parametrize("act_qtype", ["int8", "int16"])
+def test_hard_tanh_is_a_clip(act_qtype):
+    """jax.nn.hard_tanh compares and selects (float on LiteRT: refused before);
+    the graph reads it as the clip it is, MAXIMUM and MINIMUM."""
+    result = _export_fn(nn.hard_tanh, act_qtype)
+    assert result.summary.float_islands == (), [o.name for o in result.summary.float_islands]
+    assert result.verification.passed, str(result.verification)
+    histogram = dict(result.summary.op_histogram)
+    assert histogram.get("MAXIMUM") == 1 and histogram.get("MINIMUM") == 1, histogram
+    x = np.linspace(-3, 3, 64, dtype=np.float32).reshape(8, 8)
+    graph = odmlq.trace(lambda params, v: nn.hard_tanh(v), x, variables={})
+    np.testing.assert_array_equal(np.asarray(graph.evaluate({}, x)), np.asarray(nn.hard_tanh(x)))
 
 
 def test_log_softmax_is_an_int8_kernel_at_its_fixed_grid():
