@@ -6,7 +6,8 @@ activations; residual adds; concatenations; max and average pools, padded
 average pools that count their padding; bilinear and nearest resizes and
 transposed convolutions; constants),
 a Linen sequence model (dense, LayerNorm / RMSNorm, attention with and without
-a causal mask, residual MLPs), a Linen MLP, or an NNX CNN with BatchNorm and
+a causal mask, residual MLPs, 1-D convolutions and pools, a flipped branch
+concatenated beside another reader of its input, a value computed twice), a Linen MLP, or an NNX CNN with BatchNorm and
 Dropout. The same seed gives the same model, weights and data.
 
 `run_case(case)` exports it with the one-line int8 rule and no option, and
@@ -29,7 +30,7 @@ from flax import nnx
 
 ACTIVATIONS: dict[str, Callable] = {
     "relu": nn.relu, "relu6": nn.relu6, "gelu": nn.gelu, "tanh": jnp.tanh, "sigmoid": nn.sigmoid,
-    "hard_swish": nn.hard_swish, "leaky_relu": nn.leaky_relu, "silu": nn.silu,
+    "hard_swish": nn.hard_swish, "leaky_relu": nn.leaky_relu, "silu": nn.silu, "hard_tanh": nn.hard_tanh,
 }
 # Drawn far more often than the others: what models mostly use.
 _COMMON_ACTS = ("relu", "relu", "relu", "relu6", "gelu", "gelu", "tanh", "sigmoid", "hard_swish",
@@ -127,6 +128,18 @@ class FuzzSeq(nn.Module):
                 x = x + nn.Dense(self.width)(nn.gelu(nn.Dense(2 * self.width)(nn.LayerNorm()(x))))
             elif kind == "softmax":
                 x = jax.nn.softmax(x, axis=-1) * self.width
+            elif kind == "conv1d":  # over the sequence, then a 1-D pool that keeps its length
+                _, k, pool = block
+                x = nn.relu(nn.Conv(self.width, (k,))(x))
+                if pool == "max":
+                    x = nn.max_pool(x, (3,), strides=(1,), padding="SAME")
+                elif pool == "avg":
+                    x = nn.avg_pool(x, (3,), strides=(1,), padding="SAME")
+            elif kind == "flip_concat":  # a backward branch beside a forward one (nn.Bidirectional)
+                h = nn.Dense(self.width)(x)
+                x = nn.Dense(self.width)(jnp.concatenate([jnp.flip(h, 1), nn.relu(h)], -1))
+            elif kind == "twice":  # one value computed twice (the converter keeps one tensor)
+                x = nn.Dense(self.width)(ACTIVATIONS[block[1]](x)) + nn.Dense(self.width)(ACTIVATIONS[block[1]](x))
         return nn.Dense(self.classes)(jnp.mean(x, axis=1))
 
 
@@ -240,12 +253,15 @@ def _draw(rng, count: tuple[int, int], table) -> tuple:
 
 
 _SEQ_TABLE = (
-    (0.3, lambda rng: ("attn", int(rng.choice([1, 2, 4])), bool(rng.random() < 0.5))),
-    (0.5, lambda rng: ("mlp",)),
-    (0.65, lambda rng: ("ln",) if rng.random() < 0.7 else ("rms",)),
-    (0.8, lambda rng: ("dense",)),
-    (0.93, lambda rng: ("act", _act(rng))),
-    (1.0, lambda rng: ("softmax",)),
+    (0.25, lambda rng: ("attn", int(rng.choice([1, 2, 4])), bool(rng.random() < 0.5))),
+    (0.42, lambda rng: ("mlp",)),
+    (0.55, lambda rng: ("ln",) if rng.random() < 0.7 else ("rms",)),
+    (0.66, lambda rng: ("dense",)),
+    (0.77, lambda rng: ("act", _act(rng))),
+    (0.82, lambda rng: ("softmax",)),
+    (0.9, lambda rng: ("conv1d", int(rng.choice([1, 3, 5])), str(rng.choice(["none", "max", "avg"])))),
+    (0.95, lambda rng: ("flip_concat",)),
+    (1.0, lambda rng: ("twice", _act(rng))),
 )
 _MLP_TABLE = (
     (0.4, lambda rng: ("dense", int(rng.choice([8, 16, 32])))),
