@@ -33,21 +33,25 @@ MOVES = {
 }
 
 
-class _MovedIntoConcatenation(nn.Module):
+class _IntoConcatenation(nn.Module):
     move: str
+    pinned: bool = False  # the moved Dense output is read elsewhere too (PINNED below)
+    features: int = 4
 
     @nn.compact
     def __call__(self, x):
-        a = nn.Dense(4, name="a")(x)
-        b = nn.Dense(4, name="b")(x) * 3.0  # a wider range: the concatenation's scale is b's
-        return jnp.concatenate([MOVES[self.move](a), b], -1)
+        h = nn.Dense(self.features, name="a")(x)
+        b = nn.Dense(self.features, name="b")(x) * 3.0  # a wider range: the concatenation's scale is b's
+        joined = jnp.concatenate([(PINNED if self.pinned else MOVES)[self.move](h), b], -1)
+        if not self.pinned:
+            return joined
+        # h is read here too, so its Dense keeps its own scale.
+        return nn.Dense(4, name="c")(joined) + nn.Dense(4, name="d")(h).mean(1, keepdims=True)
 
 
-@pytest.mark.parametrize("move", sorted(MOVES))
-def test_a_moved_input_of_a_concatenation_takes_its_scale_back_to_the_op_computing_it(move):
-    model = _MovedIntoConcatenation(move)
+def _exported_full_integer(model, shape, n):
     rng = np.random.default_rng(0)
-    batches = [rng.normal(size=(8, 5, 6)).astype(np.float32) for _ in range(3)]
+    batches = [rng.normal(size=shape).astype(np.float32) for _ in range(n)]
     variables = model.init(jax.random.key(0), batches[0][:1])
     result = odmlq.export_tflite(model, INT8, batches, variables=variables, benchmark=False)
     report = result.verification
@@ -55,6 +59,12 @@ def test_a_moved_input_of_a_concatenation_takes_its_scale_back_to_the_op_computi
     # 1 LSB per op: an integer kernel may round a half step the other way.
     assert all(check.max_lsb <= 1.0 + 1e-3 for check in report.checks), str(report)
     assert result.summary.float_islands == ()
+    return result
+
+
+@pytest.mark.parametrize("move", sorted(MOVES))
+def test_a_moved_input_of_a_concatenation_takes_its_scale_back_to_the_op_computing_it(move):
+    result = _exported_full_integer(_IntoConcatenation(move), (8, 5, 6), 3)
     concatenation = next(op for op in result.plan.graph.ops if op.kind == "concatenate")
     shared = result.scales.edges[concatenation.outputs[0]]
     # The Dense computing `a` writes at the concatenation's scale, and so does every move after it.
@@ -71,31 +81,12 @@ PINNED = {
 }
 
 
-class _PinnedIntoConcatenation(nn.Module):
-    move: str
-
-    @nn.compact
-    def __call__(self, x):
-        h = nn.Dense(16, name="a")(x)
-        b = nn.Dense(16, name="b")(x) * 3.0  # a wider range: the concatenation's scale is b's
-        joined = jnp.concatenate([PINNED[self.move](h), b], -1)
-        # h is read here too, so its Dense keeps its own scale.
-        return nn.Dense(4, name="c")(joined) + nn.Dense(4, name="d")(h).mean(1, keepdims=True)
-
 
 @pytest.mark.parametrize("move", sorted(PINNED))
 def test_an_input_of_a_concatenation_on_another_grid_is_requantized_after_a_separator(move):
     """Before: verification refused every case ('scale/zero point ... not the
     plan's'; the flip was 135 LSB off)."""
-    model = _PinnedIntoConcatenation(move)
-    rng = np.random.default_rng(0)
-    batches = [rng.normal(size=(8, 6, 8)).astype(np.float32) for _ in range(4)]
-    variables = model.init(jax.random.key(0), batches[0][:1])
-    result = odmlq.export_tflite(model, INT8, batches, variables=variables, benchmark=False)
-    report = result.verification
-    assert report.passed, str(report)
-    assert all(check.max_lsb <= 1.0 + 1e-3 for check in report.checks), str(report)
-    assert result.summary.float_islands == ()
+    result = _exported_full_integer(_IntoConcatenation(move, pinned=True, features=16), (8, 6, 8), 4)
     # The Dense keeps its own scale; the concatenation reads its moved output at b's.
     assert not np.allclose(result.scales.edges["a/dot_general"].scale,
                            result.scales.edges["b/mul"].scale)
