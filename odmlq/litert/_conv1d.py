@@ -101,8 +101,8 @@ def average_pool_as_two_dimensional(op, x: jax.Array, qtype: str | None, mark) -
     elif a.get("counts_padding") or not any(lo or hi for lo, hi in a["padding"]):
         y = avg_pool_padded_with_zeros(two, x)
     else:  # divided by the count of real values in each window, as Flax's 2-D form
-        window, strides, padding = (tuple(map(tuple, v) if k == "padding" else v)
-                                    for k, v in ((k, two.attributes[k]) for k in ("window", "strides", "padding")))
+        window, strides = tuple(two.attributes["window"]), tuple(two.attributes["strides"])
+        padding = tuple(map(tuple, two.attributes["padding"]))
         total = jax.lax.reduce_window(x, 0.0, jax.lax.add, window, strides, padding)
         ones = jnp.ones((1, *x.shape[1:3], 1), x.dtype)
         y = total / jax.lax.reduce_window(ones, 0.0, jax.lax.add, window, strides, padding)

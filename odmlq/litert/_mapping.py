@@ -78,17 +78,10 @@ def map_tensors(details: Sequence[dict], produced: set[int], plan, scales,
     # no tensor of its own: the converter kept one (`repeated_edges`), and the
     # ops that read the second read it.
     for edge, earlier in repeated_edges(plan.graph).items():
-        if edge not in out and earlier in out and _same_grid(scales.edges.get(edge), scales.edges.get(earlier)):
+        ts = scales.edges.get(edge)
+        if edge not in out and earlier in out and ts is not None and ts.same_grid(scales.edges.get(earlier)):
             out[edge] = out[earlier]
     return out
-
-
-def _same_grid(a, b) -> bool:
-    if a is None or b is None:
-        return False
-    zero = lambda ts: np.zeros(np.shape(ts.scale)) if ts.zero_point is None else np.asarray(ts.zero_point)
-    return (str(a.qtype) == str(b.qtype) and np.shape(a.scale) == np.shape(b.scale)
-            and np.array_equal(a.scale, b.scale) and np.array_equal(zero(a), zero(b)))
 
 
 # LiteRT ops that only lay their first input's values out anew.

@@ -417,17 +417,11 @@ def read_at_shared_scale(plan, scales) -> dict[str, tuple]:
         for index, operand in enumerate(op.operands):
             source = scales.edges.get(plan.graph.resolve(operand.edge)) if operand.role == "input" else None
             if (source is not None and not source.scale_axes and source.qtype == target.qtype
-                    and index not in converted.get(op.id, ())
-                    and not (np.allclose(source.scale, target.scale, rtol=1e-6, atol=0)
-                             and np.array_equal(_zero(source), _zero(target)))):
+                    and index not in converted.get(op.id, ()) and not source.same_grid(target)):
                 indices.append((index, source, target))
         if indices:
             out[op.id] = tuple(indices)
     return out
-
-
-def _zero(ts) -> np.ndarray:
-    return np.zeros(1) if ts.zero_point is None else np.asarray(ts.zero_point).reshape(-1)
 
 
 # Op kinds that move values only; the converter may remove them (`sets_own_scale`).
