@@ -38,7 +38,8 @@ def calibrate(model: Any, plan, rep_dataset: Iterable | Callable[[], Iterable], 
       plan: the Plan; each edge is observed with its spec's calibration method.
       rep_dataset: an iterable of batches, or a callable returning one. A batch
         is an array (one model input) or a tuple of arrays, numpy or jax, of
-        the example inputs' shapes and dtypes (any batch size). A batch
+        the example inputs' shapes and dtypes (any batch size); an input may
+        be a pytree of arrays (a dict, as a tokenizer returns). A batch
         whose arrays are split along their first axis over several devices
         (`jax.sharding.NamedSharding`) is calibrated data parallel: each
         device runs its part with the params it holds (replicated, or host

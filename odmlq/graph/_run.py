@@ -125,11 +125,13 @@ class GraphCache:
     def graph_for(self, inputs: tuple) -> Graph:
         key = self._key_of(inputs)
         if key not in self._graphs:
-            shapes = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in inputs]
+            shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype
+                                                                           if not hasattr(x, "dtype") else x.dtype),
+                                            tuple(inputs))
             graph = trace(self.model, *shapes, variables=self.variables, method=self.plan.graph.method)
             if [o.id for o in graph.ops] != [o.id for o in self.plan.graph.ops]:
                 raise PlanError(
-                    f"Tracing {graph.model_name} for input shapes {[s.shape for s in shapes]} gives "
+                    f"Tracing {graph.model_name} for input shapes {[s.shape for s in jax.tree_util.tree_leaves(shapes)]} gives "
                     "other ops than the plan's; plan with inputs of this shape instead (or give "
                     "batches of the plan's batch size)."
                 )

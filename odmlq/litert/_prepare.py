@@ -8,8 +8,10 @@ import inspect as pyinspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
+from odmlq.batches import leaf_names, leaves, model_inputs, row_count, sliced
 from odmlq.calibration import Calibration, calibrate, calibrated_edges, needs_calibration
 from odmlq.errors import CalibrationError, PlanError
 from odmlq.graph import GraphCache, check_finite_params, is_keras, keras_input_names, params_for
@@ -121,7 +123,7 @@ def prepare(model: Any, rules: Sequence | Plan, rep_dataset, *, variables: Any =
                           target=TARGET).graph
     return Prepared(plan=plan, calibration=calibration, scales=scales, graph=graph, example_inputs=example_inputs,
                     held_back=held_back, float_ops=float_ops, schema=schema, io_dtype=io_dtype,
-                    input_names=list(input_names or _input_names(model, len(graph.inputs), plan.graph.method)),
+                    input_names=list(input_names or _input_names(model, example_inputs, plan.graph.method)),
                     output_names=list(output_names or [f"output_{i}" for i in range(len(graph.outputs))]))
 
 
@@ -129,27 +131,42 @@ def _example_inputs(batches: list, batch_size: int) -> tuple:
     """The first `batch_size` rows of the first batch, after checking it."""
     if not batches:
         raise PlanError("export_tflite needs example_inputs= or a non-empty rep_dataset.")
-    first = batches[0] if isinstance(batches[0], (tuple, list)) else (batches[0],)
-    for i, x in enumerate(first):
-        kind = np.asarray(x).dtype.kind
-        if kind in "biuf" and np.ndim(x) and np.shape(x)[0] == 0:
-            raise CalibrationError(f"rep_dataset batch 0, input {i} is empty (shape {np.shape(x)}); "
-                                   "give batches with at least one row.")
-        if kind not in "biuf" or np.ndim(x) == 0:
-            raise CalibrationError(
-                f"rep_dataset batch 0, input {i}: {type(x).__name__} of dtype {np.asarray(x).dtype} and "
-                f"shape {np.shape(x)}; each batch is an array (or a tuple of arrays, one per model "
-                "input) of numbers with the batch dimension first.")
-    if not isinstance(batch_size, int) or batch_size < 1 or batch_size > int(np.shape(first[0])[0]):
+    first = model_inputs(batches[0])
+    for i, value in enumerate(first):
+        for path, x in jax.tree_util.tree_flatten_with_path(value, is_leaf=lambda v: v is None)[0]:
+            where = f"input {i}{jax.tree_util.keystr(path)}"
+            kind = np.asarray(x).dtype.kind
+            if kind in "biuf" and np.ndim(x) and np.shape(x)[0] == 0:
+                raise CalibrationError(f"rep_dataset batch 0, {where} is empty (shape {np.shape(x)}); "
+                                       "give batches with at least one row.")
+            if kind not in "biuf" or np.ndim(x) == 0:
+                raise CalibrationError(
+                    f"rep_dataset batch 0, {where}: {type(x).__name__} of dtype {np.asarray(x).dtype} and "
+                    f"shape {np.shape(x)}; each batch is an array (or a tuple of them, one per model input; "
+                    "an input may be a dict or list of arrays) of numbers with the batch dimension first.")
+    rows = row_count(first)
+    if any(np.shape(x)[0] != rows for x in leaves(first)):
+        raise CalibrationError(f"rep_dataset batch 0: its arrays have {sorted({np.shape(x)[0] for x in leaves(first)})} "
+                               "rows; give every input of a batch the same number of rows.")
+    if not isinstance(batch_size, int) or batch_size < 1 or batch_size > rows:
         raise PlanError(f"batch_size={batch_size!r}: give an integer from 1 to the first batch's "
-                        f"{int(np.shape(first[0])[0])} rows, or example_inputs= of the shape to export.")
-    return tuple(np.asarray(x)[:batch_size] for x in first)
+                        f"{rows} rows, or example_inputs= of the shape to export.")
+    return sliced(first, 0, batch_size)
 
 
-def _input_names(model: Any, n: int, method: str | Callable | None = None) -> list[str]:
+def _input_names(model: Any, example_inputs: tuple, method: str | Callable | None = None) -> list[str]:
+    """A name per array the .tflite takes: the model's argument names, and a
+    pytree input's keys (`odmlq.batches.leaf_names`)."""
+    n = len(example_inputs)
     if is_keras(model):
         names = keras_input_names(model) or []
-        return names if len(names) == n else [f"input_{i}" for i in range(n)]
+        names = names if len(names) == n else [f"input_{i}" for i in range(n)]
+    else:
+        names = _argument_names(model, n, method)
+    return leaf_names(example_inputs, names)
+
+
+def _argument_names(model: Any, n: int, method: str | Callable | None) -> list[str]:
     try:
         if method is not None and not isinstance(method, str):  # a function taking the module first
             raise TypeError("a method given as a function")

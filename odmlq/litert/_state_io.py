@@ -27,6 +27,7 @@ import flatbuffers
 import numpy as np
 from ai_edge_litert import schema_py_generated as schema
 
+from odmlq.batches import leaves, row_count
 from odmlq.calibration import Calibration, FixedRange
 from odmlq.errors import PlanError
 from odmlq.litert._convert import ConversionError
@@ -162,11 +163,11 @@ def check_integer_state(tflite: bytes, singles: Mapping, prepared: Mapping, inte
         together = runner.get_signature_runner(name)
         alone = interpreter(single.tflite).get_signature_runner()
         details = together.get_input_details()
-        batch = int(np.shape(p.example_inputs[0])[0])
+        batch = row_count(p.example_inputs)
         for rows in samples(p.held_back):
-            for start in range(0, int(np.shape(rows[0])[0]) - batch + 1, batch):
+            for start in range(0, row_count(rows) - batch + 1, batch):
                 floats, feed = {}, {}
-                for key, x in zip(p.input_names, rows):
+                for key, x in zip(p.input_names, leaves(rows)):
                     x = np.asarray(x)[start:start + batch]
                     d = details[key]
                     if d["dtype"] == np.int8 and x.dtype.kind == "f":

@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from odmlq.batches import leaves
 from odmlq.calibration import Calibration
 from odmlq.errors import OdmlqError
 from odmlq.files import atomic_output, check_output_path
@@ -86,7 +87,12 @@ def export_tflite(model: Any, rules: Sequence | Plan, rep_dataset: Iterable | Ca
       rules: rules (or a ready Plan).
       rep_dataset: representative batches (iterable, or callable returning
         one). The last batch is held back from calibration and used to verify
-        when there are two or more.
+        when there are two or more. A batch is an array, or a tuple of
+        inputs; an input may be a dict or list of arrays (a tokenizer's
+        batch): the .tflite takes its arrays in `jax.tree` order, named
+        after their keys (``input_ids``; ``<argument>_<key>`` where the model
+        takes several inputs), and writes its outputs' arrays, in the same
+        order, as ``output_<i>``.
       path: where to write the .tflite (atomically; an existing file is
         replaced only by a complete new one). None: only return the bytes.
       example_inputs: inputs fixing the exported shapes (default: the first
@@ -270,7 +276,7 @@ def _benchmark(model, tflite: bytes, example_inputs, *, variables, progress, nam
                           "to skip the timing, or export it with rules=[] to see the whole error.", stacklevel=4)
             return ()
         # Float inputs where the export reads float; an integer interface reads zeros.
-        inputs = [np.asarray(x) for x in example_inputs] if io_dtype == "float" else []
+        inputs = [np.asarray(x) for x in leaves(example_inputs)] if io_dtype == "float" else []
         latencies = [timed_against_float(tflite, twin, inputs, num_threads=threads) for threads in benchmark_threads()]
     message = slower_than_float(latencies)
     if message is not None:

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 from ai_edge_litert import schema_py_generated as schema
 
+from odmlq.batches import leaves, row_count
 from odmlq.errors import OdmlqError, PlanError
 from odmlq.files import check_output_path
 from odmlq.litert import _convert, _external
@@ -269,10 +270,10 @@ def _check_combined(tflite: bytes, singles: Mapping[str, Export], prepared: Mapp
         p = prepared[name]
         alone = interpreter(single.tflite).get_signature_runner()
         together = runner.get_signature_runner(name)
-        batch = int(np.shape(p.example_inputs[0])[0])
+        batch = row_count(p.example_inputs)
         for rows in verification_samples(p.held_back, verify_samples):
-            for start in range(0, int(np.shape(rows[0])[0]) - batch + 1, batch):
-                feed = {key: np.asarray(x)[start:start + batch] for key, x in zip(p.input_names, rows)}
+            for start in range(0, row_count(rows) - batch + 1, batch):
+                feed = {key: np.asarray(x)[start:start + batch] for key, x in zip(p.input_names, leaves(rows))}
                 _same_outputs(name, alone(**feed), together(**feed))
 
 

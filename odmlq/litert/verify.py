@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from odmlq.batches import leaves, model_inputs, row_count, sliced
 from odmlq.graph import GraphCache, params_for
 from odmlq.litert._mapping import (float_island_outputs, as_edge, dequantize_tensor, map_conversions,
                                    map_float_tensors, map_tensors, params_match, produced_tensors)
@@ -239,7 +240,7 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
     params = params_for(model, variables, "verify")
     rows = list(sample_rows(samples, interpreter))
     for inputs in steps(rows, "verifying", progress=progress, unit="row"):
-        for d, x in zip(interpreter.get_input_details(), inputs):
+        for d, x in zip(interpreter.get_input_details(), leaves(inputs)):
             interpreter.set_tensor(d["index"], to_input(x, d))
         interpreter.invoke()
         litert = {e: dequantize_tensor(interpreter.get_tensor(i), by_index[i]) for e, i in mapping.items()}
@@ -420,10 +421,9 @@ def output_details(interpreter) -> list[dict]:
 def sample_rows(samples, interpreter):
     batch = int(interpreter.get_input_details()[0]["shape"][0])
     for sample in samples:
-        inputs = tuple(sample) if isinstance(sample, (tuple, list)) else (sample,)
-        inputs = tuple(np.asarray(x) for x in inputs)
-        for start in range(0, inputs[0].shape[0] - batch + 1, batch):
-            yield tuple(x[start:start + batch] for x in inputs)
+        inputs = model_inputs(sample)
+        for start in range(0, row_count(inputs) - batch + 1, batch):
+            yield sliced(inputs, start, start + batch)
 
 
 def to_input(x: np.ndarray, detail: dict) -> np.ndarray:
@@ -451,10 +451,10 @@ def verification_samples(held_back: list, samples: int) -> list:
 def _limit(batches: list, samples: int) -> list:
     out, count = [], 0
     for batch in batches:
-        inputs = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
-        take = max(0, min(samples - count, int(np.shape(inputs[0])[0])))
+        inputs = model_inputs(batch)
+        take = max(0, min(samples - count, row_count(inputs)))
         if take:
-            out.append(tuple(np.asarray(x)[:take] for x in inputs))
+            out.append(sliced(inputs, 0, take))
             count += take
     return out
 
@@ -470,20 +470,18 @@ def _unseen(samples: list) -> list:
     export must also agree with simulate on inputs that set no range."""
     if not samples:
         return []
-    first = samples[0]
-    rows = min(_UNSEEN_ROWS, int(np.shape(first[0])[0]))
-    floats = [np.issubdtype(np.asarray(x).dtype, np.floating) for x in first]
-    if not any(floats):
+    first = sliced(samples[0], 0, _UNSEEN_ROWS)
+    if not any(np.issubdtype(x.dtype, np.floating) for x in leaves(first)):
         return []
     rng = np.random.default_rng(0)
-    scaled, noisy = [], []
-    for x, is_float in zip(first, floats):
-        x = np.asarray(x)[:rows]
-        if not is_float:
-            scaled.append(x)
-            noisy.append(x)
-            continue
+
+    def scaled(x):
+        return (_UNSEEN_SCALE * x).astype(x.dtype) if np.issubdtype(x.dtype, np.floating) else x
+
+    def noisy(x):
+        if not np.issubdtype(x.dtype, np.floating):
+            return x
         spread = float(np.std(x)) or 1.0
-        scaled.append((_UNSEEN_SCALE * x).astype(x.dtype))
-        noisy.append((x + _UNSEEN_NOISE * spread * rng.standard_normal(x.shape)).astype(x.dtype))
-    return [tuple(scaled), tuple(noisy)]
+        return (x + _UNSEEN_NOISE * spread * rng.standard_normal(x.shape)).astype(x.dtype)
+
+    return [tuple(jax.tree_util.tree_map(scaled, first)), tuple(jax.tree_util.tree_map(noisy, first))]

@@ -24,7 +24,7 @@ import numpy as np
 from odmlq.graph import GraphCache, params_for
 from odmlq.hooks import FakeQuant, PlanHooks
 from odmlq.report._fixes import output_sqnr
-from odmlq.report._runs import leaves
+from odmlq.batches import leaves
 from odmlq.scales import folded_weights, quantized_params
 
 __all__ = ["contributions"]

@@ -14,7 +14,8 @@ from odmlq.graph import params_for, trace
 from odmlq.litert.device import NOT_ODMLQ, DeviceDiff, dump_tensors, output_value
 from odmlq.litert.verify import output_details, preserving_interpreter
 from odmlq.report._report import Report, compare
-from odmlq.report._runs import leaves, output_metrics
+from odmlq.batches import leaves
+from odmlq.report._runs import output_metrics
 
 __all__ = ["device_report"]
 

@@ -23,7 +23,8 @@ import numpy as np
 from odmlq.progress import steps
 from odmlq.report._advice import Advice, Measured
 from odmlq.report._metrics import edge_metrics
-from odmlq.report._runs import leaves, litert_run
+from odmlq.batches import leaves
+from odmlq.report._runs import litert_run
 from odmlq.calibration import Calibration, derivable
 from odmlq.errors import CalibrationError, OdmlqError
 from odmlq.rules import UnmatchedRuleWarning

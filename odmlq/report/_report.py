@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from odmlq.batches import leaves
 from odmlq.report import _text as _report_text
 from odmlq.report._advice import Advice, Measured
 from odmlq.report._islands import FloatOp, float_ops
@@ -336,7 +337,7 @@ def compare(model: Any, plan, scales, *inputs: Any, variables: Any = None, tflit
     sim_out, simulated = simulator(*inputs, capture=True)
     _, local = simulator(*inputs, capture=True, feed=floats)
     outputs = {f"output_{i}": edge_metrics(f, s)
-               for i, (f, s) in enumerate(zip(float_out, _report_runs.leaves(sim_out)))}
+               for i, (f, s) in enumerate(zip(float_out, leaves(sim_out)))}
     backends, more_outputs, unmapped, notes = _report_runs.backend_runs(plan, scales, inputs, float_out, xla,
                                                                          tflite, device)
     outputs.update(more_outputs)

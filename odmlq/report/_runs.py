@@ -15,17 +15,13 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jax
 import numpy as np
 
+from odmlq.batches import leaves
 from odmlq.errors import OdmlqError, PlanError
 from odmlq.graph import shift_output
 from odmlq.litert.device import NOT_ODMLQ
 from odmlq.report._metrics import EdgeMetrics, edge_metrics
-
-
-def leaves(tree: Any) -> list[np.ndarray]:
-    return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
 
 
 def float_run(graph, params, inputs: tuple, shifts=None) -> tuple[list[np.ndarray], dict[str, np.ndarray]]:
@@ -123,7 +119,7 @@ def litert_run(tflite: bytes, plan, scales, inputs: tuple,
                                      preserving_interpreter, produced_tensors)
 
     interpreter = preserving_interpreter(tflite)
-    check_litert_inputs(interpreter, inputs, whole=device is not None)
+    check_litert_inputs(interpreter, leaves(inputs), whole=device is not None)
     details = {d["index"]: d for d in interpreter.get_tensor_details()}
     produced = set(produced_tensors(interpreter))
     mapping = map_tensors(list(details.values()), produced, plan, scales, ops=interpreter._get_ops_details())
@@ -131,7 +127,7 @@ def litert_run(tflite: bytes, plan, scales, inputs: tuple,
     values: dict[str, list] = {e: [] for e in mapping}
     outs: list[list] = [[] for _ in outputs_detail]
     for row in sample_rows([tuple(inputs)], interpreter):
-        for d, x in zip(interpreter.get_input_details(), row):
+        for d, x in zip(interpreter.get_input_details(), leaves(row)):
             interpreter.set_tensor(d["index"], to_input(x, d))
         interpreter.invoke()
         for e, i in mapping.items():
