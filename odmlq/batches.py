@@ -36,7 +36,7 @@ def row_count(inputs: Sequence[Any]) -> int:
     return int(np.shape(first[0])[0]) if first and np.ndim(first[0]) else 0
 
 
-def sliced(inputs: Sequence[Any], start: int, stop: int) -> tuple:
+def sliced(inputs: Sequence[Any], start: int, stop: int | None) -> tuple:
     """Rows `start` to `stop` of every array of `inputs`, as numpy arrays."""
     return tuple(jax.tree_util.tree_map(lambda x: np.asarray(x)[start:stop], tuple(inputs)))
 

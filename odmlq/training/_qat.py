@@ -54,6 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from odmlq.batches import model_inputs, sliced
 from odmlq.algorithms import Nearest
 from odmlq import litert, xla
 from odmlq.calibration import (AbsMax, Calibration, FixedRange, MinMax, Statistics, calibrate, calibrated_edges,
@@ -101,8 +102,7 @@ def qat(model: Any, rules: Sequence[Rule], rep_dataset: Iterable | Callable[[], 
     if not batches:
         raise PlanError("odmlq.qat needs at least one batch in rep_dataset to start the ranges from.")
     if example_inputs is None:
-        first = batches[0]
-        example_inputs = tuple(np.asarray(x)[:1] for x in (first if isinstance(first, (tuple, list)) else (first,)))
+        example_inputs = sliced(model_inputs(batches[0]), 0, 1)
     start = plan_for_targets(model, rules, *example_inputs, variables=variables, target=_TARGETS[target])
     trained = plan_for_targets(model, [_held(r) for r in rules], *example_inputs, variables=variables,
                                target=_TARGETS[target])

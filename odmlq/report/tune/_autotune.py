@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from odmlq.batches import model_inputs, sliced
 from odmlq.errors import OdmlqError, RuleError
 from odmlq.progress import Bar, shown
 from odmlq.report.tune import _search
@@ -117,7 +118,7 @@ def _batches(data, what: str) -> list[tuple]:
     if data is None:
         raise RuleError(f"autotune needs {what}: batches of the model's inputs.")
     data = data() if callable(data) else data
-    out = [tuple(np.asarray(x) for x in b) if isinstance(b, (tuple, list)) else (np.asarray(b),) for b in data]
+    out = [sliced(model_inputs(b), 0, None) for b in data]
     if not out:
         raise RuleError(f"autotune: {what} holds no batches.")
     return out
