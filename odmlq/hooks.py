@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from odmlq import _sums
-from odmlq.graph import folded_bias, folded_operands
+from odmlq.graph import folded_bias, folded_operands, loop_edges
 from odmlq.plan import QuantSpec, conversion_name, dynamic_kernel_inputs, input_conversion_scales
 from odmlq.qarray import kernels as qkernels
 from odmlq.qarray import compute_scale
@@ -110,6 +110,10 @@ class PlanHooks:
       feed: edge id (or conversion name) -> a value that replaces the edge (or
         the converted input) after it is captured, so each op can be fed
         another run's tensors.
+
+    An edge computed inside a loop (or a loop's carry) takes a value at every
+    step: it is captured as their stack (steps first, in the order they run)
+    and fed from one, or from ``{step: value}`` for some steps.
     """
 
     def __init__(self, plan, scales: Scales, materializer: Materializer | None = None, *,
@@ -124,6 +128,8 @@ class PlanHooks:
         self.converted = input_conversion_scales(plan, scales)
         self.dynamic = dynamic_kernel_inputs(plan)
         self.derived: dict[str, list[int]] = {}
+        self.in_loops = loop_edges(plan.graph)
+        self._steps: dict[str, int] = {}
         self._integer_sums = getattr(self.materializer, "integer_sums", None)
         for op_id, index in scales.derived:
             self.derived.setdefault(op_id, []).append(index)
@@ -132,6 +138,12 @@ class PlanHooks:
         ts = self.scales.edges.get(edge_id)
         if ts is not None:
             x = self.materializer.edge(edge_id, x, ts)
+        if edge_id in self.in_loops:  # a step of its loop
+            step = self._steps[edge_id] = self._steps.get(edge_id, -1) + 1
+            if self.capture:
+                self.captured.setdefault(edge_id, []).append(x)
+            fed = self.feed.get(edge_id)  # the steps' stack, or {step: value} for some of them
+            return x if fed is None else fed.get(step, x) if isinstance(fed, Mapping) else fed[step]
         if self.capture:
             self.captured[edge_id] = x
         return self.feed.get(edge_id, x)
@@ -253,8 +265,10 @@ class PlanHooks:
         """`graph.evaluate` with these hooks (the graph may be a re-trace of
         the plan's for other input shapes: same op and edge ids)."""
         self.graph = graph
-        return graph.evaluate(params, *inputs, on_edge=self.on_edge, on_constant=self.on_constant,
-                              on_op=self.on_op, on_stack=self.on_stack)
+        out = graph.evaluate(params, *inputs, on_edge=self.on_edge, on_constant=self.on_constant,
+                             on_op=self.on_op, on_stack=self.on_stack)
+        self.captured = {e: jnp.stack(x) if isinstance(x, list) else x for e, x in self.captured.items()}
+        return out
 
 
 def dynamic_quantize(x: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array, jax.Array | None]:

@@ -53,7 +53,7 @@ class Simulator:
 
     def _run(self, inputs: tuple, capture: bool, capture_conversions: bool, feed) -> Any:
         graph = self._graphs.graph_for(inputs)
-        feed_values = {k: jnp.asarray(v) for k, v in (feed or {}).items()}
+        feed_values = jax.tree_util.tree_map(jnp.asarray, dict(feed or {}))  # a loop's edge: {step: value}
         key = (id(graph), capture, capture_conversions, tuple(sorted(feed_values)))
         if key not in self._jitted:
             self._jitted[key] = jax.jit(self._runner(graph, capture, capture_conversions))

@@ -91,7 +91,8 @@ def calibrate(model: Any, plan, rep_dataset: Iterable | Callable[[], Iterable], 
             runs = [collector_for(cache, part, observed, rounded, collectors)(device_params, *part)
                     for device_params, part in parts]
         for name, (edge_id, method, keep_axes) in observed.items():
-            found = [np.asarray(values[edge_id]) for (values, _), _ in runs if edge_id in values]
+            # Every step of a loop is a part of the batch, as a device's share is.
+            found = [np.asarray(x) for (values, _), _ in runs for x in values.get(edge_id, ())]
             if found:
                 out.observe_parts(name, method, found, keep_axes=keep_axes, batch_index=index)
         for (_, grams), layouts in runs:
@@ -135,8 +136,8 @@ def _collector(graph, edges, rounded: dict[str, bool], layouts: dict):
         seen, grams, traced, left_out = {}, {}, {}, set()
 
         def on_edge(edge_id, x):
-            if edge_id in edges:
-                seen[edge_id] = x
+            if edge_id in edges:  # an edge inside a loop is seen at every step
+                seen.setdefault(edge_id, []).append(x)
             return x
 
         def on_op(op_id, compute, *operands):

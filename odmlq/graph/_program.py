@@ -228,6 +228,10 @@ def _inline_call(closed):
     return call
 
 
+# The scope of an unrolled loop's step i: ``step_<i>``.
+STEP_SCOPE = "step_"
+
+
 def _run_scan(region: _Region, ins: list, hooks: _Hooks, stacked_edges=()) -> list:
     """A scan, unrolled when hooks watch it: a hook may keep the values it is
     given (calibration statistics, captured edges), and a value kept from
@@ -250,7 +254,9 @@ def _run_scan(region: _Region, ins: list, hooks: _Hooks, stacked_edges=()) -> li
     carry, steps = list(init), []
     order = range(p["length"] - 1, -1, -1) if p["reverse"] else range(p["length"])
     for i in order:
-        carry, y = body(carry, [x[i] for x in xs])
+        # Each step's ops in a scope of their own: a converted file names its tensors by step.
+        with jax.named_scope(f"{STEP_SCOPE}{i}"):
+            carry, y = body(carry, [x[i] for x in xs])
         steps.append(y)
     if p["reverse"]:
         steps.reverse()

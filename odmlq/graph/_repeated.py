@@ -24,8 +24,9 @@ def repeated_edges(graph) -> dict[str, str]:
     its pattern's attributes are the same and it reads the same operands: the
     same edges (or edges that repeat them), model parameters and literals.
     Its output edges then hold the earlier op's values. An op whose
-    parameters print an object's address (a function), or that runs a loop,
-    repeats nothing: its equality cannot be read off the program.
+    parameters print an object's address (a function), that runs a loop or
+    that a loop runs, repeats nothing: its equality cannot be read off the
+    program.
     """
     body = getattr(getattr(graph, "program", None), "body", None)
     if body is None:
@@ -38,7 +39,8 @@ def repeated_edges(graph) -> dict[str, str]:
 
     for op in graph.ops:
         op_steps = steps_of.get(op.id)
-        key = None if op_steps is None else _key(op, op_steps, body.edge_of, repeated)
+        # An op inside a loop holds another value at every step: it repeats nothing, nor is repeated.
+        key = None if op_steps is None or op.region is not None else _key(op, op_steps, body.edge_of, repeated)
         if key is None:
             continue
         earlier = first.setdefault(key, op)

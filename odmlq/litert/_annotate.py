@@ -12,13 +12,12 @@ composite without it is left unlowered) and, per channel,
 Weights are annotated in the layout LiteRT kernels store them in (output
 channels first: (out, in) for FULLY_CONNECTED, OHWI for CONV_2D) and
 transposed back for the op, so the converter folds the whole chain into one
-constant and emits no DEQUANTIZE or TRANSPOSE at run time.
+constant and emits no DEQUANTIZE or TRANSPOSE at run time (`_weights`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -39,82 +38,16 @@ from odmlq.graph import MATMUL_KINDS, flat_params, replace_params
 from odmlq.scales import Scales, TensorScale, fake_quant_bias, folded_weights
 from odmlq.hooks import FakeQuant, PlanHooks
 from odmlq.litert._blockwise import Blockwise, payload, placeholder
-from odmlq.litert._check import blockwise_weights
 from odmlq.litert._external import Placeholder
+from odmlq.litert._check import blockwise_weights
 from odmlq.litert._composites import dynamic_range_composite, fake_quant_composite
-from odmlq.litert._conv1d import average_pool_as_two_dimensional, one_dimensional_as_two, with_unit_axis
+from odmlq.litert._conv1d import average_pool_as_two_dimensional, one_dimensional_as_two
 from odmlq.litert._conv_transpose import annotated_phases
+from odmlq.litert._loops import annotated_layers, carry_starts, stacked_weights
+from odmlq.litert._weights import annotated_weight, native_layouts, weight_placeholder, zeros
 from odmlq.litert._forms import (added_at_one_shape, avg_pool_padded_with_zeros, concatenated_by_padded_sums,
                                 gelu_erf, gelu_in_int16, max_pool_padded_with_zeros, pool_as_depthwise_conv,
                                 reciprocal_scale, separated)
-
-
-def _native_layouts(plan) -> dict[str, tuple[int, ...]]:
-    """Parameter path -> (permutation to the kernel's layout, its channel axis)
-    and, for a 1-D convolution's filter, its spatial axis (a unit axis follows it).
-
-    FULLY_CONNECTED and CONV_2D store output channels first ((out, in), OHWI).
-    A convolution with one input feature per group becomes DEPTHWISE_CONV_2D,
-    which stores (1, H, W, out): output channels last.
-    """
-    out: dict[str, tuple] = {}
-    for op in plan.graph.ops:
-        for w in op.weights:
-            if w.role != "weight" or not w.channel_axes or len(w.channel_axes) != 1:
-                continue
-            channel = w.channel_axes[0]
-            others = [a for a in range(len(w.shape)) if a != channel]
-            contraction = w.contraction_axes or ()
-            # A 1-D convolution's filter is stored as the 2-D kernel LiteRT runs
-            # it with (`_conv1d.one_dimensional_as_two`): its spatial axis is followed by
-            # one of size 1, (O, W, 1, I) or, depthwise, (1, W, 1, O).
-            spatial = ((next(a for a in others if a not in contraction),)
-                       if op.kind == "conv" and len(w.shape) == 3 and len(contraction) == 1 else ())
-            if op.kind == "conv" and len(contraction) == 1 and w.shape[contraction[0]] == 1:
-                rest = [a for a in others if a != contraction[0]]
-                out.setdefault(w.param, ((contraction[0], *rest, channel), len(w.shape) - 1, *spatial))
-            elif spatial:
-                out.setdefault(w.param, ((channel, *spatial, *contraction), 0, *spatial))
-            else:
-                out.setdefault(w.param, ((channel, *others), 0))
-    return out
-
-
-def _annotated_weight(w: np.ndarray | jax.ShapeDtypeStruct, ts: TensorScale, layout) -> jax.Array:
-    """`w` in the kernel's layout in a composite, transposed back; a
-    `jax.ShapeDtypeStruct` (a placeholder) stands for zeros of its shape."""
-    if layout is None or len(w.shape) < 2:
-        return fake_quant_composite(_value(w), ts)
-    perm, channel, *unit = layout
-    if ts.scale_axes and perm[channel] != ts.scale_axes[0]:
-        raise OdmlqError(f"Per-channel axis {ts.scale_axes[0]} is not the kernel's output-channel "
-                         f"axis {perm[channel]}; LiteRT quantizes weights along output channels.")
-    inverse = tuple(int(i) for i in np.argsort(perm))
-    native = (jax.ShapeDtypeStruct(tuple(w.shape[a] for a in perm), w.dtype)
-              if isinstance(w, jax.ShapeDtypeStruct) else np.transpose(w, perm))
-    ts_native = _permuted(ts, perm) if ts.scale_axes else ts
-    if unit:
-        # (O, W, I) as (O, W, 1, I), transposed to the parameter's axes with the
-        # unit axis after the spatial one, which is where the 2-D convolution
-        # adds it: the converter folds the two reshapes, and the transpose
-        # into its own filter layout, as for a 2-D filter.
-        after = perm.index(unit[0]) + 1
-        native4 = jnp.expand_dims(_value(native), after)
-        quantized = fake_quant_composite(native4, with_unit_axis(ts_native, after),
-                                         channel + (channel >= after) if ts.scale_axes else None)
-        at = unit[0] + 1
-        axes = (*perm[:after], None, *perm[after:])
-        order = [axes.index(a - (a > at) if a != at else None) for a in range(4)]
-        return jnp.squeeze(jnp.transpose(quantized, order), at)
-    quantized = fake_quant_composite(_value(native), ts_native, channel if ts.scale_axes else None)
-    return jnp.transpose(quantized, inverse)
-
-
-def _permuted(ts: TensorScale, perm) -> TensorScale:
-    scale = np.transpose(ts.scale, perm)
-    zp = None if ts.zero_point is None else np.transpose(ts.zero_point, perm)
-    return dataclasses.replace(ts, scale=scale, zero_point=zp,
-                               scale_axes=(perm.index(ts.scale_axes[0]),))
 
 
 class Annotated(NamedTuple):
@@ -148,7 +81,7 @@ def annotated_function(graph, plan, scales: Scales, params: Any,
         if any(plan.graph.resolve(e) in scales.edges for e in plan.graph.op(op_id).inputs)
         or any(e in scales.edges or e in converted for e in plan.graph.op(op_id).outputs))
     values = {k: np.asarray(v) for k, v in flat_params(folded_weights(plan.graph, params, scales)).items()}
-    layouts = _native_layouts(plan)
+    layouts = native_layouts(plan)
     # The converter re-derives the integers from the composite's input. Given
     # values already on the grid (our integers times the scale) it cannot round
     # a near-tie (w / s = -20.5000016) differently from us.
@@ -159,7 +92,7 @@ def annotated_function(graph, plan, scales: Scales, params: Any,
     on_grid = {} if external_weights else {p: grid(p) for p in scales.weights}
     # int4 weights in blocks are annotated per channel, and their blocks written
     # into the converted file (`_blockwise`): one placeholder and payload each.
-    blockwise = blockwise_weights(plan)
+    blockwise, stacked = blockwise_weights(plan), stacked_weights(plan)
     per_channel, payloads = {}, []
     for p, (_, input_axis, output_axis) in blockwise.items():
         values_on_grid = on_grid[p] if p in on_grid else grid(p)
@@ -170,7 +103,7 @@ def annotated_function(graph, plan, scales: Scales, params: Any,
     for path, ts in scales.weights.items():
         if path in blockwise:
             continue  # annotated per channel; its blocks are written into the file (`_blockwise`)
-        if len(ts.scale_axes) > 1 or ts.block_size is not None:
+        if (len(ts.scale_axes) > 1 and path not in stacked) or ts.block_size is not None:
             raise OdmlqError(f"Weight {path!r} has {ts.scale_axes} scale axes / blocks; LiteRT takes one "
                              "quantized dimension. This should have been refused by the plan check.")
 
@@ -186,9 +119,9 @@ def annotated_function(graph, plan, scales: Scales, params: Any,
     phase_kernels = {o.param for op in plan.graph.ops if op.kind == "conv" and op.attributes.get("transposed")
                      for o in op.operands if o.role == "weight"}
     placeholders = {} if not external_weights else {
-        p: _placeholder(p, np.shape(values[p]), scales.weights[p], layouts.get(p), grid,
+        p: weight_placeholder(p, np.shape(values[p]), scales.weights[p], layouts.get(p), grid,
                         [b for b in payloads if b.param == p])
-        for p in scales.weights if p not in float_only | phase_kernels and np.ndim(values[p]) >= 2}
+        for p in scales.weights if p not in float_only | phase_kernels | set(stacked) and np.ndim(values[p]) >= 2}
 
     def host_grid(p):
         with jax.ensure_compile_time_eval():
@@ -201,12 +134,15 @@ def annotated_function(graph, plan, scales: Scales, params: Any,
                 if p in float_only:
                     new[p] = jnp.asarray(grid(p) if external_weights else on_grid[p])
                 elif p in blockwise:
-                    value = per_channel[p][1] if p not in placeholders else _zeros(np.shape(values[p]))
-                    new[p] = _annotated_weight(value, per_channel[p][0], layouts.get(p))
+                    value = per_channel[p][1] if p not in placeholders else zeros(np.shape(values[p]))
+                    new[p] = annotated_weight(value, per_channel[p][0], layouts.get(p))
+                elif p in stacked:
+                    new[p] = annotated_layers(on_grid[p] if p in on_grid else host_grid(p),
+                                              ts, lambda v, t, p=p: annotated_weight(v, t, layouts.get(p)))
                 elif p in placeholders:
-                    new[p] = _annotated_weight(_zeros(np.shape(values[p])), ts, layouts.get(p))
+                    new[p] = annotated_weight(zeros(np.shape(values[p])), ts, layouts.get(p))
                 else:
-                    new[p] = _annotated_weight(on_grid[p] if p in on_grid else host_grid(p), ts, layouts.get(p))
+                    new[p] = annotated_weight(on_grid[p] if p in on_grid else host_grid(p), ts, layouts.get(p))
         for p, s in scales.biases.items():
             new[p] = fake_quant_bias(jnp.asarray(values[p]), s)
         qparams = replace_params(params, new)
@@ -217,41 +153,6 @@ def annotated_function(graph, plan, scales: Scales, params: Any,
         return PlanHooks(plan, scales, annotation).evaluate(graph, qparams, *inputs)
 
     return Annotated(fn, payloads, list(placeholders.values()))
-
-
-def _zeros(shape) -> jax.ShapeDtypeStruct:
-    """A placeholder (see `_value`)."""
-    return jax.ShapeDtypeStruct(tuple(int(d) for d in shape), jnp.float32)
-
-
-def _value(w) -> jax.Array:
-    """`w` as a constant; a placeholder as zeros made in the traced function,
-    one value in the StableHLO text however large the weight."""
-    return jnp.zeros(w.shape, w.dtype) if isinstance(w, jax.ShapeDtypeStruct) else jnp.asarray(w)
-
-
-def _placeholder(param: str, shape, ts: TensorScale, layout, grid, blocks) -> Placeholder:
-    """The weight as `_external` writes it: its integers in the kernel's layout."""
-    perm = layout[0] if layout is not None else tuple(range(len(shape)))
-    native_shape = tuple(int(shape[a]) for a in perm)
-    if layout is not None and len(layout) > 2:  # a 1-D convolution's filter, with its unit axis
-        after = perm.index(layout[2]) + 1
-        native_shape = (*native_shape[:after], 1, *native_shape[after:])
-    if blocks:  # int4 blocks: the payload's (out, in) integers, what the file holds
-        return Placeholder(param, blocks[0].codes.shape, "int4", lambda: blocks[0].codes)
-
-    def codes():
-        # (In place where it can: a weight of N values costs about 4N bytes here,
-        # besides its float values.)
-        t = _permuted(ts, perm) if ts.scale_axes else ts
-        q = np.transpose(grid(param), perm) / np.asarray(t.scale, np.float32)
-        np.rint(q, out=q)
-        if t.zero_point is not None:
-            q += np.asarray(t.zero_point, np.float32)
-        np.clip(q, int(ts.qtype.qmin), int(ts.qtype.qmax), out=q)
-        return q.astype(np.int16 if ts.qtype.name == "int16" else np.int8).reshape(native_shape)
-
-    return Placeholder(param, native_shape, str(ts.qtype.name), codes)
 
 
 # Ops that move values without computing: quantizing one changes nothing the
@@ -293,6 +194,7 @@ class Annotation(FakeQuant):
         self.grid = grid  # param -> its values on its grid (host), for kernels laid out here
         self.activated: set[str] = set()  # ReLUs applied where a transposed convolution's phases are
         self.marked_in_two_dimensions: set[str] = set()
+        self.carry_starts = carry_starts(graph, scales)
 
     def integer_sums(self, op) -> bool:
         return False  # the converter makes the integer kernels
@@ -300,8 +202,9 @@ class Annotation(FakeQuant):
     def edge(self, edge_id, x, ts):
         if ts.scale_axes or self._moved_beyond_five_axes(edge_id, x):
             return x
+        start = self.carry_starts.pop(edge_id, None)  # a loop's first step: its carry's start
         with jax.named_scope(edge_id):
-            return fake_quant_composite(x, ts)
+            return fake_quant_composite(x if start is None else separated(x, start, fake_quant_composite), ts)
 
     def constant(self, op, index, value, ts):
         if op.id in self.keep_float:

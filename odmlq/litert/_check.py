@@ -84,7 +84,7 @@ def check_plan(plan: Plan, *, allow_float_ops: bool = False) -> list[str]:
                                 "writes its rows at the table's one scale, so a table gathered into a "
                                 "quantized edge is quantized per tensor. Use weight_granularity=PerTensor() "
                                 "for this module.")
-            elif len(spec.scale_axes) > 1:
+            elif len(set(spec.scale_axes) - {0 for o in op.operands if o.param == w.param and o.stacked_axes == (0,)}) > 1:
                 raise PlanError(f"{where}: weight {w.param!r} has {spec.describe()}; LiteRT takes one "
                                 "scale per tensor or per output channel. Use PerChannel() or PerTensor().")
             if spec.qtype == "int4" and op.kind == "gather":
@@ -171,15 +171,23 @@ def check_plan(plan: Plan, *, allow_float_ops: bool = False) -> list[str]:
 
 def _check_loop(plan: Plan, op, where: str) -> None:
     """A loop is unrolled into the file (its int16 per-step outputs joined by
-    PADs and ADDs: `Annotation.stacked`); a layer-stacked weight would need one
-    scale set per step, which the export does not slice yet."""
-    stacked = [w.param for o in plan.graph.ops if o.region == op.id for w in plan.ops[o.id].weights
-               if w.spec is not None and any(x.param == w.param and x.stacked_axes for x in o.operands)]
-    if stacked:
-        raise PlanError(f"{where}: weight {stacked[0]!r} stacks layers along a loop axis (nn.scan); the "
-                        "LiteRT export unrolls loops but does not slice per-layer scales yet. Write the "
-                        "layers as a Python loop (one module each), or keep the loop in float with "
-                        "Rule(<its module>, skip=True) and allow_float_ops=True.")
+    PADs and ADDs: `Annotation.stacked`); a layer-stacked weight is sliced into
+    one tensor per layer, each with its layer's scales (`_stacked`), where the
+    loop reads it one layer per step along its first axis, per channel."""
+    for o in (o for o in plan.graph.ops if o.region == op.id):
+        for w in plan.ops[o.id].weights:
+            operand = next((x for x in o.operands if x.param == w.param and x.stacked_axes), None)
+            if w.spec is None or operand is None:
+                continue
+            if operand.stacked_axes != (0,) or w.spec.block_size is not None:
+                why = ("its blocks" if w.spec.block_size is not None
+                       else f"a stack along axes {list(operand.stacked_axes)} (only along the first)")
+                raise PlanError(f"{where}: weight {w.param!r} stacks layers along a loop axis (nn.scan); the "
+                                f"LiteRT export slices such a weight into one tensor per layer, but not {why}. "
+                                "Give it per-channel scales (a rule for its module with "
+                                "weight_granularity=odmlq.PerChannel()), write the layers as a Python loop (one "
+                                "module each), or keep the loop in float with Rule(<its module>, skip=True) and "
+                                "allow_float_ops=True.")
 
 
 def _kernel_limitation(op, qtype: str, graph) -> str | None:

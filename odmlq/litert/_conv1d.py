@@ -2,7 +2,7 @@
 
 LiteRT has no 1-D convolution or pool. The export computes each as the 2-D
 one over a spatial axis of size 1 placed after the spatial axis, and stores
-a convolution's filter with that axis (`_annotate._native_layouts`). The
+a convolution's filter with that axis (`_weights.native_layouts`). The
 laid-out input is named in `INPUT_LAYOUT`'s scope, so no tensor of it is
 taken for the op's output (`_mapping`).
 """

@@ -13,11 +13,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from odmlq.graph import MOVES_VALUES, repeated_edges
+from odmlq.graph import MOVES_VALUES, STEP_SCOPE, repeated_edges
 from odmlq.litert._islands import constant_derived
 
 __all__ = ["as_edge", "dequantize_tensor", "float_island_outputs", "layout_copies", "map_conversions", "map_float_tensors",
-           "map_tensors", "params_match", "produced_tensors"]
+           "map_steps", "map_tensors", "params_match", "produced_tensors"]
 
 # The scope of what the export computes from an op's input, inside the op's
 # own scope, to lay it out for its kernel (a 1-D convolution's input given an
@@ -164,6 +164,43 @@ def map_float_tensors(details: Sequence[dict], produced: Sequence[int], plan, sc
         if (d is not None and e is not None and d["dtype"] == np.float32 and edge not in scales.edges
                 and e.alias is None and not e.is_input and _size(d["shape"]) == _size(e.shape)):
             out[edge] = int(index)
+    return out
+
+
+def map_steps(details: Sequence[dict], produced: set[int], plan, scales,
+              ops: Sequence[dict] = ()) -> dict[str, tuple[int | None, ...]]:
+    """Edge computed inside a loop (or a loop's carry) -> the tensor of each
+    step, in step order (None for a step without one).
+
+    The export unrolls a loop (`lax.scan`: `nn.RNN`, `nn.scan`-stacked
+    layers), each step's ops in a scope of their own
+    (``<loop op id>/step_<i>/<edge>/...``: `odmlq.graph.STEP_SCOPE`). Each
+    step's tensors are mapped as `map_tensors` maps the model's, for loops
+    not inside another. A carry has a tensor of its own only where it is
+    requantized (its start, at the first step); later steps read what the
+    body wrote."""
+    graph = plan.graph
+    loops = {op.id: op for op in graph.ops if op.kind == "scan" and op.region is None}
+    steps: dict[tuple[str, int], list[dict]] = {}
+    for d in details:
+        # A step's tensor: every location in the name is that step's (the converter
+        # also lists a step's location in a tensor outside the loop it shares a value with).
+        places, rests = set(), []
+        for location in d["name"].split(";"):
+            path = _JIT_PREFIX.sub("", location)
+            loop = next((l for l in loops if path.startswith(f"{l}/{STEP_SCOPE}")), None)
+            step, _, rest = ("", "", "") if loop is None else path[len(loop) + 1 + len(STEP_SCOPE):].partition("/")
+            places.add((loop, int(step)) if step.isdigit() else None)
+            rests.append(rest)
+        if len(places) == 1 and None not in places:
+            steps.setdefault(places.pop(), []).append(dict(d, name=";".join(rests)))
+    out: dict[str, tuple[int | None, ...]] = {}
+    for loop_id, loop in loops.items():
+        inside = [*(e for op in graph.ops if op.region == loop_id for e in op.outputs),
+                  *(carry for carry, _, _ in loop.attributes.get("carries", ()))]
+        found = [map_tensors(steps.get((loop_id, i), []), produced, plan, scales, ops=ops)
+                 for i in range(loop.attributes.get("length", 0))]
+        out.update({e: tuple(f.get(e) for f in found) for e in inside if any(e in f for f in found)})
     return out
 
 

@@ -3,12 +3,12 @@
 Verification feeds simulate the interpreter's own value of every edge the file
 exposes, so an op is checked on its own inputs and its kernel's tolerance
 applies (`odmlq.litert.spec.OpSpec.tolerance_lsb`). A loop is unrolled into
-the file, and its body's steps carry no plan edge: a tensor computed after a
-loop is checked from the loop's inputs, through every step. What each step's
-kernels may differ beyond rounding (an int16 TANH's 4 LSB) then adds up, once
-per step: measured 11 LSB on an int16 LSTM's 10 stacked outputs, where the
-bound is 1 + 10 x 4 LSB. Rounding alone (one LSB) is not multiplied: int8
-loops verify within 1 LSB.
+the file, each step's ops named by step, and checked and fed step by step
+(`_mapping.map_steps`). Where a step has no tensor of an edge its reader
+reads, simulate computes it again from the loop's inputs, through every step:
+what each step's kernels may differ beyond rounding (an int16 TANH's 4 LSB)
+then adds up, once per step (the bound: 1 + steps x 4 LSB). Rounding alone
+(one LSB) is not multiplied.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ def loops_recomputed(plan, edge_id: str, fed) -> list:
         op = graph.op(op_id)
         if op.kind == "scan":
             loops.append(op)
-        if op.region is not None:  # a step's op (a loop's stacked output aliases one): its loop
-            pending.append(op.region)
+        if op.region is not None and any(graph.resolve(e) not in fed for e in op.inputs):
+            pending.append(op.region)  # a step's op (a loop's stacked output aliases one) not fed: its loop
         pending += [graph.edges[graph.resolve(e)].producer for e in op.inputs if graph.resolve(e) not in fed]
     return loops
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from odmlq.batches import leaves, model_inputs, row_count, sliced
 from odmlq.graph import GraphCache, params_for
-from odmlq.litert._mapping import (float_island_outputs, as_edge, dequantize_tensor, map_conversions,
+from odmlq.litert._mapping import (float_island_outputs, as_edge, dequantize_tensor, map_conversions, map_steps,
                                    map_float_tensors, map_tensors, params_match, produced_tensors)
 from odmlq.litert._probe import LiteRTCrashError, probe
 from odmlq.litert._runtime import interpreter
@@ -229,11 +229,14 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
         details, written, plan, scales, ops, [d["index"] for d in interpreter.get_input_details()],
         [d["index"] for d in output_details(interpreter)])
     float_stats: dict[str, list] = {e: [0.0, 0.0, 0] for e in float_mapping}
-    targets, where = _checked_tensors(plan, scales, mapping, conversions)
+    # An edge inside a loop: a tensor per step, checked and fed step by step.
+    step_mapping = {e: {k: i for k, i in enumerate(t) if i is not None}
+                    for e, t in map_steps(details, produced, plan, scales, ops).items() if e not in mapping}
+    targets, where = _checked_tensors(plan, scales, [*mapping, *step_mapping], conversions)
     mapping = {**mapping, **conversions}
     by_index = {d["index"]: d for d in details}
     simulator = Simulator(model, plan, scales, variables=variables)
-    stats: dict[str, list] = {e: [0.0, 0.0, 0] for e in mapping}
+    stats: dict[str, list] = {e: [0.0, 0.0, 0] for e in [*mapping, *step_mapping]}
     out_err, out_sig, out_noise, n = 0.0, 0.0, 0.0, 0
     float_sig = float_noise_litert = float_noise_sim = 0.0
     graphs = GraphCache(model, plan, variables)
@@ -250,10 +253,15 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
         floats = {e: np.asarray(interpreter.get_tensor(i)) for e, i in {**island_outputs, **float_mapping}.items()}
         shapes = {**{e: plan.graph.edges[e].shape for e in floats}, **{e: t[1] for e, t in targets.items()}}
         feed = {e: as_edge(x, shapes[e]) for e, x in {**floats, **litert}.items()}
+        for e, indices in step_mapping.items():  # {step: value} of the steps with a tensor
+            values = {k: dequantize_tensor(interpreter.get_tensor(i), by_index[i]) for k, i in indices.items()}
+            litert[e] = np.stack(list(values.values()))
+            laid_out = {k: as_edge(x, shapes[e]) for k, x in values.items()}
+            feed[e] = {k: x for k, x in laid_out.items() if x is not None} or None
         _, fed = simulator(*inputs, capture=True, capture_conversions=bool(conversions),
                            feed={e: x for e, x in feed.items() if x is not None})
-        for e in mapping:
-            want = np.asarray(fed[e])
+        for e in [*mapping, *step_mapping]:
+            want = np.asarray(fed[e])[list(step_mapping[e])] if e in step_mapping else np.asarray(fed[e])
             if litert[e].size != want.size:
                 raise VerificationError(
                     f"Exported op {where[e][0]!r} (module {where[e][1]!r}, "
@@ -291,11 +299,12 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
         float_noise_litert += float(np.sum((got - reference) ** 2))
         float_noise_sim += float(np.sum((expected - reference) ** 2))
         n += 1
-    fed = frozenset(mapping) | frozenset(island_outputs) | frozenset(float_mapping)
+    fed = frozenset(mapping) | frozenset(step_mapping) | frozenset(island_outputs) | frozenset(float_mapping)
+    mapping.update({e: list(indices.values())[-1] for e, indices in step_mapping.items()})  # a check names the last
     checks = tuple(
         EdgeCheck(edge=e, op=where[e][0], module_path=where[e][1], tensor=i, max_lsb=stats[e][0],
                   mean_lsb=stats[e][1] / max(stats[e][2], 1),
-                  params_match=params_match(by_index[i], targets[e][0]),
+                  params_match=all(params_match(by_index[t], targets[e][0]) for t in step_mapping.get(e, {0: i}).values()),
                   allowed_lsb=(allowed_lsb(plan, scales, e, tolerance_lsb, _SLACK_LSB.get(str(scales.edges[e].qtype), 1e-3),
                                            fed) if e in scales.edges
                                else tolerance_lsb + _SLACK_LSB.get(str(targets[e][0].qtype), 1e-3)))

@@ -434,7 +434,7 @@ def _edge_plans(graph: Graph, rules, op_plans, constraints, *, rows: bool = Fals
             by_edge[edge.id] = EdgePlan(edge=edge.id, spec=None, rule=None,
                                         reason=f"{edge.dtype}: not a float tensor")
             continue
-        if edge.is_input:
+        if edge.is_input or edge.producer is None:  # a model input, a loop's carry (`graph._loops`)
             if not edge.consumers:
                 by_edge[edge.id] = EdgePlan(edge=edge.id, spec=None, rule=None, reason="unused input")
                 continue

@@ -19,7 +19,7 @@ import numpy as np
 
 from odmlq.batches import leaves
 from odmlq.errors import OdmlqError, PlanError
-from odmlq.graph import shift_output
+from odmlq.graph import loop_edges, shift_output
 from odmlq.litert.device import NOT_ODMLQ
 from odmlq.report._metrics import EdgeMetrics, edge_metrics
 
@@ -38,14 +38,19 @@ def float_run(graph, params, inputs: tuple, shifts=None) -> tuple[list[np.ndarra
             return outputs
         return [shift_output(graph.op(op_id), outputs[0], shifts[op_id]), *outputs[1:]]
 
+    in_loops = loop_edges(graph)
+
     def keep(edge_id, x):
-        # The value itself goes on: a loop's body edge passes here at every step
-        # (returning the first step's value computed every later step from it).
-        captured[edge_id] = x
+        # The value itself goes on: a loop's body edge passes here at every step,
+        # kept as the steps' stack (as `odmlq.hooks.PlanHooks` captures it).
+        if edge_id in in_loops:
+            captured.setdefault(edge_id, []).append(x)
+        else:
+            captured[edge_id] = x
         return x
 
     out = graph.evaluate(params, *inputs, on_edge=keep, on_op=on_op)
-    return leaves(out), {k: np.asarray(v) for k, v in captured.items()}
+    return leaves(out), {k: np.stack(v) if isinstance(v, list) else np.asarray(v) for k, v in captured.items()}
 
 
 def check_xla(qmodel, plan) -> None:

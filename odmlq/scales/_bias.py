@@ -57,8 +57,9 @@ def int32_bias_ops(plan, scales) -> list[Int32Bias]:
         if not (biases or fold) or len(kernels) != 1 or not op.inputs:
             continue
         spec = kernels[0].spec
-        if spec.qtype.kind != "int" or spec.block_size or len(spec.scale_axes) > 1:
-            continue  # stacked layers (several scale axes): biases stay float for now
+        stacked = any(o.param == kernels[0].param and o.stacked_axes for o in op.operands)
+        if spec.qtype.kind != "int" or spec.block_size or len(spec.scale_axes) > 1 or stacked:
+            continue  # layers stacked by nn.scan: their biases stay float for now
         source = scales.input_scale(plan, op, op.inputs[0])
         if source is None or source.scale_axes:
             continue

@@ -58,12 +58,44 @@ def edge_scales(plan, calibration, conversions, balanced=None, weights=None) -> 
     for key in plan.conversions:
         _conversion_scale(plan, key, out, calibration, conversions)
     _share_with_inputs(plan, out)
+    _share_carries(plan, out)
     for edge_id, edge in graph.edges.items():
         target = graph.resolve(edge_id)
         if edge.alias is not None and target in out:
             out[edge_id] = out[target]
     _check_state(plan, out, state)
     return out
+
+
+def _share_carries(plan, out: dict[str, TensorScale]) -> None:
+    """A loop's carry and what its body writes to it on one grid: the next
+    step reads that output as the carry (a LiteRT file unrolls the loop, and
+    a requantization between the steps would fold into the op writing it).
+    The grid covers both ranges where the writer's scale is free; a writer
+    whose kernel fixes its scale (a tanh) gives the carry its own."""
+    graph = plan.graph
+    for loop in (op for op in graph.ops if op.kind == "scan"):
+        for carry, _, written in loop.attributes.get("carries", ()):
+            written = graph.resolve(written) if written is not None else None
+            a, b = out.get(carry), out.get(written)
+            if a is None or b is None or a.scale_axes or b.scale_axes or a.qtype != b.qtype:
+                continue
+            if plan.edges[written].constraint is None:
+                b = tensor_scale(plan.edges[written].spec, *_joined_bounds(a, b), np.shape(b.scale))
+                out[written] = b
+            out[carry] = reshaped(b, len(graph.edges[carry].shape))
+
+
+def _joined_bounds(a: TensorScale, b: TensorScale) -> tuple[float, float]:
+    """The float range two per-tensor grids cover together."""
+    def bounds(t):
+        s = float(np.ravel(t.scale)[0])
+        z = 0.0 if t.zero_point is None else float(np.ravel(t.zero_point)[0])
+        low = -t.qtype.qmax if t.narrow_range else t.qtype.qmin
+        return (low - z) * s, (t.qtype.qmax - z) * s
+
+    (a_lo, a_hi), (b_lo, b_hi) = bounds(a), bounds(b)
+    return min(a_lo, b_lo), max(a_hi, b_hi)
 
 
 def _check_state(plan, out: Mapping[str, TensorScale], state: Mapping[str, str]) -> None:

@@ -7,8 +7,9 @@ average pools that count their padding; bilinear and nearest resizes and
 transposed convolutions; constants),
 a Linen sequence model (dense, LayerNorm / RMSNorm, attention with and without
 a causal mask, residual MLPs, 1-D convolutions and pools, a flipped branch
-concatenated beside another reader of its input, a value computed twice), a Linen MLP, or an NNX CNN with BatchNorm and
-Dropout. The same seed gives the same model, weights and data.
+concatenated beside another reader of its input, a value computed twice,
+transformer blocks stacked by nn.scan), a Linen MLP, or an NNX CNN with
+BatchNorm and Dropout. The same seed gives the same model, weights and data.
 
 `run_case(case)` exports it with the one-line int8 rule and no option, and
 sorts the outcome (see `OUTCOMES`); `tests/fuzz/test_fuzz.py` runs a fast
@@ -102,6 +103,17 @@ class FuzzCnn(nn.Module):
         return nn.Dense(self.classes)(x)
 
 
+class _StackedBlock(nn.Module):
+    """A pre-norm transformer block, one layer of an `nn.scan` stack."""
+
+    heads: int
+
+    @nn.compact
+    def __call__(self, x, _):
+        x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads, deterministic=True)(nn.LayerNorm()(x))
+        return x + nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(2 * x.shape[-1])(nn.RMSNorm()(x)))), None
+
+
 class FuzzSeq(nn.Module):
     blocks: tuple
     width: int
@@ -140,6 +152,9 @@ class FuzzSeq(nn.Module):
                 x = nn.Dense(self.width)(jnp.concatenate([jnp.flip(h, 1), nn.relu(h)], -1))
             elif kind == "twice":  # one value computed twice (the converter keeps one tensor)
                 x = nn.Dense(self.width)(ACTIVATIONS[block[1]](x)) + nn.Dense(self.width)(ACTIVATIONS[block[1]](x))
+            elif kind == "scan":  # layers stacked by nn.scan, the residual stream as the loop's carry
+                x, _ = nn.scan(_StackedBlock, variable_axes={"params": 0}, split_rngs={"params": True},
+                               length=block[1])(heads=block[2])(x, None)
         return nn.Dense(self.classes)(jnp.mean(x, axis=1))
 
 
@@ -261,7 +276,8 @@ _SEQ_TABLE = (
     (0.82, lambda rng: ("softmax",)),
     (0.9, lambda rng: ("conv1d", int(rng.choice([1, 3, 5])), str(rng.choice(["none", "max", "avg"])))),
     (0.95, lambda rng: ("flip_concat",)),
-    (1.0, lambda rng: ("twice", _act(rng))),
+    (0.98, lambda rng: ("twice", _act(rng))),
+    (1.0, lambda rng: ("scan", int(rng.choice([2, 3])), int(rng.choice([1, 2])))),
 )
 _MLP_TABLE = (
     (0.4, lambda rng: ("dense", int(rng.choice([8, 16, 32])))),

@@ -2,7 +2,7 @@
 extractor, grouped positional convolutions) in every LiteRT schema.
 
 LiteRT has no 1-D convolution kernel; the export computes each as the 2-D one
-over a spatial axis of size 1 (`odmlq.litert._annotate._one_dimensional_as_two`)
+over a spatial axis of size 1 (`odmlq.litert._conv1d.one_dimensional_as_two`)
 and stores its filter as that kernel's. Before, litert-converter 0.5.0 failed
 on the dynamic-range export ('Invalid ranks', naming no op), and the
 weight-only export transposed each dequantized filter at every invocation

@@ -105,7 +105,9 @@ def test_scan_stacked_weights_get_a_scale_per_layer():
     p = plan(model, INT8, x)  # abstract variables: shapes are enough to plan
     fc = next(o for o in p.graph.ops if o.id == "layers/fc/dot_general")
     assert p.ops[fc.id].weights[0].spec.scale_axes == (0, 2)  # layer axis + output channels
-    assert p.edges["layers/scan:in_0"].reason == "alias of input_0"
+    # The carry the layers rewrite is an edge of its own (every step's input), not the start's alias.
+    assert p.graph.edges["layers/scan:in_0"].alias is None
+    assert p.edges["layers/scan:in_0"].reason == "first consumer layers/fc/dot_general"
 
 
 _rule_strategy = st.builds(
