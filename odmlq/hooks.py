@@ -264,7 +264,8 @@ class PlanHooks:
     def evaluate(self, graph, params: Any, *inputs: Any) -> Any:
         """`graph.evaluate` with these hooks (the graph may be a re-trace of
         the plan's for other input shapes: same op and edge ids)."""
-        self.graph = graph
+        self.graph, self._steps = graph, {}
+        self.captured = {}
         out = graph.evaluate(params, *inputs, on_edge=self.on_edge, on_constant=self.on_constant,
                              on_op=self.on_op, on_stack=self.on_stack)
         self.captured = {e: jnp.stack(x) if isinstance(x, list) else x for e, x in self.captured.items()}

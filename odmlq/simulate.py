@@ -104,14 +104,16 @@ def simulate(model: Any, plan, scales: Scales | Calibration, *inputs: Any, varia
       scales: the `Scales` to quantize with, or a `Calibration` (scales are
         then computed from it, as the plan's constraints say).
       *inputs: the model's inputs (any batch size).
-      capture: also return every edge's (fake-quantized) value, by edge id.
+      capture: also return every edge's (fake-quantized) value, by edge id;
+        an edge inside a loop (or a loop's carry) as the stack of its steps.
       capture_conversions: return every input an op reads converted to its
         own qtype (`Plan.conversions`) too, under its conversion name
         (``<edge>/to_<qtype>``, `odmlq.plan.conversion_name`).
       feed: edge id (or conversion name) -> value that replaces the edge's
         value (or the converted input) after it has been captured, so that
         each op can be fed another run's tensors (this is how an export is
-        checked op by op).
+        checked op by op); for an edge inside a loop, the steps' stack or
+        ``{step: value}`` for some of them.
 
     Returns:
       The model's outputs, or ``(outputs, {edge_id: value})`` with `capture`

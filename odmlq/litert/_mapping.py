@@ -181,17 +181,23 @@ def map_steps(details: Sequence[dict], produced: set[int], plan, scales,
     body wrote."""
     graph = plan.graph
     loops = {op.id: op for op in graph.ops if op.kind == "scan" and op.region is None}
+    order = {e: i for i, e in enumerate(graph.edges)}
     steps: dict[tuple[str, int], list[dict]] = {}
     for d in details:
-        # A step's tensor: every location in the name is that step's (the converter
-        # also lists a step's location in a tensor outside the loop it shares a value with).
+        # A step's tensor: every location in its name that is a step's is one step's,
+        # and no other names a plan edge (a weight's, laid out before the loop, may
+        # be there; the converter also lists a step's location in a tensor outside
+        # the loop that shares a value with it).
         places, rests = set(), []
         for location in d["name"].split(";"):
             path = _JIT_PREFIX.sub("", location)
             loop = next((l for l in loops if path.startswith(f"{l}/{STEP_SCOPE}")), None)
             step, _, rest = ("", "", "") if loop is None else path[len(loop) + 1 + len(STEP_SCOPE):].partition("/")
-            places.add((loop, int(step)) if step.isdigit() else None)
-            rests.append(rest)
+            if step.isdigit():
+                places.add((loop, int(step)))
+                rests.append(rest)
+            elif _edges_named(location, order):
+                places.add(None)
         if len(places) == 1 and None not in places:
             steps.setdefault(places.pop(), []).append(dict(d, name=";".join(rests)))
     out: dict[str, tuple[int | None, ...]] = {}
