@@ -121,7 +121,7 @@ def annotated_function(graph, plan, scales: Scales, params: Any,
     placeholders = {} if not external_weights else {
         p: weight_placeholder(p, np.shape(values[p]), scales.weights[p], layouts.get(p), grid,
                         [b for b in payloads if b.param == p])
-        for p in scales.weights if p not in float_only | phase_kernels | set(stacked) and np.ndim(values[p]) >= 2}
+        for p in scales.weights if p not in float_only | phase_kernels | stacked and np.ndim(values[p]) >= 2}
 
     def host_grid(p):
         with jax.ensure_compile_time_eval():

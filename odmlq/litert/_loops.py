@@ -18,19 +18,16 @@ import numpy as np
 
 from odmlq.scales import TensorScale
 
-__all__ = ["Layers", "layer_scale", "stacked_weights"]
+__all__ = ["Layers", "annotated_layers", "carry_starts", "layer_scale", "stacked_weights"]
 
 
-def stacked_weights(plan) -> dict[str, int]:
-    """Quantized parameters a loop reads one layer per step: path -> layers.
-    Stacked along the parameter's first axis (the loop's)."""
-    out: dict[str, int] = {}
-    for op in plan.graph.ops:
-        for operand in op.operands:
-            if operand.param is not None and operand.stacked_axes == (0,):
-                out[operand.param] = int(plan.graph.params[operand.param][0][0])
-    return {p: n for p, n in out.items() if any(w.param == p and w.spec is not None
-                                                for o in plan.ops.values() for w in o.weights)}
+def stacked_weights(plan) -> frozenset[str]:
+    """Quantized parameters a loop reads one layer per step, stacked along the
+    parameter's first axis (the loop's)."""
+    stacked = {o.param for op in plan.graph.ops for o in op.operands
+               if o.param is not None and o.stacked_axes == (0,)}
+    return frozenset(p for p in stacked if any(w.param == p and w.spec is not None
+                                                for o in plan.ops.values() for w in o.weights))
 
 
 def layer_scale(ts: TensorScale, layer: int) -> TensorScale:
@@ -55,9 +52,6 @@ class Layers:
 
     def __getitem__(self, layer: int):
         return self.parts[layer]
-
-    def __len__(self) -> int:
-        return len(self.parts)
 
 
 def annotated_layers(value: np.ndarray, ts: TensorScale, annotate: Callable) -> Layers:
