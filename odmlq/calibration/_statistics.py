@@ -109,13 +109,16 @@ def _batch_statistics(method: CalibrationMethod, x: Any, keep_axes: tuple[int, .
         data = values[np.abs(values) < method.sentinel]
         return _batch_statistics(method.method, data if data.size else np.zeros(1), ())
     if isinstance(method, Capped):
-        # Values at or above the cap are no data (see `Capped`); a batch of
-        # nothing but them observes one zero.
+        # Values at or above the cap are no data (see `Capped`): a few rows. Where
+        # they are most of a batch, the cap's premise fails (a norm whose
+        # inputs' mean square is about its eps: weights initialized at 0.01,
+        # as Flax's Gemma example does), and the batch is observed whole: left
+        # out, the range was a zero's and clipped every value.
         values = np.asarray(x, np.float64)
         if keep_axes:
             raise CalibrationError("Capped calibration is per tensor; give it no keep_axes.")
         data = values[values < method.cap]
-        return _batch_statistics(method.method, data if data.size else np.zeros(1), ())
+        return _batch_statistics(method.method, data if 2 * data.size > values.size else values, ())
     values = np.asarray(x)
     if np.iscomplexobj(values) or values.dtype == object:
         raise CalibrationError(f"Calibration needs real numbers, got dtype {values.dtype}.")

@@ -110,7 +110,9 @@ class Capped:
     (1000 for eps 1e-6), and calibrated as data that one row would leave the
     other rows' ``1/sigma`` less than one step of the range. Such a row's
     centered values are (near) zero, so clipping its factor changes nothing
-    that is read. The inner method calibrates the rest.
+    that is read. The inner method calibrates the rest. A batch in which most
+    values reach the cap is observed whole: there the cap does not single out
+    a few rows.
     """
 
     name: ClassVar[str] = "capped"

@@ -1,15 +1,24 @@
 """Ops rewritten into forms the backends run alike (internal; used by `_trace`).
 
-Matmuls of a constant matrix are written activation first.
+Matmuls of a constant or a parameter matrix are written activation first.
 
 ``jax.image.resize`` (bilinear, cubic, lanczos) interpolates with
 ``dot_general(weights, x)``: the constant interpolation matrix is the left
-operand. litert-converter 0.5.0 lowers a dot_general's left operand to
-FULLY_CONNECTED's input and the right one to its weights, so the activation
-became the "weights" (a float TRANSPOSE and FULLY_CONNECTED at every
-invocation). Written as ``transpose(dot_general(x, weights))`` (the same
-values), the constant is the weight: an int8 FULLY_CONNECTED reading it in
-its own layout, and an int8 TRANSPOSE.
+operand. So does ``jnp.einsum`` where the output lists the kernel's axes
+first (``'BTD,CKDH->CBTKH'``: keys and values from one ``nnx.Einsum`` kernel,
+as Flax's Gemma example projects them). litert-converter 0.5.0 lowers a
+dot_general's left operand to FULLY_CONNECTED's input and the right one to
+its weights, so the activation became the "weights" (TRANSPOSEs and a
+FULLY_CONNECTED of an activation filter at every invocation; in dynamic
+range the conversion failed). Written as ``transpose(dot_general(x,
+weights))`` (the same values), the constant is the weight: a FULLY_CONNECTED
+reading it in its own layout, and a TRANSPOSE of its output.
+
+A float division by a constant array of non-zero values is a multiplication
+by its reciprocal (``positions / timescale`` in rotary embeddings): as an
+integer DIV, the divisor was quantized like an activation, and a timescale
+of 1 among ones of 3162 rounded to the zero point, which LiteRT's DIV
+refuses at every invocation (XNNPACK has no integer DIV either).
 
 Four ops that litert-converter 0.5.0 cannot carry in integers, or that the op
 table would otherwise need twice, are written in forms it can
@@ -56,16 +65,17 @@ MAX_COPIES = 16
 
 
 def activation_first_matmuls(walker, steps: list) -> None:
-    """Rewrites each ``dot_general(constant, activation)`` of `steps` (and of scan bodies) in place."""
+    """Rewrites each ``dot_general(weight, activation)`` (a constant or a parameter) of `steps` (and
+    of scan bodies) in place."""
     for step in list(steps):
         if isinstance(step, _Region):
             activation_first_matmuls(walker, step.body.steps)
             continue
-        if not isinstance(step, _Step) or step.kind != "dot_general" or step.eqn is None or step.einsum:
+        if not isinstance(step, _Step) or step.kind != "dot_general" or step.eqn is None:
             continue
         lhs, rhs = step.ins[:2]
         if (isinstance(lhs, _Lit) or isinstance(rhs, _Lit) or lhs not in walker.weights
-                or walker.weights[lhs].params or walker.is_weight(rhs)):
+                or walker.is_weight(rhs)):
             continue
         (lc, rc), (lb, rb) = step.eqn.params["dimension_numbers"]
         if lb or rb:
@@ -93,14 +103,19 @@ def portable_forms(walker, steps: list) -> None:
     each boolean ``xor`` (of constants too) as ``!=``, each broadcast that
     copies an activation as a concatenation (at most `MAX_COPIES` copies) or a
     MUL by ones (module doc), each ``stack`` of activations as a
-    concatenation, and each gather of an activation at constant positions
-    that repeat or run consecutively as a repeat or a slice, in scan bodies too."""
+    concatenation, each gather of an activation at constant positions that
+    repeat or run consecutively as a repeat or a slice, and each float
+    division by a constant array as a multiplication by its reciprocal, in
+    scan bodies too."""
+    pooled = set()  # sums of windows: divided by their counts, an average pool (`_grouping`)
     for step in list(steps):
         if isinstance(step, _Region):
             portable_forms(walker, step.body.steps)
             continue
+        if isinstance(step, _Step) and step.kind == "reduce_window_sum":
+            pooled.update(step.outs)
         if not isinstance(step, _Step) or step.eqn is None or step.kind not in ("neg", "xor", "broadcast_in_dim", "stack",
-                                                                           "gather"):
+                                                                           "gather", "div"):
             continue
         dtype = step.eqn.outvars[0].aval.dtype
         operands = list(step.ins)
@@ -125,12 +140,31 @@ def portable_forms(walker, steps: list) -> None:
             if fn is None:
                 continue
             operands = operands[:1]  # the positions are folded into the form
+        elif (step.kind == "div" and step.ins[0] not in pooled
+              and (reciprocal := _reciprocal_of(walker, step)) is not None):
+            fn = lambda x: x * reciprocal  # noqa: E731
+            operands = operands[:1]
         else:
             continue
         new = walker.walk_function(fn, operands, step.outs[0], step.stack)
         if new is not None:
             at = steps.index(step)
             steps[at:at + 1] = new
+
+
+def _reciprocal_of(walker, step) -> np.ndarray | None:
+    """The reciprocal of a float ``div``'s divisor where that is a constant array
+    of non-zero finite values (not a parameter) and the dividend an activation;
+    else None."""
+    x, divisor = step.ins[:2]
+    if (isinstance(x, _Lit) or walker.is_weight(x) or isinstance(divisor, _Lit)
+            or divisor not in walker.constants or walker.weights[divisor].params):
+        return None
+    value = walker.constants[divisor]
+    if (not isinstance(value, np.ndarray) or value.size < 2 or not np.issubdtype(value.dtype, np.floating)
+            or not np.all(np.isfinite(value)) or np.any(value == 0)):
+        return None
+    return (np.float32(1) / value.astype(np.float32)).astype(value.dtype)
 
 
 def _broadcast_form(params: dict, in_shape: tuple[int, ...], dtype):

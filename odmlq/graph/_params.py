@@ -69,6 +69,17 @@ def split_nnx(model: Any) -> tuple[Any, Any, Any]:
     return nnx.split(model, nnx.RngState, ...)
 
 
+def merge_nnx(graphdef: Any, random_state: Any, state: Any) -> Any:
+    """The module of `split_nnx`'s parts, for a call inside a trace. The random
+    state is closed over, not traced, so its variables are made afresh here:
+    NNX's own transforms (``nnx.scan`` over stacked layers) refuse a variable
+    made at an outer trace level ("Cannot extract graph node from different
+    trace level")."""
+    from flax import nnx
+
+    return nnx.merge(graphdef, jax.tree.map(lambda leaf: leaf, random_state), state)
+
+
 def flat_params(params: Any) -> dict[str, Any]:
     """Parameter path ('conv1/kernel') -> array, the paths plans use."""
     leaves = jax.tree_util.tree_flatten_with_path(params_tree(params))[0]

@@ -19,7 +19,7 @@ from odmlq.graph._graph import Graph
 from odmlq.graph._canonical import activation_first_matmuls, portable_forms
 from odmlq.graph._norms import rewrite_norms
 from odmlq.graph._keras import is_keras, keras_function, keras_state
-from odmlq.graph._params import is_nnx_module, param_path, split_nnx
+from odmlq.graph._params import is_nnx_module, merge_nnx, param_path, split_nnx
 from odmlq.graph._program import _Program, _TopProgram
 from odmlq.graph._walk import _W, _identity, _Walker
 
@@ -113,14 +113,12 @@ def _apply_fn(model, example_inputs, variables, method):
 
         return fn, variables, "linen", name
     if is_nnx_module(model):
-        from flax import nnx
-
         # Random state stays out of the params (a model in eval mode does not
         # read it; a PRNG key is no weight): it is closed over.
         graphdef, rng_state, state = split_nnx(model)
 
         def fn(s, *xs):
-            m = nnx.merge(graphdef, rng_state, s)
+            m = merge_nnx(graphdef, rng_state, s)
             return (getattr(m, method) if isinstance(method, str) else m)(*xs)
 
         return fn, state, "nnx", type(model).__name__

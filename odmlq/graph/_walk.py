@@ -103,7 +103,7 @@ class _Walker:
         for var, c in zip(jaxpr.constvars, consts):
             v = self.new(var.aval)
             self.weights[v] = _W((), _identity(np.ndim(c)))
-            self.constants[v] = np.asarray(c)
+            self.constants[v] = c if _is_key(c) else np.asarray(c)  # a key: as in fold_constant
             steps.append(_Step(eqn=None, ins=[], outs=[v], fn=(lambda c=c: [c]), kind="constant"))
             env[var] = v
         for eqn in jaxpr.eqns:

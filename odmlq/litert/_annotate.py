@@ -266,7 +266,18 @@ class Annotation(FakeQuant):
             # A 1-D convolution's input (`_conv1d`), a transposed one's (`_conv_transpose`).
             self.marked_in_two_dimensions.add(op.id)
             return x
+        contracted = sorted(op.operands[index].contraction_axes or ())
         with jax.named_scope(op.operands[index].edge):
+            if op.kind in ("dot_general", "einsum") and len(contracted) > 1 and \
+                    contracted == list(range(np.ndim(x) - len(contracted), np.ndim(x))):
+                # Several trailing axes contracted (``'btnh,nhd->btd'``: attention's
+                # output projection as nnx.Einsum writes it): marked with them
+                # merged into one, as FULLY_CONNECTED reads it. Marked as it is,
+                # litert-converter 0.5.0 dropped the merging reshape and fed the
+                # kernel the unmerged input, whose output then came out 2-D
+                # (its readers failed to prepare: "Invalid axis index").
+                merged = (*np.shape(x)[:-len(contracted)], -1)
+                return jnp.reshape(dynamic_range_composite(jnp.reshape(x, merged)), np.shape(x))
             return dynamic_range_composite(x)
 
     def _moved_beyond_five_axes(self, edge_id: str, x) -> bool:

@@ -25,6 +25,7 @@ from odmlq.constraints import SameAsInput
 from odmlq.graph import MATMUL_KINDS, Graph
 from odmlq.plan._conversions import computed_qtype
 from odmlq.plan._spec import QuantSpec
+from odmlq.plan._specs_of import matmul_of_rows
 from odmlq.rules import Rule
 # Ops through which a mask's sentinel reaches the scores a softmax reads.
 _MASK_CARRIERS = frozenset({"select_n", "add", "sub", "max", "min", "broadcast_in_dim", "reshape",
@@ -217,7 +218,7 @@ def dynamic_per_row(graph: Graph, by_edge: dict) -> None:
                 contracted = operand.contraction_axes
                 if op.kind == "conv" and op.attributes.get("pointwise") is not None:
                     contracted = (op.attributes["pointwise"],)  # a 1x1 convolution: a matmul over pixels
-                elif op.kind != "dot_general":
+                elif not matmul_of_rows(op):
                     contracted = ()
                 rows.add(tuple(a for a in range(len(operand.shape)) if a not in contracted) if contracted else None)
         if len(rows) == 1 and None not in rows:

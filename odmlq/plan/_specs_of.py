@@ -47,6 +47,19 @@ def constant_specs(op: Op, rule: Rule | None) -> tuple[QuantSpec | None, ...]:
                  else None for c in op.constants)
 
 
+def matmul_of_rows(op: Op) -> bool:
+    """Whether `op` is a matmul of its input's rows by a weight matrix (LiteRT's
+    FULLY_CONNECTED): a ``dot_general``, or an einsum whose weight has only
+    output and contracted axes (``jnp.einsum('btd,ndh->btnh', x, w)``, as
+    ``nnx.Einsum`` writes Gemma's projections); a weight axis that is neither
+    batches the product (BATCH_MATMUL)."""
+    if op.kind == "dot_general":
+        return True
+    return op.kind == "einsum" and all(
+        len(w.channel_axes) + len(w.contraction_axes or ()) + len(w.stacked_axes) == len(w.shape)
+        for w in op.operands if w.role == "weight")
+
+
 def dynamic_input_spec(op: Op, rule: Rule | None, rows: bool = False) -> QuantSpec | None:
     """What a dynamic-range matmul/conv kernel quantizes its float inputs to
     (`rows`: a ``dot_general`` with one activation input quantizes it per
@@ -56,7 +69,7 @@ def dynamic_input_spec(op: Op, rule: Rule | None, rows: bool = False) -> QuantSp
         return None
     inputs = [o for o in op.operands if o.role == "input"]
     axes = ()
-    if rows and op.kind == "dot_general" and len(inputs) == 1 and inputs[0].contraction_axes:
+    if rows and matmul_of_rows(op) and len(inputs) == 1 and inputs[0].contraction_axes:
         axes = tuple(a for a in range(len(inputs[0].shape)) if a not in inputs[0].contraction_axes)
     elif rows and op.kind == "conv" and len(inputs) == 1 and op.attributes.get("pointwise") is not None:
         # A 1x1 convolution XNNPACK runs as a matmul over pixels: a range per pixel.

@@ -339,7 +339,7 @@ def compare(model: Any, plan, scales, *inputs: Any, variables: Any = None, tflit
     outputs = {f"output_{i}": edge_metrics(f, s)
                for i, (f, s) in enumerate(zip(float_out, leaves(sim_out)))}
     backends, more_outputs, unmapped, notes = _report_runs.backend_runs(plan, scales, inputs, float_out, xla,
-                                                                         tflite, device)
+                                                                         tflite, device, graph)
     outputs.update(more_outputs)
     reports = _edge_reports(plan, scales, floats, {"local": local, "simulate": simulated}, backends)
     looped = sum(1 for e in plan.graph.edges.values() if e.alias is None and _in_loop(plan.graph, e))

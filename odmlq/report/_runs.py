@@ -113,9 +113,11 @@ def check_litert_inputs(interpreter, inputs: Sequence[np.ndarray], names: Sequen
 
 
 def litert_run(tflite: bytes, plan, scales, inputs: tuple,
-               device: Mapping[str, np.ndarray] | None = None) -> LiteRTRun:
+               device: Mapping[str, np.ndarray] | None = None, whole: Any = None) -> LiteRTRun:
     """LiteRT's dequantized tensors per edge and its outputs, the batch stitched
-    back together; with `device`, the dump's tensors likewise (one invocation).
+    back together (along each edge's batch axis where `whole`, the graph
+    traced at the inputs' batch, shows it; else along axis 0); with `device`,
+    the dump's tensors likewise (one invocation).
 
     Raises:
       OdmlqError: inputs that do not fit the model; a dumped tensor of another shape.
@@ -142,7 +144,8 @@ def litert_run(tflite: bytes, plan, scales, inputs: tuple,
     unmapped = tuple(details[i]["name"] for i in sorted(produced)
                      if i not in mapping.values() and details[i]["dtype"] in (np.int8, np.int16))
     mismatched = tuple(e for e, i in mapping.items() if not params_match(details[i], scales.edges[e]))
-    run = LiteRTRun(edges={e: np.concatenate(v) for e, v in values.items() if v},
+    run = LiteRTRun(edges={e: _stitched(v, whole.edges[e].shape if whole is not None and e in whole.edges else None)
+                           for e, v in values.items() if v},
                     outputs=[np.concatenate(o) for o in outs], unmapped=unmapped,
                     mismatched_scales=mismatched)
     if device is None:
@@ -164,6 +167,20 @@ def litert_run(tflite: bytes, plan, scales, inputs: tuple,
                                device_missing=tuple(dict.fromkeys(missing)))
 
 
+def _stitched(parts: list, shape: tuple | None) -> np.ndarray:
+    """One edge's values from each invocation, joined along its batch axis: the
+    axis on which `shape` (the edge at the whole batch) is the parts' sum, as
+    where an einsum puts its kernel's axes first (``'BTD,CKDH->CBTKH'``); axis 0
+    where `shape` says nothing."""
+    part = np.shape(parts[0])
+    if shape is not None and len(shape) == len(part):
+        for axis in range(len(part)):
+            if shape[axis] == part[axis] * len(parts) and all(
+                    shape[a] == part[a] for a in range(len(part)) if a != axis):
+                return np.concatenate(parts, axis=axis)
+    return np.concatenate(parts)
+
+
 def _dumped(dump: Mapping[str, np.ndarray], detail: dict, shape: tuple) -> np.ndarray | None:
     """The dumped value of one tensor (by name, or ``t<index>``), or None if absent."""
     key = detail["name"] if detail["name"] in dump else f"t{detail['index']}"
@@ -182,9 +199,10 @@ def output_metrics(reference: list, values: list, run: str) -> dict[str, EdgeMet
             if v is not None and np.shape(v) == np.shape(r)}
 
 
-def backend_runs(plan, scales, inputs, float_out, xla, tflite, device):
+def backend_runs(plan, scales, inputs, float_out, xla, tflite, device, whole=None):
     """The xla, litert and device runs: ``(run -> (edge values, their scales),
-    output metrics, LiteRT tensors with no edge, notes)``."""
+    output metrics, LiteRT tensors with no edge, notes)``; `whole`: the graph
+    at the inputs' batch (`litert_run`)."""
     backends: dict[str, tuple[dict, Any]] = {}
     outputs: dict[str, EdgeMetrics] = {}
     notes: list[str] = []
@@ -195,7 +213,7 @@ def backend_runs(plan, scales, inputs, float_out, xla, tflite, device):
         outputs.update(output_metrics(float_out, xla_out, "xla"))
     if tflite is None:
         return backends, outputs, unmapped, notes
-    run = litert_run(tflite, plan, scales, inputs, device)
+    run = litert_run(tflite, plan, scales, inputs, device, whole)
     if run.edges or not any(e in scales.edges for e in plan.edges):
         backends["litert"] = (run.edges, scales)
         if run.device_edges is not None:

@@ -61,7 +61,7 @@ import numpy as np
 from odmlq import xla
 from odmlq.algorithms import GPTQ
 from odmlq.errors import PlanError, RuleError
-from odmlq.graph import MATMUL_KINDS, is_keras, param_path, params_for, params_tree, split_nnx
+from odmlq.graph import MATMUL_KINDS, is_keras, merge_nnx, param_path, params_for, params_tree, split_nnx
 from odmlq.plan import plan as plan_for_targets
 from odmlq.qarray import QArray
 from odmlq.rules import Rule
@@ -301,10 +301,8 @@ class LoRA:
         params = self.weights(adapters, frozen)
         if self._nnx is None:
             return self._linen.apply(params, *inputs, **kwargs)
-        from flax import nnx
-
         graphdef, random_state = self._nnx
-        return nnx.merge(graphdef, random_state, params)(*inputs, **kwargs)
+        return merge_nnx(graphdef, random_state, params)(*inputs, **kwargs)
 
     def merge(self, adapters: Mapping[str, Mapping[str, jax.Array]], frozen: Any = None) -> Any:
         """Float params with the adapters folded in (numpy), laid out as the

@@ -24,6 +24,10 @@ processor would, token ids in the vocabulary with padded attention masks).
   padding mask, pre-LayerNorm MultiHeadDotProductAttention and ReLU MLP), every
   kernel and the embedding boxed by ``nn.with_logical_partitioning`` (the
   variables are kept boxed, as ``init`` returns them).
+- ``gemma_nnx``: a Gemma-style decoder in NNX as Flax's examples/gemma writes
+  one (tests/zoo/gemma.py): ``nnx.Einsum`` projections, grouped-query
+  attention, RMSNorms on queries and keys and around each sublayer, rotary
+  embeddings, a sliding-window layer, a gated GELU MLP, tied embeddings.
 - ``hf_bert``, ``hf_vit``, ``hf_resnet``, ``hf_gpt2``, ``hf_llama``, ``hf_gpt_neo``: transformers' Flax
   models (4.x; transformers 5 has no Flax) from small configs. A
   ``FlaxPreTrainedModel`` is not a Linen module; its ``.module`` is, with
@@ -471,6 +475,7 @@ def transformer_lm_linen() -> ZooModel:
 from tests.zoo.hf_models import (hf_bert, hf_bloom, hf_distilbert, hf_gpt2, hf_gpt_neo, hf_gptj,  # noqa: E402
                                   hf_llama, hf_marian, hf_resnet, hf_vit, hf_wav2vec2)
 from tests.zoo.diffusion import vae_decoder_diffusers  # noqa: E402
+from tests.zoo.gemma import gemma_nnx  # noqa: E402
 from tests.zoo.mobilenet import mobilenet_v3_linen  # noqa: E402
 from tests.zoo.unet import unet_linen, unet_resize_linen  # noqa: E402
 
@@ -482,6 +487,7 @@ ZOO: dict[str, Callable[[], ZooModel]] = {
     "unet_resize_linen": unet_resize_linen,
     "mobilenet_v3_linen": mobilenet_v3_linen,
     "transformer_lm_linen": transformer_lm_linen,
+    "gemma_nnx": gemma_nnx,
     "hf_bert": hf_bert,
     "hf_vit": hf_vit,
     "hf_resnet": hf_resnet,
