@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections import Counter
 
 import numpy as np
@@ -13,6 +14,10 @@ from odmlq.graph._walk import _map_axes, _Walker
 from odmlq.graph._linear import pointwise, transposed_by_phases
 from odmlq.graph._loops import _LoopLayout
 from odmlq.graph._graph import MATMUL_KINDS, MAX_CONSTANT_SIZE, Edge, Op, Operand
+from odmlq.graph._params import NNX_SCOPE
+
+# A Linen method's name scope, 'Class.method'.
+_METHOD_SCOPE = re.compile(r"([A-Za-z_]\w*)\.[A-Za-z_]\w*")
 
 
 @dataclasses.dataclass
@@ -233,8 +238,21 @@ class _Builder(_LoopLayout):
     # -- names, edges, operands -------------------------------------------
     def module_path(self, rec: _OpRec) -> str:
         parts = [p for p in rec.stack.split("/") if p and "->" not in p]
+        scoped = [i for i, p in enumerate(parts) if p.startswith(NNX_SCOPE)]
+        if self.framework == "nnx" and scoped:  # `_params.nnx_call_scopes`: the innermost module's path
+            parts = parts[scoped[-1]][len(NNX_SCOPE):].split(".") + parts[scoped[-1] + 1:]
         if self.framework == "linen" and parts:
-            parts = parts[1:]
+            # Flax names a method other than __call__ by its module:
+            # 'Transformer/Transformer.encode/encoder' (the top module's),
+            # 'Decoder/embedding.attend' (a submodule's). The path is the modules'.
+            modules: list[str] = []
+            for p in parts:
+                method = _METHOD_SCOPE.fullmatch(p)
+                if method is None:
+                    modules.append(p)
+                elif not modules or modules[-1] != method.group(1):
+                    modules.append(method.group(1))
+            parts = modules[1:]  # without the top module's name
         path = "/".join(parts)
         if path:
             return path

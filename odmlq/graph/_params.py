@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -67,6 +69,55 @@ def split_nnx(model: Any) -> tuple[Any, Any, Any]:
     from flax import nnx
 
     return nnx.split(model, nnx.RngState, ...)
+
+
+# Marks a name scope opened for an NNX submodule's call (`nnx_call_scopes`);
+# its path follows, joined by "." (an attribute name or a list index has none).
+NNX_SCOPE = "nnx:"
+
+
+@contextlib.contextmanager
+def nnx_call_scopes(module: Any) -> Iterator[None]:
+    """While it is open, each submodule of the NNX `module` calls in a
+    ``jax.named_scope`` naming its path (``nnx:blocks.0.attention``), so that
+    a traced op is named after the module that computes it, as Linen names
+    its calls (NNX opens no scope: a norm's statistics were named after the
+    module whose output they read). Submodules made inside a transform
+    (``nnx.scan`` over stacked layers) are other objects and open none."""
+    from flax import nnx
+
+    paths: dict[int, str] = {}
+    classes: set[type] = set()
+    for path, node in nnx.iter_graph(module):
+        if isinstance(node, nnx.Module) and path and id(node) not in paths:
+            paths[id(node)] = ".".join(str(p) for p in path)
+            owner = next((c for c in type(node).__mro__ if "__call__" in vars(c)), None)
+            if owner is not None and owner is not object:
+                classes.add(owner)
+    open_scopes: list[int] = []
+
+    def scoped(call):
+        @functools.wraps(call)
+        def wrapper(self, *args, **kwargs):
+            path = paths.get(id(self))
+            if path is None or (open_scopes and open_scopes[-1] == id(self)):  # super().__call__
+                return call(self, *args, **kwargs)
+            open_scopes.append(id(self))
+            try:
+                with jax.named_scope(NNX_SCOPE + path):
+                    return call(self, *args, **kwargs)
+            finally:
+                open_scopes.pop()
+        return wrapper
+
+    originals = {cls: vars(cls)["__call__"] for cls in classes}
+    try:
+        for cls, call in originals.items():
+            cls.__call__ = scoped(call)
+        yield
+    finally:
+        for cls, call in originals.items():
+            cls.__call__ = call
 
 
 def merge_nnx(graphdef: Any, random_state: Any, state: Any) -> Any:

@@ -19,7 +19,7 @@ from odmlq.graph._graph import Graph
 from odmlq.graph._canonical import activation_first_matmuls, portable_forms
 from odmlq.graph._norms import rewrite_norms
 from odmlq.graph._keras import is_keras, keras_function, keras_state
-from odmlq.graph._params import is_nnx_module, merge_nnx, param_path, split_nnx
+from odmlq.graph._params import is_nnx_module, merge_nnx, nnx_call_scopes, param_path, split_nnx
 from odmlq.graph._program import _Program, _TopProgram
 from odmlq.graph._walk import _W, _identity, _Walker
 
@@ -119,7 +119,8 @@ def _apply_fn(model, example_inputs, variables, method):
 
         def fn(s, *xs):
             m = merge_nnx(graphdef, rng_state, s)
-            return (getattr(m, method) if isinstance(method, str) else m)(*xs)
+            with nnx_call_scopes(m):
+                return (getattr(m, method) if isinstance(method, str) else m)(*xs)
 
         return fn, state, "nnx", type(model).__name__
     if is_keras(model):
