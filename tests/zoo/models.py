@@ -24,10 +24,7 @@ processor would, token ids in the vocabulary with padded attention masks).
   padding mask, pre-LayerNorm MultiHeadDotProductAttention and ReLU MLP), every
   kernel and the embedding boxed by ``nn.with_logical_partitioning`` (the
   variables are kept boxed, as ``init`` returns them).
-- ``gemma_nnx``: a Gemma-style decoder in NNX as Flax's examples/gemma writes
-  one (tests/zoo/gemma.py): ``nnx.Einsum`` projections, grouped-query
-  attention, RMSNorms on queries and keys and around each sublayer, rotary
-  embeddings, a sliding-window layer, a gated GELU MLP, tied embeddings.
+- ``gemma_nnx``: a Gemma-style NNX decoder as Flax's examples/gemma writes one (tests/zoo/gemma.py).
 - ``hf_bert``, ``hf_vit``, ``hf_resnet``, ``hf_gpt2``, ``hf_llama``, ``hf_gpt_neo``: transformers' Flax
   models (4.x; transformers 5 has no Flax) from small configs. A
   ``FlaxPreTrainedModel`` is not a Linen module; its ``.module`` is, with
@@ -315,167 +312,13 @@ def cnn_nnx() -> ZooModel:
 
 
 # ---------------------------------------------------------------------------
-# TransformerLM, Linen (as flax/examples/lm1b/models.py)
-
-
-@flax.struct.dataclass
-class TransformerConfig:
-    vocab_size: int = 1000
-    output_vocab_size: int = 1000
-    logits_via_embedding: bool = False
-    dtype: Any = jnp.float32
-    emb_dim: int = 64
-    num_heads: int = 4
-    num_layers: int = 2
-    qkv_dim: int = 64
-    mlp_dim: int = 256
-    max_len: int = 64
-    dropout_rate: float = 0.1
-    attention_dropout_rate: float = 0.1
-    deterministic: bool = True
-    decode: bool = False
-    kernel_init: Callable = nn.initializers.xavier_uniform()
-    bias_init: Callable = nn.initializers.normal(stddev=1e-6)
-
-
-def shift_right(x, axis=1):
-    """Shift the input to the right by padding and slicing on axis."""
-    pad_widths = [(0, 0)] * len(x.shape)
-    pad_widths[axis] = (1, 0)
-    padded = jnp.pad(x, pad_widths, mode="constant", constant_values=x.dtype.type(0))
-    return jax.lax.dynamic_slice_in_dim(padded, 0, padded.shape[axis] - 1, axis)
-
-
-def sinusoidal_init(max_len=2048, min_scale=1.0, max_scale=10000.0):
-    def init(key, shape, dtype=np.float32):
-        del key, dtype
-        d_feature = shape[-1]
-        pe = np.zeros((max_len, d_feature), dtype=np.float32)
-        position = np.arange(0, max_len)[:, np.newaxis]
-        scale_factor = -np.log(max_scale / min_scale) / (d_feature // 2 - 1)
-        div_term = min_scale * np.exp(np.arange(0, d_feature // 2) * scale_factor)
-        pe[:, : d_feature // 2] = np.sin(position * div_term)
-        pe[:, d_feature // 2: 2 * (d_feature // 2)] = np.cos(position * div_term)
-        return jnp.array(pe[np.newaxis, :, :])
-    return init
-
-
-class AddPositionEmbs(nn.Module):
-    """Adds (fixed sinusoidal) positional embeddings to the inputs."""
-
-    config: TransformerConfig
-
-    @nn.compact
-    def __call__(self, inputs):
-        length = inputs.shape[1]
-        pos_emb_shape = (1, self.config.max_len, inputs.shape[-1])
-        pos_embedding = sinusoidal_init(max_len=self.config.max_len)(None, pos_emb_shape, None)
-        return inputs + pos_embedding[:, :length, :]
-
-
-class MlpBlock(nn.Module):
-    config: TransformerConfig
-    out_dim: int | None = None
-
-    @nn.compact
-    def __call__(self, inputs):
-        config = self.config
-        actual_out_dim = inputs.shape[-1] if self.out_dim is None else self.out_dim
-        x = nn.Dense(config.mlp_dim, dtype=config.dtype,
-                     kernel_init=nn.with_logical_partitioning(config.kernel_init, ("embed", "mlp")),
-                     bias_init=nn.with_logical_partitioning(config.bias_init, ("mlp",)))(inputs)
-        x = nn.relu(x)
-        x = nn.Dropout(rate=config.dropout_rate)(x, deterministic=config.deterministic)
-        output = nn.Dense(actual_out_dim, dtype=config.dtype,
-                          kernel_init=nn.with_logical_partitioning(config.kernel_init, ("mlp", "embed")),
-                          bias_init=nn.with_logical_partitioning(config.bias_init, ("embed",)))(x)
-        return nn.Dropout(rate=config.dropout_rate)(output, deterministic=config.deterministic)
-
-
-class EncoderDecoder1DBlock(nn.Module):
-    config: TransformerConfig
-
-    @nn.compact
-    def __call__(self, inputs, decoder_mask=None):
-        config = self.config
-        x = nn.LayerNorm(dtype=config.dtype)(inputs)
-        x = nn.MultiHeadDotProductAttention(
-            num_heads=config.num_heads, dtype=config.dtype, qkv_features=config.qkv_dim,
-            kernel_init=nn.with_logical_partitioning(config.kernel_init, ("embed", "kv")),
-            bias_init=nn.with_logical_partitioning(config.bias_init, ("embed",)),
-            use_bias=False, broadcast_dropout=False, dropout_rate=config.attention_dropout_rate,
-            deterministic=config.deterministic, decode=config.decode)(x, mask=decoder_mask)
-        x = nn.Dropout(rate=config.dropout_rate)(x, deterministic=config.deterministic)
-        x = x + inputs
-        z = nn.LayerNorm(dtype=config.dtype)(x)
-        z = MlpBlock(config=config)(z)
-        return x + z
-
-
-class Decoder(nn.Module):
-    config: TransformerConfig
-
-    @nn.compact
-    def __call__(self, inputs, decoder_mask=None):
-        config = self.config
-        y = inputs.astype("int32")
-        if not config.decode:
-            y = shift_right(y)
-        output_embed = nn.Embed(
-            num_embeddings=config.output_vocab_size, features=config.emb_dim,
-            embedding_init=nn.with_logical_partitioning(nn.initializers.normal(stddev=1.0),
-                                                        ("vocab", "embed")),
-            name="embed")
-        y = output_embed(y)
-        y = AddPositionEmbs(config=config, name="posembed_output")(y)
-        y = nn.Dropout(rate=config.dropout_rate)(y, deterministic=config.deterministic)
-        y = y.astype(config.dtype)
-        for lyr in range(config.num_layers):
-            y = EncoderDecoder1DBlock(config=config, name=f"encoderdecoderblock_{lyr}")(y, decoder_mask)
-        y = nn.LayerNorm(dtype=config.dtype, name="encoderdecoder_norm")(y)
-        if config.logits_via_embedding:
-            logits = output_embed.attend(y.astype(jnp.float32))
-            logits = logits / jnp.sqrt(y.shape[-1])
-        else:
-            logits = nn.Dense(config.output_vocab_size, dtype=config.dtype,
-                              kernel_init=nn.with_logical_partitioning(config.kernel_init, ("embed", "vocab")),
-                              bias_init=nn.with_logical_partitioning(config.bias_init, ("vocab",)),
-                              name="logitdense")(y)
-        return logits
-
-
-class TransformerLM(nn.Module):
-    config: TransformerConfig
-
-    @nn.compact
-    def __call__(self, inputs):
-        config = self.config
-        if config.decode:
-            decoder_mask = None
-        else:
-            decoder_mask = nn.combine_masks(
-                nn.make_attention_mask(inputs > 0, inputs > 0, dtype=config.dtype),
-                nn.make_causal_mask(inputs, dtype=config.dtype))
-        return Decoder(config=config, name="decoder")(inputs, decoder_mask=decoder_mask)
-
-
-def transformer_lm_linen() -> ZooModel:
-    config = TransformerConfig()
-    model = TransformerLM(config)
-    seq = 16
-    example = _token_example(seq, config.vocab_size, with_mask=False)
-    variables = jax.jit(model.init)(_key(), example[0])  # kept boxed (LogicallyPartitioned)
-    make = _token_batches(seq, config.vocab_size, with_mask=False)
-    return ZooModel("transformer_lm_linen", model, variables, example, make, "transformer")
-
-
-# ---------------------------------------------------------------------------
 # transformers' Flax models: tests/zoo/hf_models.py (it reads the helpers above).
 
 from tests.zoo.hf_models import (hf_bert, hf_bloom, hf_distilbert, hf_gpt2, hf_gpt_neo, hf_gptj,  # noqa: E402
                                   hf_llama, hf_marian, hf_resnet, hf_vit, hf_wav2vec2)
 from tests.zoo.diffusion import vae_decoder_diffusers  # noqa: E402
 from tests.zoo.gemma import gemma_nnx  # noqa: E402
+from tests.zoo.lm1b import transformer_lm_linen  # noqa: E402
 from tests.zoo.mobilenet import mobilenet_v3_linen  # noqa: E402
 from tests.zoo.unet import unet_linen, unet_resize_linen  # noqa: E402
 
