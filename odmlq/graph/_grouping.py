@@ -16,7 +16,8 @@ from odmlq.graph._loops import _LoopLayout
 from odmlq.graph._graph import MATMUL_KINDS, MAX_CONSTANT_SIZE, Edge, Op, Operand
 from odmlq.graph._params import NNX_SCOPE
 
-# A Linen method's name scope, 'Class.method'.
+# The name scope Flax opens for a Linen method other than __call__: 'Class.method'
+# (the top module's), 'name.method' (a submodule's).
 _METHOD_SCOPE = re.compile(r"([A-Za-z_]\w*)\.[A-Za-z_]\w*")
 
 
