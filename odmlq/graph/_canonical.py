@@ -157,9 +157,11 @@ def _reciprocal_of(walker, step) -> np.ndarray | None:
     of non-zero finite values (not a parameter) and the dividend an activation;
     else None."""
     x, divisor = step.ins[:2]
-    weight = walker.weights.get(divisor)
     if (isinstance(x, _Lit) or walker.is_weight(x) or isinstance(divisor, _Lit)
-            or divisor not in walker.constants or (weight is not None and weight.params)):
+            or divisor not in walker.constants):
+        return None
+    weight = walker.weights.get(divisor)
+    if weight is not None and weight.params:
         return None
     value = walker.constants[divisor]
     if (not isinstance(value, np.ndarray) or value.size < 2 or not np.issubdtype(value.dtype, np.floating)
