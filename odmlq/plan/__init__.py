@@ -10,10 +10,10 @@ from odmlq.plan._conversions import Conversion, conversion_name, input_conversio
 from odmlq.plan._passes import dynamic_kernel_inputs
 from odmlq.plan._plan import EdgePlan, OpPlan, Plan, WeightPlan, check_rules, plan, plan_graph
 from odmlq.plan._spec import QuantSpec
-from odmlq.plan._table import table as text_table
+from odmlq.plan._table import named_list, table as text_table
 
 __all__ = [
     "Conversion", "EdgePlan", "OpPlan", "Plan", "QuantSpec", "WeightPlan", "check_rules",
     "conversion_name", "dynamic_kernel_inputs", "input_conversion_scales", "input_conversions", "op_qtype", "plan",
-    "plan_graph", "text_table",
+    "named_list", "plan_graph", "text_table",
 ]

@@ -15,6 +15,18 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "
     return "\n".join(lines)
 
 
+def named_list(names: Sequence[str], limit: int = 12, where: str = "") -> str:
+    """'a, b, c and 40 more (`where` lists them all)': a list a person can read.
+
+    A model with a loop unrolled into its file names hundreds of tensors; printed
+    whole, they bury the lines above them."""
+    shown = ", ".join(names[:limit])
+    more = len(names) - limit
+    if more <= 0:
+        return shown
+    return shown + f" and {more} more" + (f" ({where} lists them all)" if where else "")
+
+
 def _rule(index) -> str:
     return "-" if index is None else str(index)
 

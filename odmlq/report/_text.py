@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from odmlq.plan import text_table as table
+from odmlq.plan import named_list, text_table as table
 
 BACKEND_RUNS = ("xla", "litert", "device")
 
@@ -22,7 +22,8 @@ def render(report) -> str:
         lines.append("outputs vs float: " + ", ".join(
             f"{k}: {db(m.sqnr_db)} dB" + (f" ({m.nan} NaN)" if m.nan else "") for k, m in report.outputs.items()))
     if report.unmapped_tensors:
-        lines.append("LiteRT tensors with no plan edge: " + ", ".join(report.unmapped_tensors))
+        lines.append("LiteRT tensors with no plan edge: "
+                     + named_list(report.unmapped_tensors, where="Report.unmapped_tensors"))
     lines += _weights(report.weights)
     lines += _float_ops(report.float_ops)
     lines += _advice(report.advice)

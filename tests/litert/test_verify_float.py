@@ -1,5 +1,10 @@
 """Weight-only and dynamic-range exports are verified op by op, their float tensors fed and compared."""
 
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -90,3 +95,40 @@ def test_a_fused_tensor_name_is_read_as_its_own_ops():
                                  progress=False, benchmark=False)
     assert result.verification.passed, str(result.verification)
     assert "inner/model/mul" in {c.edge for c in result.verification.checks}
+
+
+class _MaskedPool(nn.Module):
+    """Flax's sst2 example's attention pooling: scores of the valid positions, `-inf` elsewhere."""
+
+    @nn.compact
+    def __call__(self, x, lengths):
+        scores = nn.Dense(1, use_bias=False, name="energy")(nn.tanh(nn.Dense(16, name="keys")(x))).squeeze(-1)
+        mask = jnp.arange(x.shape[1])[None] < lengths[:, None]
+        weights = nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
+        return nn.Dense(3, name="head")(jnp.einsum("bt,btd->bd", weights, x))
+
+
+def test_an_edge_holding_infinities_is_compared_where_they_are_and_where_they_are_not():
+    """A `-inf` mask made every difference of its op and of the op reading it relative to
+    infinity (zero), and a wrong value where simulate has -inf a NaN, which passed any
+    tolerance. Here the file's mask fill (the converter writes -inf as float32's lowest value)
+    is replaced by -8: the outputs still pass their 30 dB, the select is named."""
+    rng = np.random.default_rng(0)
+    batches = [(rng.normal(size=(1, 8, 12)).astype(np.float32), rng.integers(2, 8, size=(1,)).astype(np.int32))
+               for _ in range(8)]
+    model = _MaskedPool()
+    variables = model.init(jax.random.key(0), *batches[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # numpy's 'invalid value' of inf - inf
+        result = odmlq.export_tflite(model, DYNAMIC, batches, variables=variables, progress=False,
+                                     benchmark=False)
+    checks = {c.edge: c for c in result.verification.checks}
+    assert checks["select_n"].max_lsb == 0.0 and checks["softmax"].max_lsb <= FLOAT_TOLERANCE / 50, str(
+        result.verification)
+    lowest = np.float32(np.finfo(np.float32).min).tobytes()
+    assert result.tflite.count(lowest) == 1
+    tflite = result.tflite.replace(lowest, np.float32(-8.0).tobytes())
+    report = odmlq.litert.verify(tflite, model, result.plan, result.scales, batches[:2], variables=variables,
+                                 min_output_sqnr_db=30.0, raise_on_failure=False)
+    assert report.end_to_end_ok, report.output_sqnr_db
+    assert [c.edge for c in report.checks if not c.ok] == ["select_n"], str(report)
