@@ -46,6 +46,7 @@ from odmlq.litert._conv_transpose import annotated_phases
 from odmlq.litert._loops import annotated_layers, carry_starts, stacked_weights
 from odmlq.litert._weights import annotated_weight, native_layouts, weight_placeholder, zeros
 from odmlq.litert._forms import (added_at_one_shape, avg_pool_padded_with_zeros, concatenated_by_padded_sums,
+                                gathered_in_fill_mode,
                                 gelu_erf, gelu_in_int16, max_pool_padded_with_zeros, pool_as_depthwise_conv,
                                 reciprocal_scale, separated)
 
@@ -360,6 +361,8 @@ class Annotation(FakeQuant):
         if op.kind == "concatenate" and len(inputs) > 1 and _qtype(scales, op) == "int16":
             return [concatenated_by_padded_sums(inputs, op.attributes["axis"], scales.edges[op.outputs[0]],
                                                 fake_quant_composite)]
+        if op.kind == "gather" and _qtype(scales, op) == "int16":  # ``table[ids]``: as mode 'fill'
+            return gathered_in_fill_mode(compute, inputs)
         if op.kind in ("add", "sub") and len(inputs) == 2 and _qtype(scales, op) == "int16":
             shape = self.graph.edges[op.outputs[0]].shape
             if any(o.role == "input" and tuple(o.shape) != tuple(shape) for o in op.operands):

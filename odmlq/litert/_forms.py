@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from odmlq.graph import evaluate_replacing
 from odmlq.litert.spec import pool_pads_with_zeros
 from odmlq.scales import TensorScale
 
@@ -43,6 +44,37 @@ def avg_pool_padded_with_zeros(op, x: jax.Array) -> jax.Array:
     total = jax.lax.reduce_window(padded, 0.0, jax.lax.add, tuple(op.attributes["window"]),
                                   tuple(op.attributes["strides"]), "VALID")
     return total / float(op.attributes["window_size"])
+
+
+def gathered_in_fill_mode(compute, inputs: list) -> list:
+    """A gather of a table in mode 'clip' or 'promise_in_bounds' (``table[ids]``,
+    ``jnp.take(..., mode='clip')``) as its start indices clamped, then a gather
+    in mode 'fill': the rows it reads for every index, in bounds or not (XLA
+    clamps out-of-bounds starts; clamped, none is out of bounds to fill).
+
+    litert-converter 0.5.0 takes no int16 GATHER_ND in those modes ('tfl.gather_nd'
+    op operand #0 must be ... 8-bit signless integer) and makes one in mode 'fill'."""
+    closed = jax.make_jaxpr(compute)(*inputs)
+    gathers = {i: _clamped_fill_gather for i, e in enumerate(closed.jaxpr.eqns) if e.primitive.name == "gather"
+               and getattr(e.params["mode"], "name", "") in _CLAMPING_MODES}
+    return evaluate_replacing(closed, inputs, gathers) if gathers else compute(*inputs)
+
+
+_CLAMPING_MODES = frozenset({"CLIP", "PROMISE_IN_BOUNDS"})
+
+
+def _clamped_fill_gather(eqn, ins) -> list:
+    table, indices = ins
+    params = eqn.params
+    dimensions = params["dimension_numbers"]
+    # jax's gather reads its index vectors along the last axis, one start per
+    # `start_index_map` axis; a start past `size - slice size` reads past the end.
+    top = np.asarray([table.shape[d] - params["slice_sizes"][d] for d in dimensions.start_index_map],
+                     np.dtype(indices.dtype))
+    clamped = jnp.clip(indices, np.zeros_like(top), top)
+    return [jax.lax.gather(table, clamped, dimensions, params["slice_sizes"],
+                           indices_are_sorted=params["indices_are_sorted"], unique_indices=params["unique_indices"],
+                           mode=jax.lax.GatherScatterMode.FILL_OR_DROP)]
 
 
 def _int16(top: float) -> TensorScale:

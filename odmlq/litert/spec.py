@@ -157,17 +157,18 @@ def _transposed_conv(op, qtype: str, graph) -> str | None:
 
 
 def _int16_gather(op, qtype: str, graph) -> str | None:
-    """An embedding table (a weight) gathered in mode 'fill' (nn.Embed,
-    jnp.take's default) is int16; a gather of an activation, or in another
-    mode (jnp.take(..., mode='clip'), a nearest resize by a factor that is not an
-    integer), is not. A nearest resize by an integer factor is copies, not a gather
-    (`graph/_canonical`)."""
+    """An embedding table (a weight) gathered is int16 in mode 'fill' (nn.Embed,
+    jnp.take's default), and in modes 'clip' and 'promise_in_bounds' (``table[ids]``)
+    as its indices clamped, then gathered in mode 'fill' (`_forms.gathered_in_fill_mode`:
+    litert-converter 0.5.0 makes no int16 GATHER_ND of those modes). A gather of an
+    activation (a nearest resize by a factor that is not an integer) is not int16; a
+    nearest resize by an integer factor is copies, not a gather (`graph/_canonical`)."""
     if qtype != "int16":
         return None
-    if any(o.role == "input" and o.dtype.startswith(("float", "bfloat")) for o in op.operands):
+    if op.attributes.get("mode", "fill_or_drop") not in ("fill_or_drop", "clip", "promise_in_bounds"):
+        what = f"in mode {op.attributes['mode']!r} (jnp.take's modes 'fill' and 'clip' convert)"
+    elif any(o.role == "input" and o.dtype.startswith(("float", "bfloat")) for o in op.operands):
         what = "of an activation (a nearest resize by a factor that is not an integer gathers so)"
-    elif op.attributes.get("mode", "fill_or_drop") != "fill_or_drop":
-        what = f"in mode {op.attributes['mode']!r} (jnp.take(..., mode='fill'), nn.Embed's, converts)"
     else:
         return None
     return (f"litert-converter 0.5.0 takes no int16 GATHER_ND {what}: 'tfl.gather_nd' op operand #0 "
@@ -292,7 +293,7 @@ OP_SPEC: dict[str, OpSpec] = {
     # scale, litert-converter requantizes the whole table before the gather
     # at every invoke (a QUANTIZE of 11.7 M values in MiniLM: +40% latency).
     "gather": OpSpec(_BOTH, SAME_AS_INPUT, limitation=_int16_gather, becomes="GATHER_ND",
-                     note="the output keeps the table's scale; int16: embedding tables gathered in mode 'fill' only (nn.Embed)"),
+                     note="the output keeps the table's scale; int16: embedding tables only (table[ids] and mode 'clip' as clamped indices and mode 'fill')"),
     # int16: litert-converter 0.5.0 takes no int16 CONCATENATION; it is written
     # as PADs and ADDs (`_forms.concatenated_by_padded_sums`), exact at the shared scale.
     "concatenate": OpSpec(_BOTH, SHARED, becomes="CONCATENATION (int8), PAD + ADD (int16)",
