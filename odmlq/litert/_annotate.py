@@ -46,7 +46,7 @@ from odmlq.litert._conv_transpose import annotated_phases
 from odmlq.litert._loops import annotated_layers, carry_starts, stacked_weights
 from odmlq.litert._weights import annotated_weight, native_layouts, weight_placeholder, zeros
 from odmlq.litert._forms import (added_at_one_shape, avg_pool_padded_with_zeros, concatenated_by_padded_sums,
-                                gathered_in_fill_mode,
+                                gathered_in_fill_mode, gathered_without_fill,
                                 gelu_erf, gelu_in_int16, max_pool_padded_with_zeros, pool_as_depthwise_conv,
                                 reciprocal_scale, separated)
 
@@ -281,6 +281,13 @@ class Annotation(FakeQuant):
                 return jnp.reshape(dynamic_range_composite(jnp.reshape(x, merged)), np.shape(x))
             return dynamic_range_composite(x)
 
+    def _quantized_table(self, op) -> bool:
+        """A gather of a weight whose values are int8 in the file (its output quantized, or
+        an int8 table in a dynamic-range or weight-only export)."""
+        table = next((o for o in op.operands if o.role == "weight"), None)
+        return table is not None and (_qtype(self.scales, op) is not None
+                                      or self.scales.weights.get(table.param) is not None)
+
     def _moved_beyond_five_axes(self, edge_id: str, x) -> bool:
         """A reshape or transpose output of more than 5 axes (a pixel shuffle's
         depth-to-space: NHWC to 6 axes, transposed, back to NHWC) is left
@@ -363,6 +370,8 @@ class Annotation(FakeQuant):
                                                 fake_quant_composite)]
         if op.kind == "gather" and _qtype(scales, op) == "int16":  # ``table[ids]``: as mode 'fill'
             return gathered_in_fill_mode(compute, inputs)
+        if op.kind == "gather" and self._quantized_table(op):
+            return gathered_without_fill(compute, inputs)
         if op.kind in ("add", "sub") and len(inputs) == 2 and _qtype(scales, op) == "int16":
             shape = self.graph.edges[op.outputs[0]].shape
             if any(o.role == "input" and tuple(o.shape) != tuple(shape) for o in op.operands):

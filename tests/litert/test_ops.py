@@ -442,47 +442,6 @@ def test_int16_gather_and_square_verify_and_rsqrt_within_its_tolerance():
     assert 64.0 <= rsqrt.allowed_lsb < 65.0 and rsqrt.max_lsb <= rsqrt.allowed_lsb
 
 
-class _IndexedTable(nn.Module):
-    """A table read as Flax's sst2 example reads its embedding: ``table[ids]`` (a gather in
-    mode 'promise_in_bounds'), or with jnp.take's mode 'clip'."""
-
-    mode: str
-
-    @nn.compact
-    def __call__(self, ids):
-        table = self.param("table", nn.initializers.normal(0.1), (30, 8))
-        rows = table[ids] if self.mode == "index" else jnp.take(table, ids, axis=0, mode=self.mode)
-        return nn.Dense(4, name="out")(jnp.tanh(rows))
-
-
-@pytest.mark.parametrize("mode", ["index", "clip"])
-def test_an_int16_table_read_by_index_or_clip_exports_its_rows_for_any_index(mode):
-    """litert-converter 0.5.0 makes no int16 GATHER_ND in those modes (refused before); the
-    export clamps the indices and gathers in mode 'fill', which it makes. Indices past either
-    end read the rows XLA's clamp reads: LiteRT against float within int16 and int8 rounding
-    (the model's output is 1e-2 at most; measured 6e-4)."""
-    from ai_edge_litert.interpreter import Interpreter
-
-    model = _IndexedTable(mode)
-    rng = np.random.default_rng(0)
-    batches = [rng.integers(0, 30, size=(1, 5)).astype(np.int32) for _ in range(6)]
-    variables = model.init(jax.random.key(0), batches[0])
-    rules = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int16")]
-    result = odmlq.export_tflite(model, rules, batches, variables=variables, progress=False, benchmark=False)
-    assert result.summary.float_islands == () and "GATHER_ND" in result.summary.op_histogram
-    assert result.verification.passed, str(result.verification)
-    ids = np.array([[31, 29, 0, 1000, 7]], np.int32) if mode == "clip" else np.array([[29, -1, 0, 5, 7]], np.int32)
-    interpreter = Interpreter(model_content=result.tflite)
-    interpreter.allocate_tensors()
-    interpreter.set_tensor(interpreter.get_input_details()[0]["index"], ids)
-    interpreter.invoke()
-    out = interpreter.get_output_details()[0]
-    scale, zero_point = out["quantization"]
-    got = (interpreter.get_tensor(out["index"]).astype(np.float32) - zero_point) * scale if scale else \
-        interpreter.get_tensor(out["index"])
-    np.testing.assert_allclose(got, np.asarray(model.apply(variables, ids)), atol=2e-3)
-
-
 @pytest.mark.parametrize("after_relu", [True, False], ids=["after_relu", "signed_input"])
 def test_int16_padded_max_pool(after_relu):
     """litert-converter pads an int16 max pool with PADV2 (no int16 kernel).
