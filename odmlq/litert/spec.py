@@ -176,6 +176,18 @@ def _int16_gather(op, qtype: str, graph) -> str | None:
             "with Rule(..., skip=True) and allow_float_ops=True")
 
 
+def _int16_weight_slice(op, qtype: str, graph) -> str | None:
+    """A run-time window of an int8 weight (a position embedding's row) written as int16:
+    litert-converter 0.5.0 requantizes the whole table to the row's scale at every
+    invocation (a QUANTIZE of the weight); an int16 window of an activation converts."""
+    if qtype != "int16" or not any(o.role == "weight" for o in op.operands):
+        return None
+    return ("litert-converter 0.5.0 slices an int8 weight into an int16 tensor by requantizing the "
+            "whole weight at every invocation (a run-time QUANTIZE). Give this module int8 "
+            "activations with a rule of its own before the int16 one, or keep it in float with "
+            "Rule(..., skip=True) and allow_float_ops=True")
+
+
 def _copying_broadcast(op, qtype: str, graph) -> str | None:
     """A broadcast that only adds axes of size 1 is a RESHAPE; one that copies
     values is a BROADCAST_TO, which litert-converter 0.5.0 keeps in float."""
@@ -332,6 +344,10 @@ OP_SPEC: dict[str, OpSpec] = {
     "max_pool": OpSpec(_BOTH, SAME_AS_INPUT, limitation=_int16_padded_max_pool, becomes="MAX_POOL_2D",
                        note="int16 padded: only after a ReLU (PAD + a VALID pool)"),
     "slice": OpSpec(_BOTH, SAME_AS_INPUT, becomes="SLICE, STRIDED_SLICE"),
+    # A window at a run-time position (``lax.dynamic_slice``: a decoder's position row):
+    # SLICE with a run-time begin, clamped as XLA clamps; a weight's keeps its grid.
+    "dynamic_slice": OpSpec(_BOTH, SAME_AS_INPUT, becomes="SLICE", limitation=_int16_weight_slice,
+                            note="int16: of activations only (an int8 weight's is requantized at run time)"),
     "split": OpSpec(_BOTH, SAME_AS_INPUT, becomes="SLICE (one per output)"),
     # SELECT_V2 picks values: both value operands and the output share a scale.
     "select_n": OpSpec(_BOTH, SHARED, becomes="SELECT_V2"),

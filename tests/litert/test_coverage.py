@@ -32,8 +32,19 @@ def test_docs_ops_page_is_the_op_tables(capsys):
     assert set(spec.OP_SPEC) | set(spec.WITHOUT_KERNEL) == kinds
 
 
+class _DynamicWindow(nn.Module):
+    """A window of an activation at a position computed at run time (``lax.dynamic_slice``, as
+    Flax's decoders read their position's row): SLICE with a run-time begin."""
+
+    @nn.compact
+    def __call__(self, ids):
+        h = nn.Dense(8, name="fc")(nn.Embed(30, 8, name="embed")(ids))
+        return nn.Dense(4, name="out")(jax.lax.dynamic_slice_in_dim(h, ids[0, 0] % 2, 4, axis=1))
+
+
 # One model per op kind of the table: CASES of tests/litert/test_ops.py, and these.
 _MORE = {
+    "dynamic_slice": (_DynamicWindow(), None),
     "sum": (_Fn(lambda x: jnp.sum(x, axis=1), features=4), (3, 4)),
     "squeeze": (_Fn(lambda x: jnp.squeeze(x[:, :1], axis=1), features=4), (3, 4)),
     "slice": (_Fn(lambda x: x[:, 1:3], features=4), (3, 4)),
@@ -57,7 +68,7 @@ KIND_CASE = {
     "broadcast_in_dim": "broadcast", "max_pool": "max_pool", "slice": "slice", "split": "split",
     "select_n": "select", "exp": "exp", "log": "log", "abs": "abs", "leaky_relu": "leaky_relu",
     "pad": "pad", "rev": "flip", "dynamic_update_slice": "update_slice", "stop_gradient": "stop_gradient",
-    "log_softmax": "log_softmax",
+    "log_softmax": "log_softmax", "dynamic_slice": "dynamic_slice",
     # jax 0.10 traces jax.nn.sigmoid as the logistic primitive; the entry serves a named call.
     "sigmoid": None,
 }

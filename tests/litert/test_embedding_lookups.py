@@ -93,3 +93,38 @@ def test_two_tables_gathered_in_fill_mode_keep_their_own_scales(rules):
                                np.asarray(model.apply(variables, inputs, targets)), atol=0.05)
     with pytest.raises(RuntimeError, match="gather_nd index out of bounds"):
         _invoke(result.tflite, np.full_like(inputs, 40), targets)
+
+
+class _PositionRow(nn.Module):
+    """Flax's lm1b and WMT decoders in decode mode: the position embedding's row at the
+    cache index (``lax.dynamic_slice`` of a learned table), and a window of an activation."""
+
+    @nn.compact
+    def __call__(self, ids):
+        table = self.param("pos_embedding", nn.initializers.normal(0.5), (1, 16, 8))
+        position = ids[0, 0] % 12
+        row = jax.lax.dynamic_slice(table, (0, position, 0), (1, 1, 8))
+        h = nn.Dense(8, name="fc")(nn.Embed(30, 8, name="embed")(ids)) + row
+        return nn.Dense(4, name="out")(jax.lax.dynamic_slice_in_dim(h, position % 2, 4, axis=1))
+
+
+def test_a_row_at_a_run_time_position_is_a_slice_of_the_int8_table():
+    """``lax.dynamic_slice`` was refused as an op without an integer kernel; it is LiteRT's
+    SLICE with a run-time begin, the table's row keeping the table's grid (no QUANTIZE of the
+    table at every invocation). Positions past the end read the last row, as XLA clamps."""
+    rng = np.random.default_rng(0)
+    batches = [rng.integers(0, 30, size=(1, 5)).astype(np.int32) for _ in range(8)]
+    model = _PositionRow()
+    variables = model.init(jax.random.key(0), batches[0])
+    result = odmlq.export_tflite(model, INT8, batches, variables=variables, progress=False, benchmark=False)
+    assert result.verification.passed and result.summary.float_islands == (), str(result.verification)
+    ops = result.summary.op_histogram
+    assert ops["SLICE"] >= 2 and "QUANTIZE" not in ops, ops
+    ids = np.array([[29, 3, 0, 5, 7]], np.int32)  # position 29 % 12 = 5
+    np.testing.assert_allclose(_invoke(result.tflite, ids), np.asarray(model.apply(variables, ids)), atol=0.05)
+    # int16: the converter would requantize the int8 table at every invocation; refused
+    # before any work, naming the op (an int16 window of an activation converts:
+    # tests/litert/test_coverage.py).
+    with pytest.raises(odmlq.litert.FloatOpsError,
+                       match=r"op 'dynamic_slice' \(module 'fc'.*requantizing the whole weight.*int8 activations"):
+        odmlq.litert.check_plan(odmlq.plan(model, INT16, batches[0], variables=variables, target="litert"))

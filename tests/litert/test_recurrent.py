@@ -128,12 +128,6 @@ def test_an_int16_loop_joins_its_steps_by_pads_and_adds_and_verifies_through_its
     assert int8.allowed_lsb < 1.1
     held_out = _sequences(24, 99)
     assert _sqnr_db(model.apply(variables, held_out), litert_rows(result.tflite, held_out)) >= floor_db
-    # The unrolled steps' tensors with no plan edge of their own: listed, not printed whole
-    # (hundreds of names buried the report above them).
-    for line in str(report).splitlines():
-        assert len(line) < 2000, line[:200]
-    if len(report.unmapped_tensors) > 12:
-        assert f"and {len(report.unmapped_tensors) - 12} more (VerificationReport.unmapped_tensors" in str(report)
 
 
 def test_layers_stacked_by_nn_scan_export_a_kernel_per_layer():
