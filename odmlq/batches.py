@@ -3,8 +3,10 @@
 A batch is one model input, or a tuple (or list) of them, one per positional
 argument. An input is an array, or a pytree of arrays (a dict of
 `input_ids` and `attention_mask`, as a tokenizer returns), every leaf with
-the batch dimension first. A .tflite takes the leaves, in `jax.tree` order,
-as its inputs; `leaf_names` names them after their keys.
+the batch dimension first, except a scalar (0-d) leaf, which every row shares
+(the ``cache_index`` of a Flax ``decode=True`` cache). A .tflite takes the
+leaves, in `jax.tree` order, as its inputs; `leaf_names` names them after
+their keys.
 """
 
 from __future__ import annotations
@@ -31,14 +33,16 @@ def leaves(tree: Any) -> list[np.ndarray]:
 
 
 def row_count(inputs: Sequence[Any]) -> int:
-    """The batch size: the leading dimension of the first array."""
-    first = leaves(inputs)
-    return int(np.shape(first[0])[0]) if first and np.ndim(first[0]) else 0
+    """The batch size: the leading dimension of the first array that has one."""
+    batched = [x for x in leaves(inputs) if np.ndim(x)]
+    return int(np.shape(batched[0])[0]) if batched else 0
 
 
 def sliced(inputs: Sequence[Any], start: int, stop: int | None) -> tuple:
-    """Rows `start` to `stop` of every array of `inputs`, as numpy arrays."""
-    return tuple(jax.tree_util.tree_map(lambda x: np.asarray(x)[start:stop], tuple(inputs)))
+    """Rows `start` to `stop` of every array of `inputs`, as numpy arrays (a scalar,
+    which every row shares, as it is)."""
+    return tuple(jax.tree_util.tree_map(lambda x: np.asarray(x)[start:stop] if np.ndim(x) else np.asarray(x),
+                                        tuple(inputs)))
 
 
 def leaf_names(inputs: Sequence[Any], arg_names: Sequence[str]) -> list[str]:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect as pyinspect
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -139,14 +140,19 @@ def _example_inputs(batches: list, batch_size: int) -> tuple:
             if kind in "biuf" and np.ndim(x) and np.shape(x)[0] == 0:
                 raise CalibrationError(f"rep_dataset batch 0, {where} is empty (shape {np.shape(x)}); "
                                        "give batches with at least one row.")
-            if kind not in "biuf" or np.ndim(x) == 0:
+            if kind not in "biuf":
                 raise CalibrationError(
                     f"rep_dataset batch 0, {where}: {type(x).__name__} of dtype {np.asarray(x).dtype} and "
                     f"shape {np.shape(x)}; each batch is an array (or a tuple of them, one per model input; "
-                    "an input may be a dict or list of arrays) of numbers with the batch dimension first.")
+                    "an input may be a dict or list of arrays) of numbers with the batch dimension first "
+                    "(a scalar is shared by every row).")
+    batched = [x for x in leaves(first) if np.ndim(x)]
+    if not batched:
+        raise CalibrationError("rep_dataset batch 0: every input is a scalar; give the inputs with the batch "
+                               "dimension first (x[None] for one row).")
     rows = row_count(first)
-    if any(np.shape(x)[0] != rows for x in leaves(first)):
-        raise CalibrationError(f"rep_dataset batch 0: its arrays have {sorted({np.shape(x)[0] for x in leaves(first)})} "
+    if any(np.shape(x)[0] != rows for x in batched):
+        raise CalibrationError(f"rep_dataset batch 0: its arrays have {sorted({np.shape(x)[0] for x in batched})} "
                                "rows; give every input of a batch the same number of rows.")
     if not isinstance(batch_size, int) or batch_size < 1 or batch_size > rows:
         raise PlanError(f"batch_size={batch_size!r}: give an integer from 1 to the first batch's "
@@ -170,9 +176,11 @@ def _argument_names(model: Any, n: int, method: str | Callable | None) -> list[s
     try:
         if method is not None and not isinstance(method, str):  # a function taking the module first
             raise TypeError("a method given as a function")
-        fn = model.__call__ if method is None else getattr(model, method)
+        plain = pyinspect.isfunction(model) or isinstance(model, functools.partial)
+        fn = model if plain else model.__call__ if method is None else getattr(model, method)
         names = [p.name for p in pyinspect.signature(fn).parameters.values()
                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        names = names[1:] if plain else names  # a plain function takes its params first
     except (TypeError, ValueError):
         names = []
     return names[:n] if len(names) >= n else [f"input_{i}" for i in range(n)]
