@@ -54,13 +54,15 @@ def gathered_in_fill_mode(compute, inputs: list) -> list:
 
     litert-converter 0.5.0 takes no int16 GATHER_ND in those modes ('tfl.gather_nd'
     op operand #0 must be ... 8-bit signless integer) and makes one in mode 'fill'."""
+    return _with_gathers_replaced(compute, inputs, {"CLIP", "PROMISE_IN_BOUNDS"}, _clamped_fill_gather)
+
+
+def _with_gathers_replaced(compute, inputs: list, modes: set[str], replacement) -> list:
+    """The op with each gather in one of `modes` computed by ``replacement(eqn, ins)``."""
     closed = jax.make_jaxpr(compute)(*inputs)
-    gathers = {i: _clamped_fill_gather for i, e in enumerate(closed.jaxpr.eqns) if e.primitive.name == "gather"
-               and getattr(e.params["mode"], "name", "") in _CLAMPING_MODES}
+    gathers = {i: replacement for i, e in enumerate(closed.jaxpr.eqns) if e.primitive.name == "gather"
+               and getattr(e.params["mode"], "name", "") in modes}
     return evaluate_replacing(closed, inputs, gathers) if gathers else compute(*inputs)
-
-
-_CLAMPING_MODES = frozenset({"CLIP", "PROMISE_IN_BOUNDS"})
 
 
 def gathered_without_fill(compute, inputs: list) -> list:
@@ -75,31 +77,30 @@ def gathered_without_fill(compute, inputs: list) -> list:
     also makes one constant of the fill values of every table's gather, quantized
     at one table's scale: in dynamic range the other table's rows were requantized
     to it (Flax's WMT Transformer, 1 LSB off and refused by verification)."""
-    closed = jax.make_jaxpr(compute)(*inputs)
-    gathers = {i: _gather_in_bounds for i, e in enumerate(closed.jaxpr.eqns) if e.primitive.name == "gather"
-               and getattr(e.params["mode"], "name", "") == "FILL_OR_DROP"}
-    return evaluate_replacing(closed, inputs, gathers) if gathers else compute(*inputs)
+    return _with_gathers_replaced(compute, inputs, {"FILL_OR_DROP"}, _gather_in_bounds)
 
 
 def _gather_in_bounds(eqn, ins) -> list:
-    params = eqn.params
-    return [jax.lax.gather(*ins, params["dimension_numbers"], params["slice_sizes"],
-                           indices_are_sorted=params["indices_are_sorted"], unique_indices=params["unique_indices"],
-                           mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)]
+    return [_regathered(eqn, *ins, jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)]
 
 
 def _clamped_fill_gather(eqn, ins) -> list:
     table, indices = ins
     params = eqn.params
-    dimensions = params["dimension_numbers"]
     # jax's gather reads its index vectors along the last axis, one start per
     # `start_index_map` axis; a start past `size - slice size` reads past the end.
-    top = np.asarray([table.shape[d] - params["slice_sizes"][d] for d in dimensions.start_index_map],
+    top = np.asarray([table.shape[d] - params["slice_sizes"][d] for d in params["dimension_numbers"].start_index_map],
                      np.dtype(indices.dtype))
     clamped = jnp.clip(indices, np.zeros_like(top), top)
-    return [jax.lax.gather(table, clamped, dimensions, params["slice_sizes"],
-                           indices_are_sorted=params["indices_are_sorted"], unique_indices=params["unique_indices"],
-                           mode=jax.lax.GatherScatterMode.FILL_OR_DROP)]
+    return [_regathered(eqn, table, clamped, jax.lax.GatherScatterMode.FILL_OR_DROP)]
+
+
+def _regathered(eqn, table, indices, mode) -> jax.Array:
+    """`eqn`'s gather of `table` at `indices` in another mode."""
+    params = eqn.params
+    return jax.lax.gather(table, indices, params["dimension_numbers"], params["slice_sizes"],
+                          indices_are_sorted=params["indices_are_sorted"], unique_indices=params["unique_indices"],
+                          mode=mode)
 
 
 def _int16(top: float) -> TensorScale:
