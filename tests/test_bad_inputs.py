@@ -165,3 +165,25 @@ def test_a_model_computing_in_bfloat16_is_refused_before_any_work(rules, tmp_pat
     with pytest.raises(PlanError, match=r"(?s)Dense_1.*bfloat16.*dtype=jnp.float32"):
         odmlq.export_tflite(model, rules, [x], str(path), variables=variables, benchmark=False)
     assert not path.exists()
+
+
+class _TrainingNorm(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.BatchNorm(use_running_average=False)(nn.Dense(4)(x))
+
+
+def test_a_model_that_writes_a_collection_is_told_how_to_export_it():
+    """A Flax decode=True cache or a BatchNorm in training mode writes a collection as the model
+    runs; Flax refuses it unless applied with mutable=. The message said to check the inputs'
+    shapes; it names the collection and the step function to export."""
+    from tests.litert.test_flax_decode_cache import LENGTH, MODEL
+
+    x = np.zeros((1, 6), np.float32)
+    norm = _TrainingNorm()
+    with pytest.raises(TraceError, match=r"writes its 'batch_stats' collection .*mutable=\['batch_stats'\].*"
+                                         r"use_running_average=True"):
+        odmlq.plan(norm, INT8, x, variables=norm.init(jax.random.key(0), x))
+    variables = MODEL.init(jax.random.key(0), np.zeros((1, LENGTH), np.int32))
+    with pytest.raises(TraceError, match=r"writes its 'cache' collection .*fn\(params, x, cache\) -> \(out, cache\)"):
+        odmlq.plan(MODEL, INT8, np.zeros((1, 1), np.int32), variables=variables)

@@ -7,6 +7,7 @@ the grouping (`_grouping`) turns equations into ops and edges.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -57,8 +58,7 @@ def _trace(model: Any, example_inputs: tuple, *, variables: Any = None, method: 
         )
         raise TraceError(
             f"Tracing {model_name} failed with example inputs of shapes [{shapes}]: "
-            f"{type(e).__name__}: {e}. Check that the inputs have the shapes and dtypes "
-            "the model expects (and that variables match the model)."
+            f"{type(e).__name__}: {e}. " + _next_step(e)
         ) from e
     leaves_with_paths, in_tree = jax.tree_util.tree_flatten_with_path((params, *example_inputs))
     num_params = len(jax.tree_util.tree_leaves(params))
@@ -87,6 +87,20 @@ def _trace(model: Any, example_inputs: tuple, *, variables: Any = None, method: 
         outputs=graph_parts.outputs, params=param_info, framework=framework,
         model_name=model_name, program=_TopProgram(body, in_tree, out_tree, num_params), method=method,
     )
+
+
+def _next_step(error: Exception) -> str:
+    """What to do about a model that failed to trace."""
+    collection = re.search(r'collection "(\w+)" is immutable', str(error))
+    if type(error).__name__ == "ModifyScopeVariableError" and collection:
+        name = collection.group(1)
+        return (f"The model writes its {name!r} collection as it runs (a decode=True cache; BatchNorm "
+                "statistics in training mode). Export a function of the params, the inputs and that "
+                f"collection which applies the model with mutable=[{name!r}] and returns the new "
+                f"collection, fn(params, x, {name}) -> (out, {name}), with variables=params (state= pairs the "
+                "collection returned with the one given back); or run the model in inference mode "
+                "(BatchNorm(use_running_average=True)).")
+    return "Check that the inputs have the shapes and dtypes the model expects (and that variables match the model)."
 
 
 def _apply_fn(model, example_inputs, variables, method):
