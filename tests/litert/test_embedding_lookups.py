@@ -102,10 +102,11 @@ class _PositionRow(nn.Module):
     @nn.compact
     def __call__(self, ids):
         table = self.param("pos_embedding", nn.initializers.normal(0.5), (1, 16, 8))
-        position = ids[0, 0] % 12
-        row = jax.lax.dynamic_slice(table, (0, position, 0), (1, 1, 8))
+        # Token ids up to 29 as positions into 16 rows, and as the start of a window of 4 of 5
+        # positions: XLA clamps a start past the end (to 15 and to 1).
+        row = jax.lax.dynamic_slice(table, (0, ids[0, 0], 0), (1, 1, 8))
         h = nn.Dense(8, name="fc")(nn.Embed(30, 8, name="embed")(ids)) + row
-        return nn.Dense(4, name="out")(jax.lax.dynamic_slice_in_dim(h, position % 2, 4, axis=1))
+        return nn.Dense(4, name="out")(jax.lax.dynamic_slice_in_dim(h, ids[0, 1], 4, axis=1))
 
 
 def test_a_row_at_a_run_time_position_is_a_slice_of_the_int8_table():
@@ -120,8 +121,10 @@ def test_a_row_at_a_run_time_position_is_a_slice_of_the_int8_table():
     assert result.verification.passed and result.summary.float_islands == (), str(result.verification)
     ops = result.summary.op_histogram
     assert ops["SLICE"] >= 2 and "QUANTIZE" not in ops, ops
-    ids = np.array([[29, 3, 0, 5, 7]], np.int32)  # position 29 % 12 = 5
-    np.testing.assert_allclose(_invoke(result.tflite, ids), np.asarray(model.apply(variables, ids)), atol=0.05)
+    # Within int8 rounding of float (measured 0.012-0.016) in bounds and past either end.
+    for ids in ([[3, 0, 0, 5, 7]], [[29, 7, 0, 5, 7]], [[15, 1, 2, 5, 7]]):
+        ids = np.array(ids, np.int32)
+        np.testing.assert_allclose(_invoke(result.tflite, ids), np.asarray(model.apply(variables, ids)), atol=0.05)
     # int16: the converter would requantize the int8 table at every invocation; refused
     # before any work, naming the op (an int16 window of an activation converts:
     # tests/litert/test_coverage.py).
