@@ -31,6 +31,7 @@ from odmlq.litert._mapping import (float_island_outputs, as_edge, dequantize_ten
                                    map_float_tensors, map_tensors, params_match, produced_tensors)
 from odmlq.litert._probe import LiteRTCrashError, probe
 from odmlq.litert._runtime import interpreter
+from odmlq.litert._differences import magnitude, relative_difference
 from odmlq.litert._tolerance import allowed_lsb
 from odmlq.plan import dynamic_kernel_inputs, named_list, text_table as table
 from odmlq.progress import steps
@@ -278,7 +279,7 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
             got = floats[e].astype(np.float64)
             if got.size != want.size:
                 continue  # as_edge left it unfed: the converter reshaped it to another size
-            relative = _relative_difference(want, got.reshape(want.shape), _magnitude(plan, e, want, fed))
+            relative = relative_difference(want, got.reshape(want.shape), magnitude(plan, e, want, fed))
             s = float_stats[e]
             s[0], s[1], s[2] = max(s[0], float(relative.max())), s[1] + float(relative.sum()), s[2] + relative.size
         expected = np.concatenate([np.asarray(o, np.float32).reshape(-1)
@@ -367,41 +368,6 @@ def _checked_tensors(plan, scales, edges, conversions) -> tuple[dict, dict]:
         targets[name] = (scales.conversions[c.key], plan.graph.edges[c.edge].shape)
         where[name] = (c.consumers[0], plan.graph.op(c.consumers[0]).module_path)
     return targets, where
-
-
-def _magnitude(plan, edge_id: str, value: np.ndarray, fed: dict) -> float:
-    """The largest finite magnitude among a float edge's values and its producer's activation
-    inputs (a mask's -inf would make every other difference relative to infinity, zero)."""
-    largest = _largest_finite(value)
-    producer = plan.graph.edges[edge_id].producer
-    for operand in () if producer is None else plan.graph.op(producer).operands:
-        source = None if operand.edge is None else fed.get(plan.graph.resolve(operand.edge), fed.get(operand.edge))
-        if operand.role == "input" and source is not None and np.size(source):
-            largest = max(largest, _largest_finite(np.asarray(source, np.float64)))
-    return max(largest, 1e-30)
-
-
-def _largest_finite(value: np.ndarray) -> float:
-    finite = np.abs(value[np.isfinite(value)]) if np.size(value) else np.zeros(0)
-    return float(finite.max()) if finite.size else 0.0
-
-
-def _relative_difference(want: np.ndarray, got: np.ndarray, magnitude: float) -> np.ndarray:
-    """|want - got| / magnitude, element by element, where the same infinity (a `where`'s -inf
-    mask) or NaN in both is no difference and a non-finite value in only one is an infinite
-    one: NaN compares as no number, and a NaN maximum would pass any tolerance.
-
-    litert-converter writes a constant's infinity as float32's largest finite value
-    (measured: `jnp.where(mask, scores, -jnp.inf)` selects -3.4028235e38), which every
-    reader (softmax, max, a comparison) treats as the infinity it stands for."""
-    with np.errstate(invalid="ignore"):
-        difference = np.abs(want - got) / magnitude
-    saturated = np.isinf(want) & (np.abs(got) >= _FLOAT32_MAX) & (np.sign(want) == np.sign(got))
-    same = (want == got) | (np.isnan(want) & np.isnan(got)) | saturated
-    return np.where(same, 0.0, np.where(np.isfinite(difference), difference, np.inf))
-
-
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def _cell(value: float, unit: str, digits: int) -> str:
