@@ -30,6 +30,7 @@ import numpy as np
 from odmlq.errors import OdmlqError
 from odmlq.litert._runtime import interpreter
 from odmlq.litert.inspect import ModelSummary, OpInfo
+from odmlq.plan import named_list
 from odmlq.timing import interleaved_ms, interleaved_rounds
 
 __all__ = ["AUTO_BENCHMARK_BYTES", "COMPUTE_OPS", "Delegation", "DelegateError", "Latency", "benchmark_threads",
@@ -65,9 +66,7 @@ class Delegation:
 
     def describe_outside(self, limit: int = 8) -> str:
         """'CONV_2D (module 'a/b'), ...': the first `limit` ops outside."""
-        names = [f"{op.name} (module {op.module_path or ''!r})" for op in self.outside[:limit]]
-        more = len(self.outside) - limit
-        return ", ".join(names) + (f" and {more} more" if more > 0 else "")
+        return named_list([f"{op.name} (module {op.module_path or ''!r})" for op in self.outside], limit)
 
     def __str__(self) -> str:
         line = (f"XNNPACK: {self.partitions} partition{'s' * (self.partitions != 1)}, {self.delegated} ops "
