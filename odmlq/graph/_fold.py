@@ -174,5 +174,5 @@ def operand_values(graph, params: Any, op_ids: set[str]) -> dict[str, list]:
         return compute(*operands)
 
     inputs = [np.zeros(graph.edges[e].shape, graph.edges[e].dtype) for e in graph.inputs]
-    graph.evaluate(params, *inputs, on_op=on_op)
+    graph.evaluate(params, *graph.structured_inputs(inputs), on_op=on_op)
     return found

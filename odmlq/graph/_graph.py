@@ -36,6 +36,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import numpy as np
 
 __all__ = ["Edge", "Graph", "MATMUL_KINDS", "MAX_CONSTANT_SIZE", "Op", "Operand"]
@@ -242,6 +243,18 @@ class Graph:
             return self._ops_by_id[op_id]
         except KeyError:
             raise KeyError(f"No op {op_id!r} in the graph; ops are {[o.id for o in self.ops]}.") from None
+
+    def structured_inputs(self, leaves: list) -> list:
+        """The model's inputs (pytrees, where it takes them; None where it takes
+        no array) holding `leaves`, one array per `inputs` edge in order."""
+        if self.program is None:
+            return list(leaves)
+        trees = self.program.in_tree.children()[1:]
+        out, start = [], 0
+        for tree in trees:
+            out.append(jax.tree_util.tree_unflatten(tree, leaves[start:start + tree.num_leaves]))
+            start += tree.num_leaves
+        return out if start == len(leaves) else list(leaves)
 
     def evaluate(self, params: Any, *inputs: Any,
                  on_edge: Callable[[str, Any], Any] | None = None,

@@ -134,20 +134,61 @@ def _apply_fn(model, example_inputs, variables, method):
         def fn(s, *xs):
             m = merge_nnx(graphdef, rng_state, s)
             with nnx_call_scopes(m):
-                return (getattr(m, method) if isinstance(method, str) else m)(*xs)
+                if method is None or isinstance(method, str):
+                    return (m if method is None else getattr(m, method))(*xs)
+                return method(m, *xs)  # a function taking the module first, as Linen's method= does
 
         return fn, state, "nnx", type(model).__name__
     if is_keras(model):
         return (keras_function(model), keras_state(model) if variables is None else variables, "keras",
                 getattr(model, "name", type(model).__name__))
     if callable(model):
+        name = getattr(model, "__name__", type(model).__name__)
+        if is_nnx_module(variables):  # fn(module, *inputs), as nnx.jit's functions take it
+            graphdef, rng_state, state = split_nnx(variables)
+
+            def nnx_fn(s, *xs):
+                m = merge_nnx(graphdef, rng_state, s)
+                with nnx_call_scopes(m):
+                    return model(m, *xs)
+
+            return nnx_fn, state, "nnx", name
         if variables is None:
-            raise TraceError(
-                f"{getattr(model, '__name__', model)!r} is a plain function; pass its params "
-                "as variables=... (it is called as fn(params, *inputs))."
-            )
-        return model, variables, "function", getattr(model, "__name__", type(model).__name__)
+            raise TraceError(f"{name!r} is a plain function; " + _closed_over_hint(model))
+        return model, variables, "function", name
     raise TraceError(
         f"Cannot trace {type(model).__name__}: pass a flax.linen Module, a flax.nnx Module, "
         "or a function fn(params, *inputs)."
     )
+
+
+def _closed_over_hint(fn: Any) -> str:
+    """What to pass for a plain function given without variables: where it
+    reads a module from its closure or its globals, how to pass that module's
+    weights (odmlq quantizes parameters it is given, not arrays a function
+    holds)."""
+    import flax.linen as nn
+
+    code = getattr(fn, "__code__", None)
+    seen: dict[str, Any] = {}
+    if code is not None:
+        cells = getattr(fn, "__closure__", None) or ()
+        for var, cell in zip(code.co_freevars, cells):
+            try:
+                seen[var] = cell.cell_contents
+            except ValueError:  # an empty cell
+                pass
+        globals_ = getattr(fn, "__globals__", {})
+        seen.update({n: globals_[n] for n in code.co_names if n in globals_})
+    for var, value in seen.items():
+        if is_nnx_module(value):
+            return (f"it reads the NNX module {var!r} ({type(value).__name__}) it closes over, and odmlq "
+                    f"quantizes the weights it is given: take the module as the first argument, "
+                    f"fn({var}, *inputs), and pass variables={var}; or pass {var} itself as the model, "
+                    f"with method=lambda m, *inputs: ... calling it.")
+    for var, value in seen.items():
+        if isinstance(value, nn.Module):
+            return (f"it calls the Linen module {var!r} ({type(value).__name__}): take its variables as the "
+                    f"first argument, fn(params, *inputs) calling {var}.apply(params, ...), and pass "
+                    "variables=params.")
+    return "pass its params as variables=... (it is called as fn(params, *inputs))."

@@ -162,7 +162,9 @@ def check_plan(plan: Plan, *, allow_float_ops: bool = False) -> list[str]:
                        else (kind_spec.refused or {}).get(spec.qtype))
                 message = (f"{where}: LiteRT has no {spec.qtype} kernel for {op.kind!r}"
                            + (f" ({why})" if why else "")
-                           + "; keep it in float with Rule(..., skip=True) and allow_float_ops=True")
+                           + f"; keep it in float with Rule({op.module_path!r}, op={op.kind!r}, skip=True) "
+                           "before the rule that matched it, and allow_float_ops=True"
+                           + _from_integers_note(plan, op))
                 if not allow_float_ops:
                     raise FloatOpsError(message + ".")
                 float_ops.append(op.id)
@@ -309,3 +311,29 @@ def casts_from_integers(graph, op) -> bool:
     CAST, whose float output a QUANTIZE then quantizes like a model input."""
     return op.kind == "convert_element_type" and bool(op.inputs) and not any(
         graph.edges[graph.resolve(e)].is_float for e in op.inputs)
+
+
+def _from_integers_note(plan, op) -> str:
+    """For an op computing from integer model inputs only (a rotary embedding's
+    SIN of positions): what keeping it in float gives."""
+    graph = plan.graph
+    seen, stack, inputs = set(), [graph.resolve(e) for e in op.inputs], set()
+    while stack:
+        edge = graph.edges[stack.pop()]
+        if edge.id in seen:
+            continue
+        seen.add(edge.id)
+        if edge.is_input or edge.producer is None:
+            if edge.is_float or not edge.is_input:  # a float input, a loop's carry
+                return ""
+            inputs.add(edge.id)
+            continue
+        producer = graph.op(edge.producer)
+        if producer.weights or producer.kind == "scan":
+            return ""
+        stack.extend(graph.resolve(e) for e in producer.inputs)
+    if not inputs:
+        return ""
+    return (f" (it computes from the integer input(s) {', '.join(sorted(inputs))} and constants only: in float it "
+            "is exact, the ops between it and those inputs run in float too, and its output is quantized "
+            "where a quantized op reads it)")

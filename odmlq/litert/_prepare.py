@@ -134,7 +134,7 @@ def _example_inputs(batches: list, batch_size: int) -> tuple:
         raise PlanError("export_tflite needs example_inputs= or a non-empty rep_dataset.")
     first = model_inputs(batches[0])
     for i, value in enumerate(first):
-        for path, x in jax.tree_util.tree_flatten_with_path(value, is_leaf=lambda v: v is None)[0]:
+        for path, x in jax.tree_util.tree_flatten_with_path(value)[0]:  # None: an input with no array
             where = f"input {i}{jax.tree_util.keystr(path)}"
             kind = np.asarray(x).dtype.kind
             if kind in "biuf" and np.ndim(x) and np.shape(x)[0] == 0:
@@ -174,13 +174,12 @@ def _input_names(model: Any, example_inputs: tuple, method: str | Callable | Non
 
 def _argument_names(model: Any, n: int, method: str | Callable | None) -> list[str]:
     try:
-        if method is not None and not isinstance(method, str):  # a function taking the module first
-            raise TypeError("a method given as a function")
-        plain = pyinspect.isfunction(model) or isinstance(model, functools.partial)
-        fn = model if plain else model.__call__ if method is None else getattr(model, method)
+        function = method is not None and not isinstance(method, str)  # a function taking the module first
+        plain = function or pyinspect.isfunction(model) or isinstance(model, functools.partial)
+        fn = method if function else model if plain else model.__call__ if method is None else getattr(model, method)
         names = [p.name for p in pyinspect.signature(fn).parameters.values()
                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        names = names[1:] if plain else names  # a plain function takes its params first
+        names = names[1:] if plain else names  # a plain function takes its params (or module) first
     except (TypeError, ValueError):
         names = []
     return names[:n] if len(names) >= n else [f"input_{i}" for i in range(n)]

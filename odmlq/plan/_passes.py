@@ -254,3 +254,41 @@ def carry_float_inputs(graph: Graph, by_edge: dict, qtype: str) -> None:
                            "(litert-converter fuses a later convolution only so)")
                 break
             frontier += [c for e in op.outputs for c in graph.edges[e].consumers]
+
+
+FROM_INTEGERS = "float: computed from integer inputs only, and read only by float ops"
+
+
+def float_from_integers(graph: Graph, op_plans: dict) -> set[str]:
+    """Ops that compute from integer inputs and constants only (the CAST of a
+    position input, the angles a rotary embedding divides it into) and are
+    read only by float ops (its SIN and COS, kept float by a skip rule) run in
+    float too, their constants float: their values are exact functions of the
+    integers, and quantizing one before a float op only loses precision (an
+    int8 angle is off by up to half of 1/127 of its range). Returns those ops;
+    `op_plans` is updated (``skip``)."""
+    integer = {e for e in graph.inputs if not graph.edges[graph.resolve(e)].is_float}
+    derived: list = []
+    for op in graph.ops:
+        inputs = [graph.resolve(e) for e in op.inputs]
+        if op.kind == "scan" or op.region is not None or op.weights or not inputs:
+            continue
+        if all(e in integer for e in inputs):
+            integer.update(graph.resolve(e) for e in op.outputs)
+            derived.append(op)
+    made: set[str] = set()
+
+    def is_float(op_id: str) -> bool:
+        return op_id in made or op_plans[op_id].rule is None or op_plans[op_id].skip
+
+    for op in reversed(derived):
+        outputs = [graph.edges[graph.resolve(e)] for e in op.outputs]
+        if op_plans[op.id].skip or not any(e.is_float for e in outputs):
+            continue
+        if any(e.is_output for e in outputs) or not all(is_float(c) for e in outputs for c in e.consumers):
+            continue
+        op_plans[op.id] = dataclasses.replace(op_plans[op.id], skip=True,
+                                              constants=(None,) * len(op_plans[op.id].constants))
+        made.add(op.id)
+    return made
+

@@ -25,11 +25,13 @@ from odmlq.constraints import Constraint, Target, combine_targets, constraint_fr
 from odmlq.errors import PlanError, RuleError
 from odmlq.graph import MATMUL_KINDS, Graph, Op, trace
 from odmlq.plan._passes import (
+    FROM_INTEGERS,
     calibrate_masks,
     calibrate_norms,
     carry_float_inputs,
     dynamic_only_into_kernels,
     dynamic_per_row,
+    float_from_integers,
     fuse_activations,
     resolve_output_constraints,
     share_scale_of_activations_beside_others,
@@ -353,8 +355,10 @@ def plan_graph(graph: Graph, rules: Sequence[Rule], target: Target | Sequence[Ta
                                  dynamic_inputs_float=need_weight and op.kind in MATMUL_KINDS
                                  and not quantized_constant)
     share_weight_specs(op_plans)
+    from_integers = float_from_integers(graph, op_plans)
     carrier = next((t.float_input_carrier for t in targets if t.float_input_carrier), None)
-    edge_plans = _edge_plans(graph, rules, op_plans, combine_targets(targets), rows=rows, carrier=carrier)
+    edge_plans = _edge_plans(graph, rules, op_plans, combine_targets(targets), rows=rows, carrier=carrier,
+                             from_integers=from_integers)
     check_state_specs(graph, edge_plans, pairs)
     unmatched = warn_unmatched(rules, matched)
     return Plan(graph=graph, rules=rules, ops=op_plans, edges=edge_plans,
@@ -425,7 +429,7 @@ def _weight_plans(op: Op, rule: Rule | None, index: int | None, targets: Sequenc
 
 
 def _edge_plans(graph: Graph, rules, op_plans, constraints, *, rows: bool = False,
-                carrier: str | None = None) -> dict[str, EdgePlan]:
+                carrier: str | None = None, from_integers: set[str] = frozenset()) -> dict[str, EdgePlan]:
     by_edge: dict[str, EdgePlan] = {}
     for edge in graph.edges.values():
         if edge.alias is not None:
@@ -445,6 +449,8 @@ def _edge_plans(graph: Graph, rules, op_plans, constraints, *, rows: bool = Fals
         rule = rules[index] if index is not None else None
         if rule is None:
             by_edge[edge.id] = EdgePlan(edge=edge.id, spec=None, rule=None, reason=f"no rule ({how})")
+        elif op_id in from_integers:
+            by_edge[edge.id] = EdgePlan(edge=edge.id, spec=None, rule=index, reason=f"{FROM_INTEGERS} ({how})")
         elif rule.skip or rule.act_qtype is None:
             why = "skip" if rule.skip else "no act_qtype"
             by_edge[edge.id] = EdgePlan(edge=edge.id, spec=None, rule=index, reason=f"{why} ({how})")

@@ -76,7 +76,7 @@ class QuantizedModel:
         examples = [jax.ShapeDtypeStruct(plan.graph.edges[e].shape, plan.graph.edges[e].dtype)
                     for e in plan.graph.inputs]
         if plan.graph.program is not None:  # (inputs as the model takes them: pytrees too)
-            jax.eval_shape(self.apply, params, *_structured(plan.graph, examples))  # records `lowerings`
+            jax.eval_shape(self.apply, params, *plan.graph.structured_inputs(examples))  # records `lowerings`
 
     @property
     def nbytes(self) -> int:
@@ -233,16 +233,6 @@ _CHOOSING = {
 
 def _is_qarray(x) -> bool:
     return isinstance(x, QArray)
-
-
-def _structured(graph, leaves: list) -> list:
-    """The graph's flat input leaves as the inputs its model takes (pytrees)."""
-    trees = graph.program.in_tree.children()[1:]
-    out, start = [], 0
-    for tree in trees:
-        out.append(jax.tree_util.tree_unflatten(tree, leaves[start:start + tree.num_leaves]))
-        start += tree.num_leaves
-    return out if start == len(leaves) else leaves
 
 
 def _dequantized(codes, ts, dtype):
