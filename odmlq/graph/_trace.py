@@ -129,30 +129,19 @@ def _apply_fn(model, example_inputs, variables, method):
     if is_nnx_module(model):
         # Random state stays out of the params (a model in eval mode does not
         # read it; a PRNG key is no weight): it is closed over.
-        graphdef, rng_state, state = split_nnx(model)
+        def call(m, *xs):
+            if method is None or isinstance(method, str):
+                return (m if method is None else getattr(m, method))(*xs)
+            return method(m, *xs)  # a function taking the module first, as Linen's method= does
 
-        def fn(s, *xs):
-            m = merge_nnx(graphdef, rng_state, s)
-            with nnx_call_scopes(m):
-                if method is None or isinstance(method, str):
-                    return (m if method is None else getattr(m, method))(*xs)
-                return method(m, *xs)  # a function taking the module first, as Linen's method= does
-
-        return fn, state, "nnx", type(model).__name__
+        return (*_nnx_fn(model, call), "nnx", type(model).__name__)
     if is_keras(model):
         return (keras_function(model), keras_state(model) if variables is None else variables, "keras",
                 getattr(model, "name", type(model).__name__))
     if callable(model):
         name = getattr(model, "__name__", type(model).__name__)
         if is_nnx_module(variables):  # fn(module, *inputs), as nnx.jit's functions take it
-            graphdef, rng_state, state = split_nnx(variables)
-
-            def nnx_fn(s, *xs):
-                m = merge_nnx(graphdef, rng_state, s)
-                with nnx_call_scopes(m):
-                    return model(m, *xs)
-
-            return nnx_fn, state, "nnx", name
+            return (*_nnx_fn(variables, model), "nnx", name)
         if variables is None:
             raise TraceError(f"{name!r} is a plain function; " + _closed_over_hint(model))
         return model, variables, "function", name
@@ -160,6 +149,19 @@ def _apply_fn(model, example_inputs, variables, method):
         f"Cannot trace {type(model).__name__}: pass a flax.linen Module, a flax.nnx Module, "
         "or a function fn(params, *inputs)."
     )
+
+
+def _nnx_fn(module: Any, call: Callable) -> tuple[Callable, Any]:
+    """``(fn(state, *inputs), state)``: `call(module, *inputs)` on the NNX
+    `module` rebuilt around traced state, each submodule's call in a name scope."""
+    graphdef, rng_state, state = split_nnx(module)
+
+    def fn(s, *xs):
+        m = merge_nnx(graphdef, rng_state, s)
+        with nnx_call_scopes(m):
+            return call(m, *xs)
+
+    return fn, state
 
 
 def _closed_over_hint(fn: Any) -> str:

@@ -291,4 +291,3 @@ def float_from_integers(graph: Graph, op_plans: dict) -> set[str]:
                                               constants=(None,) * len(op_plans[op.id].constants))
         made.add(op.id)
     return made
-
