@@ -45,8 +45,8 @@ from odmlq.litert._conv1d import average_pool_as_two_dimensional, one_dimensiona
 from odmlq.litert._conv_transpose import annotated_phases
 from odmlq.litert._loops import annotated_layers, carry_starts, stacked_weights
 from odmlq.litert._weights import annotated_weight, native_layouts, weight_placeholder, zeros
-from odmlq.litert._forms import (added_at_one_shape, avg_pool_padded_with_zeros, concatenated_by_padded_sums,
-                                gathered_in_fill_mode, gathered_without_fill,
+from odmlq.litert._forms import (EXPONENTIAL_LINEAR, added_at_one_shape, avg_pool_padded_with_zeros,
+                                concatenated_by_padded_sums, exponential_linear, gathered_in_fill_mode, gathered_without_fill,
                                 gelu_erf, gelu_in_int16, max_pool_padded_with_zeros, pool_as_depthwise_conv,
                                 reciprocal_scale, separated)
 
@@ -402,6 +402,10 @@ class Annotation(FakeQuant):
             return [jax.nn.softmax(jnp.transpose(inputs[0], op.attributes["permutation"]), axis=op.attributes["axis"])]
         if op.kind == "gelu" and _qtype(scales, op) == "int16" and (into := self._read_at(op.operands[0])):
             return [gelu_in_int16(inputs[0], into, fake_quant_composite)]
+        if (op.kind in EXPONENTIAL_LINEAR and scales.edges.get(op.outputs[0]) is None
+                and not any(isinstance(v, jax.core.Tracer) for v in inputs[1:])  # alpha: a constant
+                and (form := exponential_linear(lambda x: compute(x, *inputs[1:]), inputs[0].shape)) is not None):
+            return [form(inputs[0])]
         if op.kind != "gelu" or op.attributes.get("approximate", True) or len(inputs) != 1:
             return compute(*inputs)
         if scales.edges.get(op.outputs[0]) is None and any(e in scales.edges for e in op.inputs):

@@ -4,6 +4,7 @@ XNNPACK's) kernels, the values unchanged (internal; used by `_annotate`)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,49 @@ from odmlq.scales import TensorScale
 def gelu_erf(x):
     """The exact GELU as x/2 (1 + erf(x / sqrt 2))."""
     return x * 0.5 * (1.0 + jax.lax.erf(x * np.float32(np.sqrt(0.5))))
+
+
+EXPONENTIAL_LINEAR = frozenset({"elu", "selu", "celu"})
+
+
+def exponential_linear(compute, shape: tuple) -> Callable | None:
+    """ELU, SELU or CELU kept in float as ``s (x - m) + a (exp(m / b) - 1)``,
+    ``m = min(x, 0)``: MINIMUM, SUB, EXP and ADD, each an XNNPACK kernel.
+    litert-converter 0.5.0 writes jax.nn's ``where(x > 0, ...)`` as GREATER
+    and SELECT, which XNNPACK does not run: each such op split the graph in
+    three partitions. s, a and b (the function's slope, ``alpha`` and, for
+    CELU, its divisor) are read from `compute`, the op as traced on inputs of
+    `shape`, and the form is used only where it gives `compute`'s values on
+    -30..30 (None: it does not)."""
+    size = max(int(np.prod(shape)), 1)
+
+    def f(values):
+        values = np.asarray(values, np.float32).ravel()
+        out = []
+        for start in range(0, len(values), size):  # the op takes arrays of its traced shape only
+            chunk = values[start:start + size]
+            with jax.ensure_compile_time_eval():  # evaluated now, not staged into the model's trace
+                y = compute(jnp.asarray(np.resize(chunk, shape)))[0]
+            out.append(np.asarray(y, np.float64).ravel()[:len(chunk)])
+        return np.concatenate(out)
+
+    slope, alpha, at_minus_one = f([1.0, -1e4, -1.0])
+    alpha = -alpha
+    if not (np.isfinite(slope) and slope > 0 and np.isfinite(alpha) and alpha > 0 and -1 < at_minus_one / alpha < 0):
+        return None
+    divisor = float(-1.0 / np.log1p(at_minus_one / alpha))
+    divisor = 1.0 if abs(divisor - 1.0) < 1e-5 else divisor
+    s, a, b = np.float32(slope), np.float32(alpha), np.float32(divisor)
+
+    def form(x):
+        m = jnp.minimum(x, np.float32(0))
+        linear = x - m if s == 1 else (x - m) * s
+        return linear + a * (jnp.exp(m if b == 1 else m / b) - np.float32(1))
+
+    grid = np.linspace(-30, 30, 1201, dtype=np.float32)
+    with jax.ensure_compile_time_eval():
+        same = np.allclose(np.asarray(form(grid)), f(grid), rtol=1e-5, atol=1e-6)
+    return form if same else None
 
 
 def reciprocal_scale(ts: TensorScale, reciprocal: float) -> TensorScale:

@@ -368,14 +368,17 @@ OP_SPEC: dict[str, OpSpec] = {
 # forced through export with an integer spec: it failed to convert, stayed
 # float between QUANTIZE/DEQUANTIZE, or missed simulate by many LSBs).
 WITHOUT_KERNEL: dict[str, str] = {
-    "elu": "converted to GREATER, EXP and SUB in float",
+    "elu": "converted to GREATER, EXP and SUB in float"
+            "; kept in float by a skip rule it is MINIMUM, EXP, SUB and ADD, all XNNPACK kernels",
     "softplus": "converted to a float chain (EXP, LOG, ...)",
     "erf": "expanded into a float polynomial",
     "sin": "SIN has no integer kernel", "cos": "COS has no integer kernel",
     "pow": "POW has no integer kernel",
     "cumsum": "CUMSUM has no integer kernel",
-    "selu": "converted to GREATER, EXP, SUB and MUL in float",
-    "celu": "converted to RELU, EXP, SUB and ADD in float",
+    "selu": "converted to GREATER, EXP, SUB and MUL in float"
+            "; kept in float by a skip rule it is MINIMUM, EXP, SUB and ADD, all XNNPACK kernels",
+    "celu": "converted to RELU, EXP, SUB and ADD in float"
+            "; kept in float by a skip rule it is MINIMUM, EXP, SUB and ADD, all XNNPACK kernels",
     "soft_sign": "converted to ABS, ADD and DIV in float",
     "log_sigmoid": "converted to a float chain (EXP, LOG, SELECT, ...)",
     "mish": "converted to a float chain (EXP, LOG, TANH, MUL, ...)",
