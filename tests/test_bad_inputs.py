@@ -187,3 +187,28 @@ def test_a_model_that_writes_a_collection_is_told_how_to_export_it():
     variables = MODEL.init(jax.random.key(0), np.zeros((1, LENGTH), np.int32))
     with pytest.raises(TraceError, match=r"writes its 'cache' collection .*fn\(params, x, cache\) -> \(out, cache\)"):
         odmlq.plan(MODEL, INT8, np.zeros((1, 1), np.int32), variables=variables)
+
+
+class _KeywordOnly(nn.Module):
+    """As Flax's nlp_seq tagger writes its call: ``__call__(self, *, inputs, train)``."""
+
+    @nn.compact
+    def __call__(self, *, inputs, train):
+        return nn.Dropout(0.5, deterministic=not train)(nn.Dense(3)(inputs))
+
+
+def test_a_call_taking_keyword_only_arguments_is_told_the_method_that_passes_them():
+    model, x = _KeywordOnly(), np.ones((2, 4), np.float32)
+    rules = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
+    hint = (r"_KeywordOnly.__call__ takes keyword-only arguments \(inputs, train\) and odmlq passes a batch's "
+            r"arrays positionally: pass method=lambda m, inputs: m\(inputs=inputs, train=\.\.\.\)")
+    with pytest.raises(TraceError, match=hint):  # initialized from the example inputs
+        odmlq.plan(model, rules, x)
+    variables = model.init(jax.random.key(0), inputs=x, train=False)
+    with pytest.raises(TraceError, match=hint):
+        odmlq.plan(model, rules, x, variables=variables)
+    # The method it names works, with or without variables (a Linen model is then initialized through it).
+    method = lambda m, inputs: m(inputs=inputs, train=False)  # noqa: E731
+    assert [op.kind for op in odmlq.plan(model, rules, x, method=method).graph.ops] == ["dot_general"]
+    assert [op.kind for op in odmlq.plan(model, rules, x, variables=variables, method=method).graph.ops] == [
+        "dot_general"]

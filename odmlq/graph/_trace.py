@@ -7,6 +7,8 @@ the grouping (`_grouping`) turns equations into ops and edges.
 
 from __future__ import annotations
 
+import functools
+import inspect as pyinspect
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -56,9 +58,10 @@ def _trace(model: Any, example_inputs: tuple, *, variables: Any = None, method: 
             f"{tuple(np.shape(x))} {getattr(x, 'dtype', type(x).__name__)}"
             for x in jax.tree_util.tree_leaves(example_inputs)
         )
+        keywords = _keyword_only_hint(model, method, len(example_inputs))
         raise TraceError(
             f"Tracing {model_name} failed with example inputs of shapes [{shapes}]: "
-            f"{type(e).__name__}: {e}. " + _next_step(e)
+            f"{type(e).__name__}: {e}. " + (f"{keywords}." if keywords else _next_step(e))
         ) from e
     leaves_with_paths, in_tree = jax.tree_util.tree_flatten_with_path((params, *example_inputs))
     num_params = len(jax.tree_util.tree_leaves(params))
@@ -103,6 +106,34 @@ def _next_step(error: Exception) -> str:
     return "Check that the inputs have the shapes and dtypes the model expects (and that variables match the model)."
 
 
+def _keyword_only_hint(model: Any, method: Any, n: int) -> str | None:
+    """Where the model's call takes keyword-only arguments (Flax's nlp_seq
+    tagger: ``__call__(self, *, inputs, train)``) that the example inputs,
+    passed positionally, cannot reach: the method= that passes them."""
+    if method is not None and not isinstance(method, str):
+        return None
+    fn = getattr(type(model), method or "__call__", None) if not pyinspect.isfunction(model) else model
+    try:
+        parameters = list(pyinspect.signature(fn).parameters.values())[1:]  # self, or a function's params
+    except (TypeError, ValueError):
+        return None
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    keyword = [p.name for p in parameters if p.kind == p.KEYWORD_ONLY]
+    if not keyword or len(positional) >= n or any(p.kind == p.VAR_POSITIONAL for p in parameters):
+        return None
+    name = f"{type(model).__name__}.{method or '__call__'}" if not pyinspect.isfunction(model) else model.__name__
+    taken = [p.name for p in positional] + keyword[:n - len(positional)]
+    rest = [p.name for p in parameters if p.kind == p.KEYWORD_ONLY and p.default is p.empty and p.name not in taken]
+    passed = ", ".join([*taken[:len(positional)], *(f"{t}={t}" for t in taken[len(positional):]),
+                        *(f"{r}=..." for r in rest)])
+    if pyinspect.isfunction(model):
+        return (f"{name} takes keyword-only arguments ({', '.join(keyword)}) and odmlq passes a batch's arrays "
+                f"positionally: export lambda params, {', '.join(taken)}: {name}(params, {passed})")
+    return (f"{name} takes keyword-only arguments ({', '.join(keyword)}) and odmlq passes a batch's arrays "
+            f"positionally: pass method=lambda m, {', '.join(taken)}: m.{method or '__call__'}({passed})"
+            .replace("m.__call__(", "m(") + (" (each ... at its inference value)" if rest else ""))
+
+
 def _apply_fn(model, example_inputs, variables, method):
     import flax.linen as nn
 
@@ -110,11 +141,13 @@ def _apply_fn(model, example_inputs, variables, method):
         name = type(model).__name__
         if variables is None:
             try:
-                variables = jax.eval_shape(model.init, jax.random.key(0), *example_inputs)
+                variables = jax.eval_shape(functools.partial(model.init, method=method), jax.random.key(0),
+                                           *example_inputs)
             except Exception as e:
                 passed = any(isinstance(x, Mapping) and "params" in x for x in example_inputs)
                 hint = ("an example input is a variables dict: pass it as variables=..., not "
                         "among the example inputs" if passed else
+                        _keyword_only_hint(model, method, len(example_inputs)) or
                         "check that the example inputs are what its __call__ takes, or pass "
                         "the trained variables as variables=...")
                 raise TraceError(
