@@ -238,23 +238,7 @@ class _Builder(_LoopLayout):
 
     # -- names, edges, operands -------------------------------------------
     def module_path(self, rec: _OpRec) -> str:
-        parts = [p for p in rec.stack.split("/") if p and "->" not in p]
-        scoped = [i for i, p in enumerate(parts) if p.startswith(NNX_SCOPE)]
-        if self.framework == "nnx" and scoped:  # `_params.nnx_call_scopes`: the innermost module's path
-            parts = parts[scoped[-1]][len(NNX_SCOPE):].split(".") + parts[scoped[-1] + 1:]
-        if self.framework == "linen" and parts:
-            # Flax names a method other than __call__ by its module:
-            # 'Transformer/Transformer.encode/encoder' (the top module's),
-            # 'Decoder/embedding.attend' (a submodule's). The path is the modules'.
-            modules: list[str] = []
-            for p in parts:
-                method = _METHOD_SCOPE.fullmatch(p)
-                if method is None:
-                    modules.append(p)
-                elif not modules or modules[-1] != method.group(1):
-                    modules.append(method.group(1))
-            parts = modules[1:]  # without the top module's name
-        path = "/".join(parts)
+        path = stack_module_path(rec.stack, self.framework)
         if path:
             return path
         for r in self.external_ins(rec):
@@ -483,3 +467,24 @@ def _anchor_axes(step: _Step, pos: int) -> tuple[tuple[int, ...], tuple[int, ...
         return (dn.rhs_spec[0],), (dn.rhs_spec[1],)
     return (dn.lhs_spec[1],), ()
 
+
+
+def stack_module_path(stack: str, framework: str) -> str:
+    """The module path a name stack names ('' at the top level)."""
+    parts = [p for p in stack.split("/") if p and "->" not in p]
+    scoped = [i for i, p in enumerate(parts) if p.startswith(NNX_SCOPE)]
+    if framework == "nnx" and scoped:  # `_params.nnx_call_scopes`: the innermost module's path
+        parts = parts[scoped[-1]][len(NNX_SCOPE):].split(".") + parts[scoped[-1] + 1:]
+    if framework == "linen" and parts:
+        # Flax names a method other than __call__ by its module:
+        # 'Transformer/Transformer.encode/encoder' (the top module's),
+        # 'Decoder/embedding.attend' (a submodule's). The path is the modules'.
+        modules: list[str] = []
+        for p in parts:
+            method = _METHOD_SCOPE.fullmatch(p)
+            if method is None:
+                modules.append(p)
+            elif not modules or modules[-1] != method.group(1):
+                modules.append(method.group(1))
+        parts = modules[1:]  # without the top module's name
+    return "/".join(parts)

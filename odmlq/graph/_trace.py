@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import inspect as pyinspect
 import re
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -78,6 +79,8 @@ def _trace(model: Any, example_inputs: tuple, *, variables: Any = None, method: 
     steps: list = []
     walker.walk(closed.jaxpr, closed.consts, env, "", steps)
     outvars = [walker.ref(env, o) for o in closed.jaxpr.outvars]
+    if walker.random_reads and _draws_random(closed.jaxpr):
+        _warn_random(model_name, {_grouping.stack_module_path(p, framework) for p in walker.random_reads})
     walker.drop_unread_casts(steps, outvars)
     rewrite_norms(walker, steps, outvars)
     activation_first_matmuls(walker, steps)
@@ -90,6 +93,36 @@ def _trace(model: Any, example_inputs: tuple, *, variables: Any = None, method: 
         outputs=graph_parts.outputs, params=param_info, framework=framework,
         model_name=model_name, program=_TopProgram(body, in_tree, out_tree, num_params), method=method,
     )
+
+
+def _draws_random(jaxpr) -> bool:
+    """Whether a random draw reaches the model's outputs: its dead code (the
+    samples of a decoder run with teacher forcing, a loss returned into a
+    discarded variable) pruned first."""
+    from jax._src.interpreters import partial_eval as pe
+
+    live, _ = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)
+
+    def draws(j) -> bool:
+        for eqn in j.eqns:
+            if eqn.primitive.name == "random_bits":
+                return True
+            for sub in jax.core.jaxprs_in_params(eqn.params):
+                if draws(sub):
+                    return True
+        return False
+
+    return draws(live)
+
+
+def _warn_random(model_name: str, modules: set[str]) -> None:
+    where = ", ".join(f"module {m!r}" if m else "the top level" for m in sorted(modules))
+    warnings.warn(
+        f"{model_name} draws random numbers from a key fixed when it is traced ({where}): the traced model, "
+        "and what odmlq quantizes and exports from it, holds the one draw made then, the same at every "
+        "invocation (a sampled latent, dropout with deterministic=False). Where it should sample, pass the "
+        "noise as an input (fn(module, x, noise)); for inference, call it in its deterministic mode "
+        "(deterministic=True, or a method that does not sample).", UserWarning, stacklevel=4)
 
 
 def _next_step(error: Exception) -> str:

@@ -85,6 +85,11 @@ class _Walker:
         self.cast_steps: list = []
         # id(step) of the steps that compute from parameters alone.
         self.from_params: set[int] = set()
+        # value id -> where it was drawn: random numbers folded at trace time
+        # (a key closed over: nnx.Rngs, Linen's rngs=), and the places whose
+        # draws the model's computation reads (`random_reads`).
+        self.random_draws: dict[int, str] = {}
+        self.random_reads: set[str] = set()
 
     def new(self, aval) -> int:
         self.next_id += 1
@@ -170,7 +175,22 @@ class _Walker:
                 self.weights[v] = _propagate(eqn, [self.weights.get(r) for r in ins if not isinstance(r, _Lit)],
                                              ins, self)
             self.fold_constant(step)
+        self.note_random(name, step)
         steps.append(step)
+
+    def note_random(self, name: str, step: _Step) -> None:
+        """Follows random numbers drawn from a constant key: each value
+        computed from them alone is a draw too; a step that also reads the
+        model's inputs reads the draw (`random_reads`)."""
+        drawn = [self.random_draws[r] for r in step.ins if not isinstance(r, _Lit) and r in self.random_draws]
+        if name == "random_bits":
+            drawn.append(step.stack)
+        if not drawn:
+            return
+        if all(self.is_weight(r) for r in step.ins):
+            self.random_draws.update((v, drawn[0]) for v in step.outs)
+        else:
+            self.random_reads.add(drawn[0])
 
     def mask_of(self, name: str, eqn, ins: list):
         """The bool mask a comparison of a float-cast mask with zero gives back
