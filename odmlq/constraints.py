@@ -162,6 +162,11 @@ class Target:
     # keeps the convolution float, its filter dequantized at every invoke).
     # None: the input stays float.
     float_input_carrier: str | None = None
+    # Op kinds the target computes in float only (LiteRT's SIN, COS, ELU...,
+    # run on dequantized values where float ops are allowed): values computed
+    # from integer inputs alone that only such ops read are kept float
+    # (`plan/_passes.float_from_integers`), not quantized before them.
+    float_kinds: frozenset[str] = frozenset()
 
     def constraints_of(self, kind: str) -> OpConstraints | None:
         return self.ops.get(kind)

@@ -397,7 +397,7 @@ WITHOUT_KERNEL: dict[str, str] = {
 TARGET = Target(name="litert", ops={kind: spec.constraints for kind, spec in OP_SPEC.items()},
                 weight_channel_axes=1, dynamic_inputs_need_weight=True,
                 block_scale_dtype="bfloat16", dynamic_depthwise_float=True, dynamic_inputs_per_row=True,
-                float_input_carrier="int16")
+                float_input_carrier="int16", float_kinds=frozenset(WITHOUT_KERNEL))
 
 
 def requantized_from_producer(plan, c) -> bool:

@@ -12,7 +12,8 @@ int after a float island); `odmlq.simulate` fake-quantizes the value the op
 reads, so every backend computes the same numbers.
 
 Not converted: inputs that are not float tensors (token ids), dynamic edges
-(their kernels quantize at run time), inputs of ops that stay in float, and
+(their kernels quantize at run time), inputs of ops that stay in float or
+that a target computes in float only (`OpPlan.inputs_float`), and
 inputs already in the op's qtype. Internal; `Plan.conversions` is the API.
 """
 
@@ -85,7 +86,7 @@ def input_conversions(plan) -> dict[tuple[str, str], Conversion]:
     found: dict[tuple[str, str], Conversion] = {}
     for op in graph.ops:
         target = op_qtype(plan, op)
-        if target is None:
+        if target is None or plan.ops[op.id].inputs_float:
             continue
         for edge_id in dict.fromkeys(op.inputs):
             edge_id = graph.resolve(edge_id)
@@ -116,7 +117,7 @@ def input_conversion_scales(plan, scales) -> dict[str, list]:
     out: dict[str, list] = {}
     for op in plan.graph.ops:
         target = op_qtype(plan, op)
-        if target is None:
+        if target is None or plan.ops[op.id].inputs_float:
             continue
         for index, operand in enumerate(op.operands):
             if operand.role != "input":

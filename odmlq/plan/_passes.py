@@ -262,11 +262,12 @@ FROM_INTEGERS = "float: computed from integer inputs only, and read only by floa
 def float_from_integers(graph: Graph, op_plans: dict) -> set[str]:
     """Ops that compute from integer inputs and constants only (the CAST of a
     position input, the angles a rotary embedding divides it into) and are
-    read only by float ops (its SIN and COS, kept float by a skip rule) run in
-    float too, their constants float: their values are exact functions of the
-    integers, and quantizing one before a float op only loses precision (an
-    int8 angle is off by up to half of 1/127 of its range). Returns those ops;
-    `op_plans` is updated (``skip``)."""
+    read only by float ops (its SIN and COS, kept float by a skip rule, or
+    that a target runs in float only: `OpPlan.inputs_float`) run in float too, their
+    constants float: their values are exact functions of the integers, and
+    quantizing one before a float op only loses precision (an int8 angle is
+    off by up to half of 1/127 of its range). Returns those ops; `op_plans` is
+    updated (``skip``)."""
     integer = {e for e in graph.inputs if not graph.edges[graph.resolve(e)].is_float}
     derived: list = []
     for op in graph.ops:
@@ -279,7 +280,8 @@ def float_from_integers(graph: Graph, op_plans: dict) -> set[str]:
     made: set[str] = set()
 
     def is_float(op_id: str) -> bool:
-        return op_id in made or op_plans[op_id].rule is None or op_plans[op_id].skip
+        plan = op_plans[op_id]
+        return op_id in made or plan.rule is None or plan.skip or plan.inputs_float
 
     for op in reversed(derived):
         outputs = [graph.edges[graph.resolve(e)] for e in op.outputs]

@@ -92,6 +92,9 @@ class OpPlan:
         reads no quantized constant, and LiteRT's dynamic-range kernels need
         one: an attention matmul), so every backend reads its dynamically
         quantized inputs in float.
+      inputs_float: a target computes this op in float only
+        (`Target.float_kinds`: LiteRT's SIN, ELU...), so every backend reads
+        its float inputs as they are, never quantized for it (`conversions`).
     """
 
     op: str
@@ -101,13 +104,14 @@ class OpPlan:
     skip: bool = False
     dynamic_input: QuantSpec | None = None
     dynamic_inputs_float: bool = False
+    inputs_float: bool = False
 
     def to_dict(self) -> dict:
         return {"op": self.op, "rule": self.rule, "weights": [w.to_dict() for w in self.weights],
                 "constants": [None if c is None else c.to_dict() for c in self.constants],
                 "skip": self.skip,
                 "dynamic_input": None if self.dynamic_input is None else self.dynamic_input.to_dict(),
-                "dynamic_inputs_float": self.dynamic_inputs_float}
+                "dynamic_inputs_float": self.dynamic_inputs_float, "inputs_float": self.inputs_float}
 
     @classmethod
     def from_dict(cls, d: dict) -> "OpPlan":
@@ -115,7 +119,8 @@ class OpPlan:
                    weights=tuple(WeightPlan.from_dict(w) for w in d["weights"]),
                    constants=tuple(_spec_or_none(c) for c in d.get("constants", ())),
                    skip=bool(d.get("skip", False)), dynamic_input=_spec_or_none(d.get("dynamic_input")),
-                   dynamic_inputs_float=bool(d.get("dynamic_inputs_float", False)))
+                   dynamic_inputs_float=bool(d.get("dynamic_inputs_float", False)),
+                   inputs_float=bool(d.get("inputs_float", False)))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -338,6 +343,7 @@ def plan_graph(graph: Graph, rules: Sequence[Rule], target: Target | Sequence[Ta
     matched: set[int] = set()
     need_weight = any(t.dynamic_inputs_need_weight for t in targets)
     rows = any(t.dynamic_inputs_per_row for t in targets)
+    float_kinds = frozenset().union(*(t.float_kinds for t in targets))
     for op in graph.ops:
         index = None
         if op.kind != "scan":
@@ -353,7 +359,8 @@ def plan_graph(graph: Graph, rules: Sequence[Rule], target: Target | Sequence[Ta
                                  skip=rule is not None and rule.skip,
                                  dynamic_input=dynamic_input_spec(op, rule, rows),
                                  dynamic_inputs_float=need_weight and op.kind in MATMUL_KINDS
-                                 and not quantized_constant)
+                                 and not quantized_constant,
+                                 inputs_float=rule is not None and not rule.skip and op.kind in float_kinds)
     share_weight_specs(op_plans)
     from_integers = float_from_integers(graph, op_plans)
     carrier = next((t.float_input_carrier for t in targets if t.float_input_carrier), None)
