@@ -4,7 +4,9 @@ A batch is one model input, or a tuple (or list) of them, one per positional
 argument. An input is an array, or a pytree of arrays (a dict of
 `input_ids` and `attention_mask`, as a tokenizer returns), every leaf with
 the batch dimension first, except a scalar (0-d) leaf, which every row shares
-(the ``cache_index`` of a Flax ``decode=True`` cache). A .tflite takes the
+(the ``cache_index`` of a Flax ``decode=True`` cache). A batch whose arrays
+have no common leading size (a graph's nodes and edges) is one example,
+taken whole (`taken_whole`). A .tflite takes the
 leaves, in `jax.tree` order, as its inputs; `leaf_names` names them after
 their keys.
 """
@@ -18,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["leaf_names", "leaves", "model_inputs", "row_count", "sliced"]
+__all__ = ["leaf_names", "leaves", "model_inputs", "row_count", "sliced", "taken_whole"]
 
 
 def model_inputs(batch: Any) -> tuple:
@@ -33,14 +35,29 @@ def leaves(tree: Any) -> list[np.ndarray]:
 
 
 def row_count(inputs: Sequence[Any]) -> int:
-    """The batch size: the leading dimension of the first array that has one."""
+    """The batch size: the leading dimension of the first array that has one
+    (1 for a batch taken whole: `taken_whole`)."""
     batched = [x for x in leaves(inputs) if np.ndim(x)]
+    if batched and taken_whole(inputs):
+        return 1
     return int(np.shape(batched[0])[0]) if batched else 0
+
+
+def taken_whole(inputs: Sequence[Any]) -> bool:
+    """Whether a batch's arrays have leading dimensions of different sizes, so
+    that no batch dimension runs through them (a graph network's nodes, edges
+    and per-graph counts: a jraph ``GraphsTuple``). Such a batch is one
+    example: calibrated, exported (at `example_inputs`' shapes) and verified
+    whole, never cut into rows."""
+    sizes = {np.shape(x)[0] for x in leaves(inputs) if np.ndim(x)}
+    return len(sizes) > 1
 
 
 def sliced(inputs: Sequence[Any], start: int, stop: int | None) -> tuple:
     """Rows `start` to `stop` of every array of `inputs`, as numpy arrays (a scalar,
-    which every row shares, as it is)."""
+    which every row shares, as it is); a batch taken whole (`taken_whole`) whole."""
+    if taken_whole(inputs):
+        return tuple(jax.tree_util.tree_map(np.asarray, tuple(inputs)))
     return tuple(jax.tree_util.tree_map(lambda x: np.asarray(x)[start:stop] if np.ndim(x) else np.asarray(x),
                                         tuple(inputs)))
 

@@ -9,7 +9,7 @@ from collections import Counter
 import numpy as np
 
 from odmlq.graph import _patterns
-from odmlq.graph._program import _Lit, _OpSteps, _OpRec, _Program, _Region, _Step
+from odmlq.graph._program import _Lit, _OpSteps, _OpRec, _Program, _Region, _Step, scattered_rows_axis
 from odmlq.graph._walk import _map_axes, _Walker
 from odmlq.graph._linear import pointwise, transposed_by_phases
 from odmlq.graph._loops import _LoopLayout
@@ -348,6 +348,8 @@ class _Builder(_LoopLayout):
         if rec.kind == "gather":
             mode = rec.steps[0].eqn.params.get("mode")
             attributes["mode"] = getattr(mode, "name", str(mode)).lower()  # fill_or_drop, clip, ...
+        if rec.kind == "scatter-add":  # None: not whole rows along one axis
+            attributes["rows_along"] = scattered_rows_axis(next(st for st in rec.steps if st.kind == "scatter-add").eqn)
         if rec.kind == "concatenate":
             joined = next(st for st in rec.steps if st.kind == "concatenate")
             attributes["axis"] = int(joined.eqn.params["dimension"])

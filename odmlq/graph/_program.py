@@ -295,3 +295,29 @@ def evaluate_replacing(closed, args, replace: Mapping[int, Callable], each: Call
         for v, o in zip(eqn.outvars, outs):
             env[v] = o
     return [read(a) for a in jaxpr.outvars]
+
+
+def scattered_rows_axis(eqn) -> int | None:
+    """The operand axis along which a scatter-add adds whole rows, one index
+    per row (``jax.ops.segment_sum``, ``x.at[ids].add(rows)``), or None for
+    any other scatter."""
+    if len(eqn.invars) != 3:
+        return None
+    operand, indices, updates = (v.aval for v in eqn.invars)
+    dn = eqn.params["dimension_numbers"]
+    if (dn.operand_batching_dims or dn.scatter_indices_batching_dims or len(dn.scatter_dims_to_operand_dims) != 1
+            or tuple(dn.inserted_window_dims) != tuple(dn.scatter_dims_to_operand_dims)
+            or not indices.shape or indices.shape[-1] != 1):
+        return None
+    axis = int(dn.scatter_dims_to_operand_dims[0])
+    window = tuple(d for i, d in enumerate(operand.shape) if i != axis)
+    if (len(scattered_row_dims(eqn)) != indices.ndim - 1
+            or tuple(updates.shape[d] for d in dn.update_window_dims) != window):
+        return None
+    return axis
+
+
+def scattered_row_dims(eqn) -> list[int]:
+    """The axes of a scatter's updates that run over its indices (the rest are windows)."""
+    windows = eqn.params["dimension_numbers"].update_window_dims
+    return [d for d in range(eqn.invars[2].aval.ndim) if d not in windows]

@@ -48,7 +48,7 @@ from odmlq.litert._weights import annotated_weight, native_layouts, weight_place
 from odmlq.litert._forms import (EXPONENTIAL_LINEAR, added_at_one_shape, avg_pool_padded_with_zeros,
                                 concatenated_by_padded_sums, exponential_linear, gathered_in_fill_mode, gathered_without_fill,
                                 gelu_erf, gelu_in_int16, max_pool_padded_with_zeros, pool_as_depthwise_conv,
-                                reciprocal_scale, separated)
+                                reciprocal_scale, scattered_as_sums, separated)
 
 
 class Annotated(NamedTuple):
@@ -368,6 +368,9 @@ class Annotation(FakeQuant):
         if op.kind == "concatenate" and len(inputs) > 1 and _qtype(scales, op) == "int16":
             return [concatenated_by_padded_sums(inputs, op.attributes["axis"], scales.edges[op.outputs[0]],
                                                 fake_quant_composite)]
+        if op.kind == "scatter-add" and (summed := scattered_as_sums(
+                compute, inputs, _qtype(scales, op), fake_quant_composite)) is not None:
+            return summed
         if op.kind == "gather" and _qtype(scales, op) == "int16":  # ``table[ids]``: as mode 'fill'
             return gathered_in_fill_mode(compute, inputs)
         if op.kind == "gather" and self._quantized_table(op):

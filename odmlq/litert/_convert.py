@@ -53,7 +53,7 @@ def lowered(fn: Callable, example_inputs: Sequence[Any]) -> str:
     import jax
 
     # debug_info keeps named-scope locations: tensor names then carry op ids.
-    return jax.jit(fn).lower(*example_inputs).as_text(debug_info=True)
+    return jax.jit(fn, keep_unused=True).lower(*example_inputs).as_text(debug_info=True)
 
 
 def convert_stablehlo(text: str, *, input_names: Sequence[str], output_names: Sequence[str],

@@ -4,13 +4,14 @@ XNNPACK's) kernels, the values unchanged (internal; used by `_annotate`)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from odmlq.graph import evaluate_replacing
+from odmlq.graph import evaluate_replacing, scattered_row_dims, scattered_rows_axis
 from odmlq.litert.spec import pool_pads_with_zeros
 from odmlq.scales import TensorScale
 
@@ -122,6 +123,65 @@ def gathered_without_fill(compute, inputs: list) -> list:
     at one table's scale: in dynamic range the other table's rows were requantized
     to it (Flax's WMT Transformer, 1 LSB off and refused by verification)."""
     return _with_gathers_replaced(compute, inputs, {"FILL_OR_DROP"}, _gather_in_bounds)
+
+
+def scattered_as_sums(compute, inputs: list, qtype: str | None = None, mark=None) -> list | None:
+    """A scatter-add of whole rows along one axis (``jax.ops.segment_sum``,
+    ``x.at[ids].add(rows)``: a graph network's messages summed per node) as
+    sums over a one-hot match of the indices: ``operand + (ids == s) @ rows``,
+    a matmul for float rows, MUL and SUM for integers. Out-of-range indices
+    match no row and are dropped (jax's mode 'fill'; mode 'clip' clamps them
+    first), duplicates summed, as XLA's scatter does.
+
+    litert-converter 0.5.0 writes a scatter-add as STABLEHLO_SCATTER with its
+    sum as a separate subgraph holding an ADD, which LiteRT's kernel refuses
+    when the model is loaded ("Only update, Add, Multiply, Maximum and Minimum
+    operations are currently supported"): no model summing by index loaded.
+
+    Quantized (`qtype`: the output's): the one-hot matrix is marked with
+    `mark` in that qtype at scale 1 / qmax, zero point 0 (0 and 1 exact), so
+    that the matmul is an integer FULLY_CONNECTED of it and the quantized
+    rows: each sum rounded once, at the output's scale. None: `compute` holds no such scatter."""
+    closed = jax.make_jaxpr(compute)(*inputs)
+    one = None if qtype is None else _one_exact(qtype)
+    found = {i: functools.partial(_summed_rows, one=one, mark=mark) for i, e in enumerate(closed.jaxpr.eqns)
+             if e.primitive.name == "scatter-add" and scattered_rows_axis(e) is not None}
+    return evaluate_replacing(closed, inputs, found) if found else None
+
+
+def _one_exact(qtype: str) -> TensorScale:
+    """A symmetric quantization in `qtype` holding 0 and 1 exactly (1 as its largest code)."""
+    top = 127.0 if qtype == "int8" else 32767.0
+    return TensorScale(qtype=qtype, scale=np.asarray(1.0 / top, np.float32), zero_point=np.zeros((), np.int64))
+
+
+def _summed_rows(eqn, ins, one: TensorScale | None = None, mark=None) -> list:
+    operand, indices, updates = ins
+    axis = scattered_rows_axis(eqn)
+    size = operand.shape[axis]
+    ids = indices.reshape(-1)
+    if getattr(eqn.params["mode"], "name", "") == "CLIP":
+        ids = jnp.clip(ids, 0, size - 1)
+    dims = scattered_row_dims(eqn)
+    rows = jnp.moveaxis(updates, dims, list(range(len(dims)))).reshape(ids.shape[0], -1)
+    hit = ids[None, :] == jnp.arange(size, dtype=ids.dtype)[:, None]
+    if jnp.issubdtype(rows.dtype, jnp.floating) and one is None:
+        sums = jnp.matmul(hit.astype(rows.dtype), rows)
+    elif jnp.issubdtype(rows.dtype, jnp.floating) and one.qtype.bits == 16:
+        # int16: both operands int16 (an int8 matrix fails LiteRT's int16x8 kernel at load)
+        sums = jnp.matmul(mark(hit.astype(rows.dtype), one), rows)
+    elif jnp.issubdtype(rows.dtype, jnp.floating):
+        # int8: the rows as FULLY_CONNECTED's input, the one-hot matrix (S, N)
+        # as its weight (out, in): an integer weight needs zero point 0, which
+        # the matrix has and an activation's grid mostly has not.
+        sums = jax.lax.dot_general(rows, mark(hit.astype(rows.dtype), one), (((0,), (1,)), ((), ()))).T
+    else:
+        sums = jnp.sum(jnp.where(hit[:, :, None], rows[None], jnp.zeros((), rows.dtype)), axis=1)
+    window = [d for i, d in enumerate(operand.shape) if i != axis]
+    sums = jnp.moveaxis(sums.reshape([size] + window), 0, axis).astype(operand.dtype)
+    if not isinstance(operand, jax.core.Tracer) and not np.any(np.asarray(operand)):
+        return [sums]  # segment_sum's zeros: nothing to add
+    return [operand + sums]
 
 
 def _gather_in_bounds(eqn, ins) -> list:

@@ -153,7 +153,9 @@ def _example_inputs(batches: list, batch_size: int) -> tuple:
     rows = row_count(first)
     if any(np.shape(x)[0] != rows for x in batched):
         raise CalibrationError(f"rep_dataset batch 0: its arrays have {sorted({np.shape(x)[0] for x in batched})} "
-                               "rows; give every input of a batch the same number of rows.")
+                               "rows; give every input of a batch the same number of rows, or, for inputs with no batch "
+                               "dimension (a graph's nodes and edges), example_inputs= (one batch, exported at its "
+                               "shapes): each batch is then one example, taken whole.")
     if not isinstance(batch_size, int) or batch_size < 1 or batch_size > rows:
         raise PlanError(f"batch_size={batch_size!r}: give an integer from 1 to the first batch's "
                         f"{rows} rows, or example_inputs= of the shape to export.")

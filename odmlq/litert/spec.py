@@ -200,6 +200,15 @@ def _copying_broadcast(op, qtype: str, graph) -> str | None:
             "Rule(..., skip=True) and allow_float_ops=True")
 
 
+def _rows_scattered(op, qtype: str, graph) -> str | None:
+    """A scatter-add LiteRT runs is one adding whole rows along one axis (`_forms.scattered_as_sums`)."""
+    if op.attributes.get("rows_along") is not None:
+        return None
+    return ("LiteRT's STABLEHLO_SCATTER kernel refuses litert-converter 0.5.0's ADD region, and odmlq writes as a "
+            "one-hot matmul only a scatter-add of whole rows along one axis (jax.ops.segment_sum, "
+            "x.at[ids].add(rows) with 1-D ids); add whole rows, or keep the op out of the exported function")
+
+
 def _softmax_axis(op, qtype: str, graph) -> str | None:
     axis = op.attributes.get("axis")
     ndim = len(op.operands[0].shape)
@@ -286,6 +295,10 @@ OP_SPEC: dict[str, OpSpec] = {
     "max": OpSpec(_BOTH, SHARED, becomes="MAXIMUM"),
     "min": OpSpec(_BOTH, SHARED, becomes="MINIMUM"),
     "reduce_sum": OpSpec(_BOTH, becomes="SUM"),
+    # jax.ops.segment_sum, x.at[ids].add(rows): STABLEHLO_SCATTER's ADD region
+    # fails LiteRT's kernel at load; written as a one-hot matmul (`_forms.scattered_as_sums`).
+    "scatter-add": OpSpec(_BOTH, limitation=_rows_scattered, becomes="EQUAL, CAST, BATCH_MATMUL",
+                          note="whole rows added along one axis, as a one-hot matrix (0 and 1 exact) times the rows"),
     # REDUCE_MAX / REDUCE_MIN pick values: the output keeps the input's scale.
     "reduce_max": OpSpec(_BOTH, SAME_AS_INPUT, becomes="REDUCE_MAX"),
     "reduce_min": OpSpec(_BOTH, SAME_AS_INPUT, becomes="REDUCE_MIN"),

@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from odmlq.batches import leaves, model_inputs, row_count, sliced
+from odmlq.batches import leaves, model_inputs, row_count, sliced, taken_whole
 from odmlq.graph import GraphCache, params_for
 from odmlq.litert._mapping import (float_island_outputs, as_edge, dequantize_tensor, map_conversions, map_steps,
                                    map_float_tensors, map_tensors, params_match, produced_tensors)
@@ -423,6 +423,9 @@ def sample_rows(samples, interpreter):
     batch = int(interpreter.get_input_details()[0]["shape"][0])
     for sample in samples:
         inputs = model_inputs(sample)
+        if taken_whole(inputs):  # a graph: one example at the exported shapes
+            yield sliced(inputs, 0, None)
+            continue
         for start in range(0, row_count(inputs) - batch + 1, batch):
             yield sliced(inputs, start, start + batch)
 

@@ -55,6 +55,9 @@ _MORE = {
     "embedding": (_Int16Pieces(), None),  # nn.Embed: a gather in mode fill
     "stop_gradient": (_Fn(lambda x: jax.lax.stop_gradient(x) * 0.5), (8,)),  # the identity
     "log_softmax": (_Fn(jax.nn.log_softmax), (8,)),
+    # Rows summed by index (an index past the end is dropped): a one-hot matmul.
+    "scatter_add": (_Fn(lambda x: jnp.zeros((x.shape[0], 4), x.dtype).at[:, np.array([0, 1, 1, 3, 0, 2, 2, 5])].add(x)),
+                    (8,)),
 }
 # Kind -> the model that exercises it (a case name of CASES or _MORE).
 KIND_CASE = {
@@ -68,7 +71,7 @@ KIND_CASE = {
     "broadcast_in_dim": "broadcast", "max_pool": "max_pool", "slice": "slice", "split": "split",
     "select_n": "select", "exp": "exp", "log": "log", "abs": "abs", "leaky_relu": "leaky_relu",
     "pad": "pad", "rev": "flip", "dynamic_update_slice": "update_slice", "stop_gradient": "stop_gradient",
-    "log_softmax": "log_softmax", "dynamic_slice": "dynamic_slice",
+    "log_softmax": "log_softmax", "dynamic_slice": "dynamic_slice", "scatter-add": "scatter_add",
     # jax 0.10 traces jax.nn.sigmoid as the logistic primitive; the entry serves a named call.
     "sigmoid": None,
 }
