@@ -212,3 +212,20 @@ def test_a_call_taking_keyword_only_arguments_is_told_the_method_that_passes_the
     assert [op.kind for op in odmlq.plan(model, rules, x, method=method).graph.ops] == ["dot_general"]
     assert [op.kind for op in odmlq.plan(model, rules, x, variables=variables, method=method).graph.ops] == [
         "dot_general"]
+
+
+def test_a_model_returning_no_array_is_told_to_return_its_outputs():
+    """A __call__ that forgets its return: verification crashed with numpy's
+    "need at least one array to concatenate"."""
+
+    class _NoReturn(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            nn.Dense(4)(x)
+
+    model = _NoReturn()
+    x = np.ones((2, 3), np.float32)
+    variables = model.init(jax.random.key(0), x)
+    with pytest.raises(TraceError, match="returned PyTreeDef\\(None\\), no array.*Return the model's outputs"):
+        odmlq.export_tflite(model, [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")], [x, x],
+                            variables=variables, benchmark=False)

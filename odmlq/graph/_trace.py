@@ -64,6 +64,10 @@ def _trace(model: Any, example_inputs: tuple, *, variables: Any = None, method: 
             f"Tracing {model_name} failed with example inputs of shapes [{shapes}]: "
             f"{type(e).__name__}: {e}. " + (f"{keywords}." if keywords else _next_step(e))
         ) from e
+    if not jax.tree_util.tree_leaves(out_shape):
+        raise TraceError(f"{model_name} returned {jax.tree_util.tree_structure(out_shape)}, no array: there is "
+                         "nothing to quantize or export. Return the model's outputs (a method that writes "
+                         "its result into a collection: return it, or pass method= of the one that does).")
     leaves_with_paths, in_tree = jax.tree_util.tree_flatten_with_path((params, *example_inputs))
     num_params = len(jax.tree_util.tree_leaves(params))
     walker = _Walker()
