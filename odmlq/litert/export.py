@@ -9,10 +9,9 @@ import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-import jax
 import numpy as np
 
-from odmlq.batches import leaves
+from odmlq.batches import leaves, row_count
 from odmlq.calibration import Calibration
 from odmlq.errors import OdmlqError
 from odmlq.files import atomic_output, check_output_path
@@ -254,7 +253,7 @@ def build(model: Any, prepared: Prepared, path: str | os.PathLike | None = None,
     written = write_atomically(path, tflite) if path is not None else None
     return Export(tflite=tflite, path=written, plan=plan, calibration=prepared.calibration, scales=prepared.scales,
                   summary=summary, verification=report, delegation=delegation, latencies=latencies,
-                  batch_size=int(np.shape(jax.tree_util.tree_leaves(prepared.example_inputs)[0])[0]))
+                  batch_size=row_count(prepared.example_inputs))
 
 
 def _benchmark(model, tflite: bytes, example_inputs, *, variables, progress, names, io_dtype: str, method,

@@ -209,6 +209,7 @@ def test_a_jraph_graph_network_exports_and_verifies(act_dynamic):
                                  example_inputs=(graphs[0],), benchmark=False)
     assert result.summary.float_islands == (), [o.name for o in result.summary.float_islands]
     assert result.verification.passed and result.verification.samples >= 1, str(result.verification)
+    assert result.batch_size == 1 and "batch size 1" in str(result)  # one graph batch, not 22 nodes
     # random weights, 2 graphs x 4 outputs, six LayerNorms: int8 measured 13.7 dB, dynamic range 39.2 dB
     assert result.verification.litert_float_sqnr_db > (33.0 if act_dynamic else 10.0), str(result.verification)
     want = np.asarray(model.apply(variables, graphs[-1]))
