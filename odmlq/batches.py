@@ -37,10 +37,10 @@ def leaves(tree: Any) -> list[np.ndarray]:
 def row_count(inputs: Sequence[Any]) -> int:
     """The batch size: the leading dimension of the first array that has one
     (1 for a batch taken whole: `taken_whole`)."""
-    batched = [x for x in leaves(inputs) if np.ndim(x)]
-    if batched and taken_whole(inputs):
-        return 1
-    return int(np.shape(batched[0])[0]) if batched else 0
+    sizes = _leading_sizes(inputs)
+    if not sizes:
+        return 0
+    return 1 if len(set(sizes)) > 1 else int(sizes[0])
 
 
 def taken_whole(inputs: Sequence[Any]) -> bool:
@@ -49,8 +49,12 @@ def taken_whole(inputs: Sequence[Any]) -> bool:
     and per-graph counts: a jraph ``GraphsTuple``). Such a batch is one
     example: calibrated, exported (at `example_inputs`' shapes) and verified
     whole, never cut into rows."""
-    sizes = {np.shape(x)[0] for x in leaves(inputs) if np.ndim(x)}
-    return len(sizes) > 1
+    return len(set(_leading_sizes(inputs))) > 1
+
+
+def _leading_sizes(inputs: Sequence[Any]) -> list[int]:
+    """The leading size of every array of `inputs` with one (read from shapes: no copy)."""
+    return [np.shape(x)[0] for x in jax.tree_util.tree_leaves(tuple(inputs)) if np.ndim(x)]
 
 
 def sliced(inputs: Sequence[Any], start: int, stop: int | None) -> tuple:

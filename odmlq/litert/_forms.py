@@ -13,6 +13,7 @@ import numpy as np
 
 from odmlq.graph import evaluate_replacing, scattered_row_dims, scattered_rows_axis
 from odmlq.litert.spec import pool_pads_with_zeros
+from odmlq.qtypes import qtype as lookup_qtype
 from odmlq.scales import TensorScale
 
 
@@ -151,7 +152,7 @@ def scattered_as_sums(compute, inputs: list, qtype: str | None = None, mark=None
 
 def _one_exact(qtype: str) -> TensorScale:
     """A symmetric quantization in `qtype` holding 0 and 1 exactly (1 as its largest code)."""
-    top = 127.0 if qtype == "int8" else 32767.0
+    top = float(lookup_qtype(qtype).qmax)
     return TensorScale(qtype=qtype, scale=np.asarray(1.0 / top, np.float32), zero_point=np.zeros((), np.int64))
 
 
@@ -165,18 +166,18 @@ def _summed_rows(eqn, ins, one: TensorScale | None = None, mark=None) -> list:
     dims = scattered_row_dims(eqn)
     rows = jnp.moveaxis(updates, dims, list(range(len(dims)))).reshape(ids.shape[0], -1)
     hit = ids[None, :] == jnp.arange(size, dtype=ids.dtype)[:, None]
-    if jnp.issubdtype(rows.dtype, jnp.floating) and one is None:
-        sums = jnp.matmul(hit.astype(rows.dtype), rows)
-    elif jnp.issubdtype(rows.dtype, jnp.floating) and one.qtype.bits == 16:
-        # int16: both operands int16 (an int8 matrix fails LiteRT's int16x8 kernel at load)
-        sums = jnp.matmul(mark(hit.astype(rows.dtype), one), rows)
-    elif jnp.issubdtype(rows.dtype, jnp.floating):
-        # int8: the rows as FULLY_CONNECTED's input, the one-hot matrix (S, N)
-        # as its weight (out, in): an integer weight needs zero point 0, which
-        # the matrix has and an activation's grid mostly has not.
-        sums = jax.lax.dot_general(rows, mark(hit.astype(rows.dtype), one), (((0,), (1,)), ((), ()))).T
-    else:
+    if not jnp.issubdtype(rows.dtype, jnp.floating):
         sums = jnp.sum(jnp.where(hit[:, :, None], rows[None], jnp.zeros((), rows.dtype)), axis=1)
+    else:
+        matrix = hit.astype(rows.dtype) if one is None else mark(hit.astype(rows.dtype), one)
+        if one is not None and one.qtype.bits == 8:
+            # int8: the rows as FULLY_CONNECTED's input, the one-hot matrix (S, N)
+            # as its weight (out, in): an integer weight needs zero point 0, which
+            # the matrix has and an activation's grid mostly has not. int16: both
+            # operands int16 (an int8 matrix fails LiteRT's int16x8 kernel at load).
+            sums = jax.lax.dot_general(rows, matrix, (((0,), (1,)), ((), ()))).T
+        else:
+            sums = jnp.matmul(matrix, rows)
     window = [d for i, d in enumerate(operand.shape) if i != axis]
     sums = jnp.moveaxis(sums.reshape([size] + window), 0, axis).astype(operand.dtype)
     if not isinstance(operand, jax.core.Tracer) and not np.any(np.asarray(operand)):

@@ -297,7 +297,7 @@ OP_SPEC: dict[str, OpSpec] = {
     "reduce_sum": OpSpec(_BOTH, becomes="SUM"),
     # jax.ops.segment_sum, x.at[ids].add(rows): STABLEHLO_SCATTER's ADD region
     # fails LiteRT's kernel at load; written as a one-hot matmul (`_forms.scattered_as_sums`).
-    "scatter-add": OpSpec(_BOTH, limitation=_rows_scattered, becomes="EQUAL, CAST, BATCH_MATMUL",
+    "scatter-add": OpSpec(_BOTH, limitation=_rows_scattered, becomes="EQUAL, CAST, FULLY_CONNECTED (BATCH_MATMUL in float)",
                           note="whole rows added along one axis, as a one-hot matrix (0 and 1 exact) times the rows"),
     # REDUCE_MAX / REDUCE_MIN pick values: the output keeps the input's scale.
     "reduce_max": OpSpec(_BOTH, SAME_AS_INPUT, becomes="REDUCE_MAX"),
