@@ -35,7 +35,8 @@ import numpy as np
 from ai_edge_litert import schema_py_generated as schema
 
 import odmlq
-from odmlq.litert.verify import verification_samples, verify
+from odmlq.litert._samples import verification_samples
+from odmlq.litert.verify import verify
 
 
 class MLP(nn.Module):

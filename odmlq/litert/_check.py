@@ -264,10 +264,15 @@ def check_io_dtype(plan: Plan, io_dtype: str) -> None:
                 continue  # token ids and other integer inputs stay as they are
             if spec is None or spec.qtype != io_dtype:
                 have = "float" if spec is None else spec.qtype.name
+                producer = graph.edges[edge_id].producer
+                dynamic = (kind == "output" and spec is None and producer is not None
+                           and plan.ops[producer].dynamic_input is not None)
                 raise PlanError(
                     f"io_dtype={io_dtype!r}, but the model's {kind} {edge_id!r} is {have} in the plan; "
                     f"integer inputs and outputs take their edge's type. Use io_dtype={have!r}"
-                    + ("" if spec is None else
+                    + (f": a dynamic-range kernel writes it ({producer!r}, rules[{plan.ops[producer].rule}] "
+                       f"has act_dynamic=True); for {io_dtype} outputs give that op a static rule"
+                       if dynamic else "" if spec is None else
                        f" or 'float': the plan carries it in {have} for a convolution after the float ops "
                        "that read it (see plan.edges); or quantize the first op reading it"
                        if plan.edges[edge_id].reason.startswith("carried") else

@@ -28,15 +28,44 @@ def sources(ops, tensors, inputs) -> set[int]:
     return set(inputs) | {o for op in ops if casts_integers(op, tensors) for o in op.outputs}
 
 
-def float_island_reason(op, tensors, sources, outputs, derived) -> str | None:
+# Kernels with a dynamic-range (hybrid) form: a float input, a quantized
+# constant filter (input 1), a float output; the input is quantized at run time.
+_HYBRID_KERNELS = frozenset({"FULLY_CONNECTED", "CONV_2D", "DEPTHWISE_CONV_2D", "BATCH_MATMUL"})
+
+
+def is_dynamic_kernel(op, tensors, derived) -> bool:
+    """A dynamic-range kernel: its float input quantized at run time against a
+    quantized constant filter (not a DEQUANTIZE's output), its output float."""
+    if op.name not in _HYBRID_KERNELS or len(op.inputs) < 2:
+        return False
+    data, weight = op.inputs[0], op.inputs[1]
+    return (data >= 0 and weight >= 0 and tensors[data].dtype in FLOAT_DTYPES and weight in derived
+            and tensors[weight].dtype not in FLOAT_DTYPES and bool(tensors[weight].scales)
+            and all(o >= 0 and tensors[o].dtype in FLOAT_DTYPES for o in op.outputs))
+
+
+def dynamic_kernel_inputs(ops, tensors, derived) -> frozenset[int]:
+    """Float tensors only dynamic-range kernels read (the DEQUANTIZE of an int8
+    edge before a classifier head computed into float outputs)."""
+    readers: dict[int, list] = {}
+    for op in ops:
+        for i in op.inputs:
+            readers.setdefault(i, []).append(op)
+    return frozenset(t for t, ops_reading in readers.items()
+                     if t >= 0 and all(is_dynamic_kernel(o, tensors, derived) and o.inputs[0] == t
+                                       for o in ops_reading))
+
+
+def float_island_reason(op, tensors, sources, outputs, derived, kernel_inputs=frozenset()) -> str | None:
     """Why `op` computes in float inside the graph, or None; the definition is in `inspect`
-    (`sources`: the graph's inputs and the outputs of CASTs of integers)."""
-    if casts_integers(op, tensors):
+    (`sources`: the graph's inputs and the outputs of CASTs of integers; `kernel_inputs`:
+    `dynamic_kernel_inputs`)."""
+    if casts_integers(op, tensors) or is_dynamic_kernel(op, tensors, derived):
         return None
     if op.name == "DEQUANTIZE":
         if op.inputs[0] in derived:
             return "dequantizes a weight at run time"
-        if any(o not in outputs for o in op.outputs):
+        if any(o not in outputs and o not in kernel_inputs for o in op.outputs):
             return "its float output feeds other ops"
         return None
     if op.name == "QUANTIZE":

@@ -45,10 +45,17 @@ def schema_of(plan: Plan) -> str:
     static = [s for s in specs if not s.dynamic]
     dynamic = [s for s in specs if s.dynamic]
     if static and dynamic:
+        edge_id = next(e for e, p in plan.edges.items() if p.spec is not None and p.spec.dynamic)
+        producer = plan.graph.edges[edge_id].producer
+        rule = None if producer is None else plan.ops[producer].rule
         raise PlanError(
-            "The plan mixes static and dynamic activation quantization; a LiteRT model is "
-            "either full integer or dynamic-range. Make every act rule static or every one dynamic."
-        )
+            f"The plan quantizes edge {edge_id!r} at run time (op {producer!r}, rules[{rule}] has "
+            "act_dynamic=True) among statically quantized edges: in a full-integer model a dynamic-range "
+            "kernel may read a static edge and write float outputs (Rule('.*', writes_output=True, "
+            "weight_qtype='int8', act_qtype='int8', act_dynamic=True) before your other rules: a "
+            "classifier head), but no edge inside it is quantized at run time. Give act_dynamic=True only "
+            "to the ops that write the model's outputs, or make every act rule static or every one dynamic.",
+            ops=(producer,) if producer is not None else ())
     if static:
         return "static"
     if dynamic:

@@ -24,7 +24,8 @@ from odmlq.litert.inspect import ModelSummary, inspect
 from odmlq.litert.speed import (AUTO_BENCHMARK_BYTES, Delegation, Latency, benchmark_threads, check_delegation,
                                 delegation as delegation_of, slower_than_float, timed_against_float)
 from odmlq.progress import Stage
-from odmlq.litert.verify import VerificationReport, verification_samples, verify as verify_model
+from odmlq.litert._samples import held_back_count, verification_samples
+from odmlq.litert.verify import VerificationReport, verify as verify_model
 from odmlq.plan import Plan
 from odmlq.scales import Scales
 
@@ -59,6 +60,9 @@ class Export:
                  + ", ".join(f"{k} x{v}" for k, v in self.summary.op_histogram.items()),
                  "float islands: " + (", ".join(f"{o.name} ({o.module_path})" for o in
                                                 self.summary.float_islands) or "none")]
+        if self.summary.dynamic_kernels:
+            lines.append("dynamic-range kernels (input quantized at run time, output float): " + ", ".join(
+                f"{o.name} ({o.module_path})" for o in self.summary.dynamic_kernels))
         lines += [str(x) for x in (self.delegation, *self.latencies) if x is not None]
         if self.verification is not None:
             lines.append(str(self.verification))
@@ -249,7 +253,8 @@ def build(model: Any, prepared: Prepared, path: str | os.PathLike | None = None,
     if verify:
         samples = verification_samples(prepared.held_back, verify_samples)
         report = verify_model(tflite, model, plan, prepared.scales, samples, variables=variables,
-                              min_output_sqnr_db=_MIN_SQNR_DB.get(schema), progress=progress)
+                              min_output_sqnr_db=_MIN_SQNR_DB.get(schema), progress=progress,
+                              float_samples=held_back_count(prepared.held_back, verify_samples))
     written = write_atomically(path, tflite) if path is not None else None
     return Export(tflite=tflite, path=written, plan=plan, calibration=prepared.calibration, scales=prepared.scales,
                   summary=summary, verification=report, delegation=delegation, latencies=latencies,

@@ -24,7 +24,8 @@ from ai_edge_litert import schema_py_generated as schema
 from odmlq.litert._mapping import INPUT_LAYOUT as _INPUT_LAYOUT
 from odmlq.plan import text_table as table
 from odmlq.errors import OdmlqError
-from odmlq.litert._islands import constant_derived, float_island_reason, sources
+from odmlq.litert._islands import (constant_derived, dynamic_kernel_inputs, float_island_reason, is_dynamic_kernel,
+                                   sources)
 
 _FILE_IDENTIFIER = b"TFL3"
 _DTYPE_NAMES = {v: k.lower() for k, v in vars(schema.TensorType).items() if not k.startswith("_")}
@@ -99,6 +100,10 @@ class ModelSummary:
       float_islands: Ops that compute in float inside an integer graph; see
         `inspect`. Always empty for the other schemas, which compute in
         float by design.
+      dynamic_kernels: In a full-integer graph, the matmuls and convolutions
+        that read a float input, quantize it at run time and write a float
+        output against int8 weights (dynamic-range kernels: a classifier head
+        computed into float outputs from an int8 edge); not float islands.
       weight_bytes: Bytes of all constant buffers (a shared buffer counted once).
       file_bytes: Size of the whole file, offset buffers included.
     """
@@ -113,6 +118,7 @@ class ModelSummary:
     float_islands: tuple[OpInfo, ...]
     weight_bytes: int
     file_bytes: int
+    dynamic_kernels: tuple[OpInfo, ...] = ()
 
     @property
     def weight_work_at_run_time(self) -> tuple[OpInfo, ...]:
@@ -138,8 +144,9 @@ class ModelSummary:
         """Why `op` is a float island (see `inspect`), or None when it is not one."""
         if self.schema != "static":
             return None
+        derived = _constant_derived(self.ops, self.tensors)
         return float_island_reason(op, self.tensors, sources(self.ops, self.tensors, self.inputs),
-                                   self.outputs, _constant_derived(self.ops, self.tensors))
+                                   self.outputs, derived, dynamic_kernel_inputs(self.ops, self.tensors, derived))
 
     def __str__(self) -> str:
         return format_summary(self)
@@ -184,9 +191,12 @@ def inspect(model: bytes | str | os.PathLike) -> ModelSummary:
         float64, bfloat16) input or output;
       * a DEQUANTIZE of a constant, or of a tensor computed from constants
         only (a weight dequantized at run time: float compute follows);
-      * a DEQUANTIZE whose output is not a graph output;
+      * a DEQUANTIZE whose output is not a graph output, unless only
+        dynamic-range kernels read it;
       * a QUANTIZE of a float tensor that is not a graph input (a QUANTIZE
         from an integer tensor is a requantization and stays integer).
+    A dynamic-range kernel quantizes its float input at run time: it is in
+    `ModelSummary.dynamic_kernels`, not an island.
     A CAST of integer (or bool) tensors to float (an attention mask, positions)
     is where they enter the float domain, as a graph input does: neither it nor
     the QUANTIZE of its output is an island.
@@ -242,11 +252,12 @@ def format_summary(summary: ModelSummary) -> str:
     out += ["", "Op histogram",
             table(["op", "count"], [[k, str(v)] for k, v in summary.op_histogram.items()])]
     if summary.schema == "static":
-        entering, derived = sources(summary.ops, t, summary.inputs), _constant_derived(summary.ops, t)
         out += _section("Float islands", ["#", "op", "module", "why"], [
-            [str(op.index), op.name, _module(op.module_path),
-             float_island_reason(op, t, entering, summary.outputs, derived) or ""]
+            [str(op.index), op.name, _module(op.module_path), summary.why_float(op) or ""]
             for op in summary.float_islands])
+        out += _section("Dynamic-range kernels (input quantized at run time, output float)",
+                        ["#", "op", "module"], [[str(op.index), op.name, _module(op.module_path)]
+                                                for op in summary.dynamic_kernels])
     else:
         out += ["", f"Float islands: none counted: a {_SCHEMA_WORDS[summary.schema]} model computes in float "
                     "by design"]
@@ -301,6 +312,7 @@ def _read(buf: bytes, label: str) -> ModelSummary:
     inputs, outputs = tuple(_indices(graph.InputsAsNumpy())), tuple(_indices(graph.OutputsAsNumpy()))
     schema_name = _schema(ops, tensors, derived)
     entering = sources(ops, tensors, inputs)
+    kernel_inputs = dynamic_kernel_inputs(ops, tensors, derived)
     histogram = collections.Counter(op.name for op in ops)
     return ModelSummary(
         ops=tuple(ops), tensors=tuple(tensors), inputs=inputs, outputs=outputs,
@@ -308,7 +320,8 @@ def _read(buf: bytes, label: str) -> ModelSummary:
         op_histogram=dict(sorted(histogram.items(), key=lambda kv: (-kv[1], kv[0]))),
         schema=schema_name,
         float_islands=tuple(op for op in ops if schema_name == "static"
-                            and float_island_reason(op, tensors, entering, outputs, derived)),
+                            and float_island_reason(op, tensors, entering, outputs, derived, kernel_inputs)),
+        dynamic_kernels=tuple(op for op in ops if schema_name == "static" and is_dynamic_kernel(op, tensors, derived)),
         weight_bytes=sum(buffer_bytes.values()), file_bytes=len(buf))
 
 

@@ -44,7 +44,7 @@ from odmlq.litert._runtime import interpreter
 from odmlq.litert._prepare import Prepared, prepare
 from odmlq.litert._state_io import check_integer_state, integer_state, state_of, unified
 from odmlq.litert.export import Export, annotated, build, finished, with_module_paths, write_atomically
-from odmlq.litert.verify import verification_samples
+from odmlq.litert._samples import verification_samples
 from odmlq.progress import Stage
 
 __all__ = ["Signature", "SignatureExport", "export_signatures"]

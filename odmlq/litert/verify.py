@@ -185,7 +185,8 @@ def symmetric_dynamic_modules(plan) -> tuple[str, ...]:
 
 def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, variables: Any = None,
            tolerance_lsb: float = 1.0, min_output_sqnr_db: float | None = None,
-           raise_on_failure: bool = True, progress: bool | None = False) -> VerificationReport:
+           raise_on_failure: bool = True, progress: bool | None = False,
+           float_samples: int | None = None) -> VerificationReport:
     """Checks an exported model op by op against `simulate`.
 
     Args:
@@ -198,6 +199,10 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
         dynamic-range), the least SQNR of LiteRT's outputs against simulate's.
       progress: a bar over the rows checked on stderr (None: when stderr is
         a terminal).
+      float_samples: how many of the first samples the outputs are also
+        compared with the float model on (`VerificationReport.litert_float_sqnr_db`);
+        None: all. The export's perturbed copies (`verification_samples`) lie
+        outside the calibrated ranges by design: checked against simulate only.
 
     Raises:
       VerificationError: naming the op, its module path and the difference,
@@ -244,8 +249,10 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
     float_sig = float_noise_litert = float_noise_sim = 0.0
     graphs = GraphCache(model, plan, variables)
     params = params_for(model, variables, "verify")
-    rows = list(sample_rows(samples, interpreter))
-    for inputs in steps(rows, "verifying", progress=progress, unit="row"):
+    # Rows of the first `float_samples` samples (held-back data) are also compared with float.
+    limit = len(samples) if float_samples is None else float_samples
+    rows = [(k < limit, row) for k, sample in enumerate(samples) for row in sample_rows([sample], interpreter)]
+    for against_float, inputs in steps(rows, "verifying", progress=progress, unit="row"):
         for d, x in zip(interpreter.get_input_details(), leaves(inputs)):
             interpreter.set_tensor(d["index"], to_input(x, d))
         interpreter.invoke()
@@ -296,11 +303,12 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
         out_err = max(out_err, float(np.max(np.abs(got - expected)) / out_scale))
         out_sig += float(np.sum(expected.astype(np.float64) ** 2))
         out_noise += float(np.sum((got - expected).astype(np.float64) ** 2))
-        reference = np.concatenate([np.asarray(o, np.float64).reshape(-1) for o in jax.tree_util.tree_leaves(
-            graphs.graph_for(tuple(inputs)).evaluate(params, *inputs))])
-        float_sig += float(np.sum(reference ** 2))
-        float_noise_litert += float(np.sum((got - reference) ** 2))
-        float_noise_sim += float(np.sum((expected - reference) ** 2))
+        if against_float:
+            reference = np.concatenate([np.asarray(o, np.float64).reshape(-1) for o in jax.tree_util.tree_leaves(
+                graphs.graph_for(tuple(inputs)).evaluate(params, *inputs))])
+            float_sig += float(np.sum(reference ** 2))
+            float_noise_litert += float(np.sum((got - reference) ** 2))
+            float_noise_sim += float(np.sum((expected - reference) ** 2))
         n += 1
     fed = frozenset(mapping) | frozenset(step_mapping) | frozenset(island_outputs) | frozenset(float_mapping)
     mapping.update({e: list(indices.values())[-1] for e, indices in step_mapping.items()})  # a check names the last
@@ -443,49 +451,3 @@ def from_output(y: np.ndarray, detail: dict) -> np.ndarray:
         scale, zp = detail["quantization"]
         return (y.astype(np.float32) - zp) * scale
     return y.astype(np.float32)
-
-
-def verification_samples(held_back: list, samples: int) -> list:
-    """Up to `samples` held-back rows, then perturbed copies of the first ones
-    (see `_unseen`): what an export is verified on."""
-    rows = _limit(held_back, samples)
-    return rows + _unseen(rows)
-
-
-def _limit(batches: list, samples: int) -> list:
-    out, count = [], 0
-    for batch in batches:
-        inputs = model_inputs(batch)
-        take = max(0, min(samples - count, row_count(inputs)))
-        if take:
-            out.append(sliced(inputs, 0, take))
-            count += take
-    return out
-
-
-# Rows of the held-back batch verified again perturbed (calibration saw none
-# of them): scaled beyond the calibrated ranges (clipping), and with noise.
-_UNSEEN_ROWS, _UNSEEN_SCALE, _UNSEEN_NOISE = 4, 1.5, 0.3
-
-
-def _unseen(samples: list) -> list:
-    """Perturbed copies of the first held-back rows' float inputs (integer
-    inputs, token ids and masks, are kept): end to end and op by op, the
-    export must also agree with simulate on inputs that set no range."""
-    if not samples:
-        return []
-    first = sliced(samples[0], 0, _UNSEEN_ROWS)
-    if not any(np.issubdtype(x.dtype, np.floating) for x in leaves(first)):
-        return []
-    rng = np.random.default_rng(0)
-
-    def scaled(x):
-        return (_UNSEEN_SCALE * x).astype(x.dtype) if np.issubdtype(x.dtype, np.floating) else x
-
-    def noisy(x):
-        if not np.issubdtype(x.dtype, np.floating):
-            return x
-        spread = float(np.std(x)) or 1.0
-        return (x + _UNSEEN_NOISE * spread * rng.standard_normal(x.shape)).astype(x.dtype)
-
-    return [tuple(jax.tree_util.tree_map(scaled, first)), tuple(jax.tree_util.tree_map(noisy, first))]

@@ -168,7 +168,8 @@ def dynamic_only_into_kernels(graph: Graph, by_edge: dict, float_readers: frozen
 
 def dynamic_kernel_inputs(plan) -> dict[str, list]:
     """op id -> [(operand index, spec)]: the dynamic edges each matmul/conv
-    kernel quantizes at run time (other consumers read them in float)."""
+    kernel quantizes at run time (other consumers read them in float), and the
+    float or static edges a kernel whose rule is dynamic reads."""
     out: dict[str, list] = {}
     for op in plan.graph.ops:
         if op.kind not in MATMUL_KINDS or plan.ops[op.id].dynamic_inputs_float:
@@ -184,6 +185,11 @@ def dynamic_kernel_inputs(plan) -> dict[str, list]:
                     and not edge_plan.fused:
                 # A float edge (from an op kept in float) read by a dynamic
                 # kernel: the kernel quantizes it, as its rule says.
+                spec = own
+            elif spec is not None and not spec.dynamic and own is not None:
+                # A static edge read by a dynamic-range kernel (a classifier head
+                # computed from an int8 edge into float outputs): the kernel reads
+                # its values and quantizes them again at run time, per row.
                 spec = own
             if spec is not None and spec.dynamic:
                 if own is not None and own.scale_axes and not spec.scale_axes:
