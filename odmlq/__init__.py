@@ -36,7 +36,7 @@ from odmlq.graph import Edge, Graph, Op, Operand, trace
 from odmlq.plan import EdgePlan, OpPlan, Plan, QuantSpec, WeightPlan
 from odmlq.qarray import QArray, compute_scale, fake_quant, quantize, quantize_tensor
 from odmlq.qtypes import QType, qtype
-from odmlq.rules import Rule, UnmatchedRuleWarning, load_rules
+from odmlq.rules import FULL_INTEGER_INT8, INT8, Rule, UnmatchedRuleWarning, load_rules
 from odmlq.calibration import calibrate
 from odmlq.scales import Scales, TensorScale, compute_scales
 from odmlq.simulate import Simulator, simulate
@@ -62,5 +62,5 @@ __all__ = [
     "export_tflite", "VerificationError", "Report", "compare",
     "ptq", "QuantizedModel", "quantize_params", "save_params", "load_params",
     "autotune", "Candidate", "TuneResult", "TuneTarget", "keras_quantized", "QAT", "qat", "LoRA", "lora",
-    "Signature", "SignatureExport", "export_signatures",
+    "Signature", "SignatureExport", "export_signatures", "INT8", "FULL_INTEGER_INT8",
 ]

@@ -38,7 +38,8 @@ from odmlq import _arguments
 from odmlq.errors import OdmlqError
 from odmlq.files import check_output_path, load_batches, read_arrays, read_model_file
 
-DEFAULT_RULES = "int8 weights (per-channel) and int8 activations everywhere"
+DEFAULT_RULES = ("odmlq.INT8: int8 weights (per-channel) and int8 activations everywhere, the model's outputs "
+                 "written in float by dynamic-range matmuls and convolutions (odmlq.FULL_INTEGER_INT8 keeps them int8)")
 
 # The repository's samples are loaded by name, as any user's module:function
 # is: odmlq itself never depends on them (an installed odmlq may lack them).
@@ -84,12 +85,12 @@ def load_model(target: str):
 
 def rules_from(path: str | None):
     """Rules from a file, or the default rule (said on stderr)."""
-    from odmlq.rules import Rule, load_rules
+    from odmlq.rules import INT8, load_rules
 
     if path:
         return load_rules(path)
     print(f"# no --rules given: {DEFAULT_RULES}", file=sys.stderr)
-    return [Rule(".*", weight_qtype="int8", act_qtype="int8")]
+    return list(INT8)
 
 
 def load_calibration(path: str | None):

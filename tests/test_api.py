@@ -12,7 +12,7 @@ EXPECTED = [
     "export_tflite", "VerificationError", "Report", "compare",
     "ptq", "QuantizedModel", "quantize_params", "save_params", "load_params",
     "autotune", "Candidate", "TuneResult", "TuneTarget", "keras_quantized", "QAT", "qat", "LoRA", "lora",
-    "Signature", "SignatureExport", "export_signatures", "AWQResult", "awq",
+    "Signature", "SignatureExport", "export_signatures", "AWQResult", "awq", "INT8", "FULL_INTEGER_INT8",
 ]
 
 

@@ -270,8 +270,9 @@ def check_io_dtype(plan: Plan, io_dtype: str) -> None:
                 raise PlanError(
                     f"io_dtype={io_dtype!r}, but the model's {kind} {edge_id!r} is {have} in the plan; "
                     f"integer inputs and outputs take their edge's type. Use io_dtype={have!r}"
-                    + (f": a dynamic-range kernel writes it ({producer!r}, rules[{plan.ops[producer].rule}] "
-                       f"has act_dynamic=True); for {io_dtype} outputs give that op a static rule"
+                    + (f": a dynamic-range kernel writes it ({producer!r}, by rules[{plan.ops[producer].rule}]); "
+                       f"for {io_dtype} outputs give that op a static rule without float_outputs "
+                       "(odmlq.FULL_INTEGER_INT8)"
                        if dynamic else "" if spec is None else
                        f" or 'float': the plan carries it in {have} for a convolution after the float ops "
                        "that read it (see plan.edges); or quantize the first op reading it"

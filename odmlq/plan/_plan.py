@@ -37,6 +37,7 @@ from odmlq.plan._passes import (
     share_scale_of_activations_beside_others,
 )
 from odmlq.plan._spec import QuantSpec, spec_or_none as _spec_or_none
+from odmlq.plan._outputs import FLOAT_OUTPUT_REASON, float_output_ops
 from odmlq.plan._shared import share_weight_specs
 from odmlq.plan._state import check_state_specs, state_indices, state_pairs
 from odmlq.plan._specs_of import act_spec, constant_operand_spec, constant_specs, dynamic_input_spec, weight_spec
@@ -362,10 +363,15 @@ def plan_graph(graph: Graph, rules: Sequence[Rule], target: Target | Sequence[Ta
                                  and not quantized_constant,
                                  inputs_float=rule is not None and not rule.skip and op.kind in float_kinds)
     share_weight_specs(op_plans)
+    float_outputs = float_output_ops(graph, rules, op_plans, rows=rows, is_depthwise=_depthwise,
+                                     depthwise_float=any(t.dynamic_depthwise_float for t in targets))
+    for op_id, spec in float_outputs.items():
+        if spec is not None:
+            op_plans[op_id] = dataclasses.replace(op_plans[op_id], dynamic_input=spec)
     from_integers = float_from_integers(graph, op_plans)
     carrier = next((t.float_input_carrier for t in targets if t.float_input_carrier), None)
     edge_plans = _edge_plans(graph, rules, op_plans, combine_targets(targets), rows=rows, carrier=carrier,
-                             from_integers=from_integers)
+                             from_integers=from_integers, float_outputs=frozenset(float_outputs))
     check_state_specs(graph, edge_plans, pairs)
     unmatched = warn_unmatched(rules, matched)
     return Plan(graph=graph, rules=rules, ops=op_plans, edges=edge_plans,
@@ -436,7 +442,8 @@ def _weight_plans(op: Op, rule: Rule | None, index: int | None, targets: Sequenc
 
 
 def _edge_plans(graph: Graph, rules, op_plans, constraints, *, rows: bool = False,
-                carrier: str | None = None, from_integers: set[str] = frozenset()) -> dict[str, EdgePlan]:
+                carrier: str | None = None, from_integers: set[str] = frozenset(),
+                float_outputs: frozenset[str] = frozenset()) -> dict[str, EdgePlan]:
     by_edge: dict[str, EdgePlan] = {}
     for edge in graph.edges.values():
         if edge.alias is not None:
@@ -456,6 +463,8 @@ def _edge_plans(graph: Graph, rules, op_plans, constraints, *, rows: bool = Fals
         rule = rules[index] if index is not None else None
         if rule is None:
             by_edge[edge.id] = EdgePlan(edge=edge.id, spec=None, rule=None, reason=f"no rule ({how})")
+        elif op_id in float_outputs and how == "producer":
+            by_edge[edge.id] = EdgePlan(edge=edge.id, spec=None, rule=index, reason=FLOAT_OUTPUT_REASON)
         elif op_id in from_integers:
             by_edge[edge.id] = EdgePlan(edge=edge.id, spec=None, rule=index, reason=f"{FROM_INTEGERS} ({how})")
         elif rule.skip or rule.act_qtype is None:

@@ -1,13 +1,14 @@
 """A full-integer model whose output ops are dynamic-range kernels.
 
+``odmlq.INT8`` (the one-line int8 rule with ``float_outputs=True``), or
 ``Rule('.*', writes_output=True, weight_qtype='int8', act_qtype='int8',
-act_dynamic=True)`` before the one-line int8 rule: every edge inside the model
-is int8 with a calibrated range, and the op writing the model's output reads
-its int8 input, quantizes it again per row at run time and writes float from
-its int32 sums against int8 weights (LiteRT's hybrid FULLY_CONNECTED /
-CONV_2D, which XNNPACK runs in the same partition). The int8 output's own
-rounding, a step of 1/255 of the logits' range, no longer caps the model.
-Real converter, real interpreter, real digits data.
+act_dynamic=True)`` before the one-line rule: every edge inside the model is
+int8 with a calibrated range, and the op writing the model's output reads its
+int8 input, quantizes it again per row at run time and writes float from its
+int32 sums against int8 weights (LiteRT's hybrid FULLY_CONNECTED / CONV_2D,
+which XNNPACK runs in the same partition). The int8 output's own rounding, a
+step of 1/255 of the logits' range, no longer caps the model. Real converter,
+real interpreter, real digits data.
 """
 
 import flax.linen as nn
@@ -37,7 +38,8 @@ def digits_mlp():
     model, variables = train("mlp", digits, seconds=20, max_steps=300)
     exports = {name: odmlq.export_tflite(model, rules, batches(digits.x_calibration, 64), variables=variables,
                                          benchmark=False)
-               for name, rules in (("int8", [INT8]), ("head", [DYNAMIC_HEAD, INT8]))}
+               for name, rules in (("int8", odmlq.FULL_INTEGER_INT8), ("head", odmlq.INT8),
+                                   ("rule", [DYNAMIC_HEAD, INT8]))}
     return digits, model, variables, exports
 
 
@@ -62,6 +64,16 @@ def test_a_dynamic_range_head_lifts_the_int8_output_cap_in_one_partition(digits_
     assert len(exports["head"].tflite) <= len(exports["int8"].tflite)
     delegation = odmlq.litert.delegation(exports["head"].tflite, summary)
     assert (delegation.partitions, delegation.outside) == (1, ()), delegation
+    edge = exports["head"].plan.edges["head/dot_general"]
+    assert edge.spec is None and edge.reason.startswith("float_outputs"), edge
+
+
+def test_the_explicit_dynamic_head_rule_writes_the_same_file(digits_mlp):
+    """A rule with act_dynamic=True for the ops writing the outputs plans what
+    float_outputs=True plans: the same weights, scales and ops."""
+    exports = digits_mlp[3]
+    assert exports["rule"].summary.op_histogram == exports["head"].summary.op_histogram
+    assert exports["rule"].tflite == exports["head"].tflite
 
 
 def test_the_summary_lists_the_dynamic_kernel_and_no_island(digits_mlp):
@@ -123,7 +135,7 @@ def pixels():
 
 def test_a_convolution_writes_its_outputs_through_a_dynamic_range_kernel(pixels):
     model, variables, data = pixels
-    export = odmlq.export_tflite(model, [DYNAMIC_HEAD, INT8], data, variables=variables, benchmark=False)
+    export = odmlq.export_tflite(model, odmlq.INT8, data, variables=variables, benchmark=False)
     assert export.verification.passed and not export.summary.float_islands
     assert [op.name for op in export.summary.dynamic_kernels] == ["CONV_2D"]
     assert odmlq.litert.delegation(export.tflite, export.summary).partitions == 1
@@ -131,9 +143,10 @@ def test_a_convolution_writes_its_outputs_through_a_dynamic_range_kernel(pixels)
 
 def test_an_integer_interface_names_the_dynamic_head(pixels):
     model, variables, data = pixels
-    with pytest.raises(PlanError, match=r"a dynamic-range kernel writes it \('out/conv', rules\[0\] has "
-                                        r"act_dynamic=True\); for int8 outputs give that op a static rule"):
-        odmlq.export_tflite(model, [DYNAMIC_HEAD, INT8], data, variables=variables, io_dtype="int8")
+    with pytest.raises(PlanError, match=r"a dynamic-range kernel writes it \('out/conv', by rules\[0\]\); "
+                                        r"for int8 outputs give that op a static rule without float_outputs "
+                                        r"\(odmlq.FULL_INTEGER_INT8\)"):
+        odmlq.export_tflite(model, odmlq.INT8, data, variables=variables, io_dtype="int8")
 
 
 def test_an_edge_quantized_at_run_time_inside_a_full_integer_model_is_refused(pixels):
@@ -143,3 +156,53 @@ def test_an_edge_quantized_at_run_time_inside_a_full_integer_model_is_refused(pi
                                         r"act_dynamic=True\) among statically quantized edges.*Give "
                                         r"act_dynamic=True only to the ops that write the model's outputs"):
         odmlq.export_tflite(model, [mid, INT8], data, variables=variables)
+
+
+class _Depthwise(nn.Module):
+    """Outputs from a depthwise convolution, and a model whose output no weight computes."""
+
+    pool: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(4, (3, 3))(x))
+        if self.pool:
+            return nn.avg_pool(x, (2, 2), (2, 2))
+        return nn.Conv(4, (3, 3), feature_group_count=4, name="out")(x)
+
+
+@pytest.mark.parametrize("pool", [False, True], ids=["depthwise", "pool"])
+def test_outputs_without_a_dynamic_kernel_stay_int8(pixels, pool):
+    """LiteRT's dynamic-range depthwise convolution runs outside XNNPACK, slower
+    than float, and an average pool has no dynamic-range kernel: their outputs
+    keep the rule's int8, with no warning that the rule matched nothing."""
+    import warnings
+
+    model = _Depthwise(pool=pool)
+    x = pixels[2][0][:1]
+    variables = model.init(jax.random.key(0), x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", odmlq.UnmatchedRuleWarning)
+        plan = odmlq.plan(model, odmlq.INT8, x, variables=variables, target="litert")
+    (output,) = plan.graph.outputs
+    assert plan.edges[output].spec is not None and plan.edges[output].spec.qtype == "int8"
+    assert all(p.dynamic_input is None for p in plan.ops.values())
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(act_qtype="int16"), r"float_outputs=True .* act_qtype='int16'; it needs act_qtype='int8'"),
+    (dict(act_qtype="int8", act_dynamic=True), r"act_qtype='int8' with act_dynamic=True; it needs"),
+    (dict(), r"sets \['float_outputs'\] but no act_qtype"),
+], ids=["int16", "dynamic", "no-act"])
+def test_float_outputs_needs_static_int8_activations(fields, message):
+    with pytest.raises(odmlq.RuleError, match=message):
+        R(".*", weight_qtype="int8", float_outputs=True, **fields)
+
+
+def test_float_outputs_survives_the_rules_file_round_trip(tmp_path):
+    from odmlq.rules import rules_from_dicts, rules_to_dicts
+
+    assert rules_from_dicts(rules_to_dicts(list(odmlq.INT8))) == list(odmlq.INT8)
+    path = tmp_path / "rules.yaml"
+    path.write_text("- module_path: '.*'\n  weight_qtype: int8\n  act_qtype: int8\n  float_outputs: true\n")
+    assert odmlq.load_rules(path) == list(odmlq.INT8)

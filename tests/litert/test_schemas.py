@@ -173,7 +173,8 @@ def test_an_io_dtype_the_model_does_not_carry_is_refused_before_anything_is_writ
 def test_mixing_static_and_dynamic_is_refused(models, digits):
     rules = [R("dense1", weight_qtype="int8", act_qtype="int8", act_dynamic=True),
              R(".*", weight_qtype="int8", act_qtype="int8")]
-    with pytest.raises(PlanError, match="mixes static and dynamic"):
+    with pytest.raises(PlanError, match=r"quantizes edge 'reshape' at run time \(op 'reshape', rules\[0\] "
+                                        r"has act_dynamic=True\) among statically quantized edges"):
         _export(models, digits, "mlp", rules)
 
 

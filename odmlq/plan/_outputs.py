@@ -1,0 +1,64 @@
+"""Model outputs computed into float by dynamic-range kernels (`Rule.float_outputs`).
+
+A full-integer model's output is the int8 rounding of its last op's int32 sums:
+a step of 1/255 of the output's range, which caps its SQNR against float
+whatever the rest of the model does (38.3 dB for the digits MLP's logits). A
+matmul or convolution with quantized weights has a dynamic-range kernel
+(LiteRT's hybrid FULLY_CONNECTED / CONV_2D, which XNNPACK runs in the same
+partition as the int8 ops): it reads its int8 input edge, quantizes it again
+per row at run time and writes float from its sums. Where a rule asks for
+float outputs, the op writing a model output (through value-moving ops only:
+`Graph.output_writers`) is planned so, and those ops' output edges stay float.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+from odmlq.graph import MATMUL_KINDS, MOVES_VALUES, Graph
+from odmlq.plan._specs_of import dynamic_input_spec
+from odmlq.rules import Rule
+
+__all__ = ["FLOAT_OUTPUT_REASON", "float_output_ops"]
+
+FLOAT_OUTPUT_REASON = ("float_outputs: a model output, written from the int32 sums of a dynamic-range kernel "
+                       "reading an int8 edge")
+
+
+def float_output_ops(graph: Graph, rules: Sequence[Rule], op_plans: Mapping, *, rows: bool,
+                     depthwise_float: bool, is_depthwise) -> dict[str, object]:
+    """op id -> the dynamic input spec of each matmul/conv that writes a model output
+    in float (None for the value-moving ops between it and the output).
+
+    `depthwise_float`: a target runs no dynamic-range depthwise convolution on
+    its delegate (LiteRT: outside XNNPACK, slower than float), so such an op
+    keeps its int8 output.
+    """
+    out: dict[str, object] = {}
+    for output in graph.outputs:
+        if output not in graph.edges:
+            continue
+        chain, edge_id = [], graph.resolve(output)
+        while True:
+            producer = graph.edges[edge_id].producer
+            if producer is None:
+                break
+            op = graph.op(producer)
+            chain.append(op)
+            if op.kind not in MOVES_VALUES or not op.inputs:
+                break
+            edge_id = graph.resolve(op.inputs[0])
+        if not chain:
+            continue
+        writer = chain[-1]
+        plan = op_plans[writer.id]
+        rule = rules[plan.rule] if plan.rule is not None else None
+        if (rule is None or not rule.float_outputs or writer.kind not in MATMUL_KINDS
+                or not any(w.role == "weight" and w.spec is not None for w in plan.weights)
+                or (depthwise_float and is_depthwise(writer))):
+            continue
+        as_dynamic = dataclasses.replace(rule, act_dynamic=True, act_calibration=None, float_outputs=False)
+        out[writer.id] = dynamic_input_spec(writer, as_dynamic, rows)
+        out.update({op.id: None for op in chain[:-1]})
+    return out
