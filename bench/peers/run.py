@@ -7,9 +7,14 @@ scored by its output SQNR against the float JAX model (and the task metric
 where there is one).
 
 Tools:
-- ``odmlq``: ``odmlq.export_tflite(model, [Rule('.*', weight_qtype='int8',
-  act_qtype='int8')], calibration)``, its defaults.
-- ``odmlq_out16``: the same with ``Rule('.*', writes_output=True,
+- ``odmlq``: ``odmlq.export_tflite(model, odmlq.INT8, calibration)``, its
+  default int8 rules and defaults: every edge int8, the op that writes the
+  output (a matmul) a dynamic-range kernel reading its int8 input and writing
+  float (``Rule.float_outputs``; same partitions, no float island).
+- ``odmlq_full_integer``: ``odmlq.FULL_INTEGER_INT8`` (the one-line rule
+  ``Rule('.*', weight_qtype='int8', act_qtype='int8')``): every op int8, the
+  output too, as the peers make it.
+- ``odmlq_out16``: the one-line rule with ``Rule('.*', writes_output=True,
   weight_qtype='int8', act_qtype='int16')`` first: the op that writes the
   output computes it in int16x8 (one op off XNNPACK), every other op int8.
 - ``tflite_converter``: the TensorFlow Lite converter's post-training
@@ -54,7 +59,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import odmlq  # noqa: E402
 from accuracy import MODELS as BENCH_MODELS  # noqa: E402
 
-INT8 = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
+INT8 = list(odmlq.FULL_INTEGER_INT8)
 OUTPUTS_INT16 = odmlq.Rule(".*", writes_output=True, weight_qtype="int8", act_qtype="int16")
 MODELS = ("digits_mlp", "digits_cnn", "mlp25m")
 
@@ -103,7 +108,7 @@ def sqnr_db(reference: np.ndarray, value: np.ndarray) -> float:
 
 # --- the tools ---------------------------------------------------------------
 
-def odmlq_int8(bench, rules=INT8) -> bytes:
+def odmlq_int8(bench, rules=odmlq.INT8) -> bytes:
     return odmlq.export_tflite(bench.model, rules, bench.calibration, variables=bench.variables,
                                example_inputs=tuple(np.asarray(x)[:1] for x in bench.example),
                                progress=False).tflite
@@ -204,7 +209,7 @@ def qwix_litert(bench) -> bytes:
                    output_names=["output_0"])
 
 
-TOOLS = ("odmlq", "odmlq_out16", "tflite_converter", "litert_quantizer", "qwix")
+TOOLS = ("odmlq", "odmlq_full_integer", "odmlq_out16", "tflite_converter", "litert_quantizer", "qwix")
 
 
 # --- the table ---------------------------------------------------------------
@@ -220,6 +225,8 @@ def measure(name: str, tools) -> list[dict]:
         start = time.perf_counter()
         if tool == "odmlq":
             tflite = odmlq_int8(bench)
+        elif tool == "odmlq_full_integer":
+            tflite = odmlq_int8(bench, INT8)
         elif tool == "odmlq_out16":
             tflite = odmlq_int8(bench, [OUTPUTS_INT16, *INT8])
         elif tool == "tflite_converter":
@@ -232,7 +239,8 @@ def measure(name: str, tools) -> list[dict]:
         summary = odmlq.litert.inspect(tflite)
         outputs = run_tflite(tflite, held_out)
         row = {"model": name, "tool": tool, "sqnr_db": sqnr_db(reference, outputs), "bytes": len(tflite),
-               "float_islands": len(summary.float_islands), "seconds": seconds}
+               "float_islands": len(summary.float_islands), "dynamic_kernels": len(summary.dynamic_kernels),
+               "seconds": seconds}
         if bench.metric is not None:
             row["metric"] = bench.metric[1](outputs, reference)
         results.append(row)
@@ -241,12 +249,13 @@ def measure(name: str, tools) -> list[dict]:
 
 
 def table(results: list[dict]) -> str:
-    header = ("model", "tool", "output SQNR dB", "test accuracy", "file bytes", "float islands", "seconds")
+    header = ("model", "tool", "output SQNR dB", "test accuracy", "file bytes", "float islands",
+              "dynamic-range kernels", "seconds")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in results:
         metric = f"{r['metric']:.4f}" if "metric" in r else "-"
         lines.append(f"| {r['model']} | {r['tool']} | {r['sqnr_db']:.2f} | {metric} | {r['bytes']:,} | "
-                     f"{r['float_islands']} | {r['seconds']:.1f} |")
+                     f"{r['float_islands']} | {r['dynamic_kernels']} | {r['seconds']:.1f} |")
     return "\n".join(lines)
 
 
