@@ -26,7 +26,8 @@ Models:
   randomised statistics; hf_resnet needs transformers 4.x); 64 calibration
   images, 256 held out.
 
-Schemas: ``int8`` (int8 weights and activations, static), ``w8`` (int8
+Schemas: ``int8`` (``odmlq.INT8``: int8 weights and activations, static, the
+output op a dynamic-range kernel writing float), ``w8`` (int8
 weights only), ``w4`` (int4 per channel), ``w4b128`` (int4, blocks of 128
 along the contraction; n/a where a contraction does not divide).
 
@@ -62,13 +63,13 @@ class Bench:
     calibration: list
     held_out: list  # batches of inputs (tuples)
     metric: object = None  # (name, fn(outputs, reference) -> float)
-    int8_rules: list | None = None  # None: the one-line rule
+    int8_rules: list | None = None  # None: odmlq's default int8 rules (odmlq.INT8)
     float_modules: str | None = None  # kept in float in weight-only schemas
 
 
 def _rules(bench: Bench, schema: str, algorithm) -> list:
     if schema == "int8":
-        rules = bench.int8_rules or [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
+        rules = bench.int8_rules or list(odmlq.INT8)
         return [r if r.skip or r.weight_qtype is None else dataclasses.replace(r, weight_algorithm=algorithm)
                 for r in rules]
     qtype = "int8" if schema == "w8" else "int4"

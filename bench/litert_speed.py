@@ -5,7 +5,8 @@ MLP (1024-4096-4096-1024) and MiniLM (when its wheel is installed), each
 schema is exported by odmlq at batch 1 and at batch 32:
 
 - float; int8 (full integer; MiniLM: the sample's int8 rules, int8 matmuls
-  with the rest float on XNNPACK, and its int8+int16 rules); int16x8;
+  with the rest float on XNNPACK, and its int8+int16 rules); int8 with float
+  outputs (``odmlq.INT8``: the output op a dynamic-range kernel); int16x8;
   dynamic int8 (int8 weights, inputs quantized by the kernels);
 - int4 weights per channel, weight-only and with dynamic int8 inputs;
 - int4 in blocks of 128 (32 on the digits CNN, whose head has 64 inputs)
@@ -54,7 +55,7 @@ def schemas(bench) -> dict[str, list]:
         fixed = {"int8": SAMPLE["int8"], "int8+int16": SAMPLE["int8+int16"], "int16x8": SAMPLE["int16x8"],
                  "dynamic int8": SAMPLE["dynamic"]}
     else:
-        fixed = {"int8": [R(".*", weight_qtype="int8", act_qtype="int8")],
+        fixed = {"int8": list(odmlq.FULL_INTEGER_INT8), "int8, float outputs": list(odmlq.INT8),
                  "int16x8": [R(".*", weight_qtype="int8", act_qtype="int16")],
                  "dynamic int8": [R(".*", weight_qtype="int8", act_qtype="int8", act_dynamic=True)]}
     # LiteRT's hybrid convolutions read int8 filters: int4 goes to the matmuls.
