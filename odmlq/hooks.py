@@ -126,7 +126,7 @@ class PlanHooks:
         self.captured: dict[str, Any] = {}
         self.graph = plan.graph
         self.converted = input_conversion_scales(plan, scales)
-        self.dynamic = dynamic_kernel_inputs(plan)
+        self.dynamic = dynamic_kernel_inputs(plan, scales.int8_outputs)
         self.derived: dict[str, list[int]] = {}
         self.in_loops = loop_edges(plan.graph)
         self._steps: dict[str, int] = {}

@@ -40,6 +40,11 @@ def calibrated_edges(plan) -> dict:
         # A float edge read by an integer op (after a float island) is
         # quantized where it is read: its range is calibrated too.
         edges.setdefault(conversion.edge, conversion.spec)
+    for e, p in plan.edges.items():
+        # A float output's static alternative (`EdgePlan.alternative`): its range
+        # decides whether the output stays float (`odmlq.compute_scales`).
+        if p.spec is None and getattr(p, "alternative", None) is not None and plan.graph.edges[e].alias is None:
+            edges.setdefault(e, p.alternative)
     return edges
 
 

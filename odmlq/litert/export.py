@@ -60,6 +60,10 @@ class Export:
                  + ", ".join(f"{k} x{v}" for k, v in self.summary.op_histogram.items()),
                  "float islands: " + (", ".join(f"{o.name} ({o.module_path})" for o in
                                                 self.summary.float_islands) or "none")]
+        if self.scales.int8_outputs:
+            lines.append("outputs kept int8 (their input's second rounding would cost more than an int8 output: "
+                         "Scales.int8_outputs): " + ", ".join(
+                             f"{op} ({ratio:.1f}x)" for op, ratio in self.scales.int8_outputs.items()))
         if self.summary.dynamic_kernels:
             lines.append("dynamic-range kernels (input quantized at run time, output float): " + ", ".join(
                 f"{o.name} ({o.module_path})" for o in self.summary.dynamic_kernels))

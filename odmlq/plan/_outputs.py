@@ -8,7 +8,10 @@ matmul or convolution with quantized weights has a dynamic-range kernel
 partition as the int8 ops): it reads its int8 input edge, quantizes it again
 per row at run time and writes float from its sums. Where a rule asks for
 float outputs, the op writing a model output (through value-moving ops only:
-`Graph.output_writers`) is planned so, and those ops' output edges stay float.
+`Graph.output_writers`) is planned so, and those ops' output edges stay float,
+each with its static spec as the alternative (`EdgePlan.alternative`): calibrated,
+and taken by `odmlq.compute_scales` where the kernel's second rounding of its
+input would cost more than the int8 output (`odmlq.scales._outputs`).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from odmlq.rules import Rule
 __all__ = ["FLOAT_OUTPUT_REASON", "float_output_ops"]
 
 FLOAT_OUTPUT_REASON = ("float_outputs: a model output, written from the int32 sums of a dynamic-range kernel "
-                       "reading an int8 edge")
+                       "reading an int8 edge, unless calibration keeps it int8 (Scales.int8_outputs)")
 
 
 def float_output_ops(graph: Graph, rules: Sequence[Rule], op_plans: Mapping, *, rows: bool,

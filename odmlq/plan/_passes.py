@@ -166,13 +166,15 @@ def dynamic_only_into_kernels(graph: Graph, by_edge: dict, float_readers: frozen
                 plan, spec=None, reason="dynamic: only inputs of matmul/conv are quantized at run time")
 
 
-def dynamic_kernel_inputs(plan) -> dict[str, list]:
+def dynamic_kernel_inputs(plan, int8_outputs=()) -> dict[str, list]:
     """op id -> [(operand index, spec)]: the dynamic edges each matmul/conv
     kernel quantizes at run time (other consumers read them in float), and the
-    float or static edges a kernel whose rule is dynamic reads."""
+    float or static edges a kernel whose rule is dynamic reads. `int8_outputs`:
+    ops planned to write float outputs that write int8 ones instead
+    (`Scales.int8_outputs`): static kernels."""
     out: dict[str, list] = {}
     for op in plan.graph.ops:
-        if op.kind not in MATMUL_KINDS or plan.ops[op.id].dynamic_inputs_float:
+        if op.kind not in MATMUL_KINDS or plan.ops[op.id].dynamic_inputs_float or op.id in int8_outputs:
             continue
         own = plan.ops[op.id].dynamic_input
         for index, operand in enumerate(op.operands):

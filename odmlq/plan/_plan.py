@@ -136,6 +136,10 @@ class EdgePlan:
         scale comes from calibration.
       fused_into: the activation op this edge is fused into (the kernel
         applies it before requantizing: the edge is never materialized).
+      alternative: for a model output planned float (`Rule.float_outputs`),
+        the static spec its rule gives it: calibrated, and taken where
+        `odmlq.compute_scales` finds that the dynamic-range kernel's second
+        rounding of its input would cost more (`Scales.int8_outputs`).
     """
 
     edge: str
@@ -144,6 +148,7 @@ class EdgePlan:
     reason: str
     constraint: Constraint | None = None
     fused_into: str | None = None
+    alternative: QuantSpec | None = None
 
     @property
     def fused(self) -> bool:
@@ -154,12 +159,14 @@ class EdgePlan:
         return {"edge": self.edge, "rule": self.rule, "reason": self.reason,
                 "spec": None if self.spec is None else self.spec.to_dict(),
                 "constraint": None if self.constraint is None else self.constraint.to_dict(),
-                "fused_into": self.fused_into}
+                "fused_into": self.fused_into,
+                "alternative": None if self.alternative is None else self.alternative.to_dict()}
 
     @classmethod
     def from_dict(cls, d: dict) -> "EdgePlan":
         return cls(edge=d["edge"], rule=d["rule"], reason=d["reason"], spec=_spec_or_none(d["spec"]),
-                   constraint=constraint_from_dict(d.get("constraint")), fused_into=d.get("fused_into"))
+                   constraint=constraint_from_dict(d.get("constraint")), fused_into=d.get("fused_into"),
+                   alternative=_spec_or_none(d.get("alternative")))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -463,8 +470,6 @@ def _edge_plans(graph: Graph, rules, op_plans, constraints, *, rows: bool = Fals
         rule = rules[index] if index is not None else None
         if rule is None:
             by_edge[edge.id] = EdgePlan(edge=edge.id, spec=None, rule=None, reason=f"no rule ({how})")
-        elif op_id in float_outputs and how == "producer":
-            by_edge[edge.id] = EdgePlan(edge=edge.id, spec=None, rule=index, reason=FLOAT_OUTPUT_REASON)
         elif op_id in from_integers:
             by_edge[edge.id] = EdgePlan(edge=edge.id, spec=None, rule=index, reason=f"{FROM_INTEGERS} ({how})")
         elif rule.skip or rule.act_qtype is None:
@@ -483,11 +488,14 @@ def _edge_plans(graph: Graph, rules, op_plans, constraints, *, rows: bool = Fals
     share_scale_of_activations_beside_others(graph, by_edge, constraints)
     if carrier is not None:
         carry_float_inputs(graph, by_edge, carrier)
+    for edge in graph.edges.values():  # planned as static, then kept as the alternative of a float output
+        base = by_edge.get(edge.id)
+        if edge.producer in float_outputs and base is not None and base.spec is not None:
+            by_edge[edge.id] = dataclasses.replace(base, spec=None, alternative=base.spec, reason=FLOAT_OUTPUT_REASON,
+                                                   constraint=None, fused_into=None)
     for edge in graph.edges.values():
         if edge.alias is not None:
             target = graph.resolve(edge.id)
             base = by_edge[target]
-            by_edge[edge.id] = EdgePlan(edge=edge.id, spec=base.spec, rule=base.rule,
-                                        reason=f"alias of {target}", constraint=base.constraint,
-                                        fused_into=base.fused_into)
+            by_edge[edge.id] = dataclasses.replace(base, edge=edge.id, reason=f"alias of {target}")
     return {e: by_edge[e] for e in graph.edges}

@@ -37,7 +37,8 @@ from odmlq.plan import op_qtype
 from odmlq.qarray import QArray, scale_shape
 from odmlq.scales._balance import balance_shifts
 from odmlq.scales._bias import bias_corrections, bias_room, int32_bias_ops
-from odmlq.scales._edges import check_edge_scales, edge_scales
+from odmlq.scales._edges import _calibrated_scale, check_edge_scales, edge_scales
+from odmlq.scales._outputs import int8_outputs
 from odmlq.scales._clip import clip_searched
 from odmlq.scales._rounded import rounded_weights
 from odmlq.scales._tensor import TensorScale, constant_scale, reshaped, tensor_scale
@@ -70,6 +71,11 @@ class Scales:
     # (``b * s + t + shift``): one side of a sum whose operands trade their
     # offsets (`Plan.balanced_sums`); the other side's is its negation.
     shifts: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    # op id -> (second rounding's noise over the int8 output's) for each output a
+    # rule planned float (`Rule.float_outputs`) that stays int8 at its alternative
+    # spec: the dynamic-range kernel's second rounding of its input would cost
+    # more (`odmlq.scales._outputs`). Those ops read their input as it is.
+    int8_outputs: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def input_scale(self, plan, op, edge_id: str) -> TensorScale | None:
         """The scale `op` reads input `edge_id` at: a conversion's, or the edge's."""
@@ -113,8 +119,10 @@ def compute_scales(plan, calibration: Calibration | None, params: Any, *,
         searched = clip_searched(plan, _weight_scales(plan, folded), folded, calibration)
     edges = edge_scales(plan, calibration, conversions, balanced,
                         searched if weight_scales is None else weight_scales)
+    kept = int8_outputs(plan, calibration, folded if weight_scales is None else _float_weights(plan, params),
+                        edges, _calibrated_scale)
     check_edge_scales(plan, edges, conversions)
-    scales = Scales(edges=edges, weights={}, biases={}, constants={}, conversions=conversions)
+    scales = Scales(edges=edges, weights={}, biases={}, constants={}, conversions=conversions, int8_outputs=kept)
     weight_values: dict[str, np.ndarray] = {}
     if weight_scales is None:
         weights = bias_room(plan, scales, searched, folded, params)
@@ -134,6 +142,15 @@ def compute_scales(plan, calibration: Calibration | None, params: Any, *,
     derived = _derived_scales(plan, params)
     return dataclasses.replace(scales, biases=biases, constants=constants, op_biases=op_biases,
                                derived=derived, weight_values=weight_values, shifts=shifts)
+
+
+def _float_weights(plan, params: Any) -> Mapping[str, Any]:
+    """The weights as the export folds them, where `params` holds them in float
+    (empty where a weight is given quantized: a QArray has no float value)."""
+    if params is None or any(isinstance(x, QArray) for x in jax.tree_util.tree_leaves(
+            params, is_leaf=lambda x: isinstance(x, QArray))):
+        return {}
+    return flat_params(fold_params(plan.graph, params, plan.weight_specs()))
 
 
 def folded_weights(graph, params: Any, scales: Scales) -> Any:

@@ -86,7 +86,7 @@ class Lowerer:
         self.ops = {op.id: op for op in graph.ops}
         self.plan, self.scales, self.weights, self.records = plan, scales, weights, records
         self.converted = converted_inputs(plan, scales) if converted is None else converted
-        self.dynamic = dynamic_kernel_inputs(plan)
+        self.dynamic = dynamic_kernel_inputs(plan, scales.int8_outputs)
 
     def on_op(self, op_id: str, compute: Callable, *operands):
         op = self.ops[op_id]
