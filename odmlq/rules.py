@@ -102,9 +102,12 @@ class Rule:
         its int32 sums (a dynamic-range kernel: LiteRT's hybrid
         FULLY_CONNECTED or CONV_2D, in XNNPACK's partition), so the output's
         own int8 rounding, a step of 1/255 of its range, does not cap the
-        model. Every other edge keeps `act_qtype` (int8 only). `odmlq.INT8`
-        is the one-line int8 rule with it; integer-only accelerators and
-        integer interfaces need it off (`odmlq.FULL_INTEGER_INT8`).
+        model. Where calibration shows that the kernel's second rounding of
+        its input would cost more than the int8 output, the output stays
+        int8 (`Scales.int8_outputs`). Every other edge keeps `act_qtype`
+        (int8 only). `odmlq.INT8` is the one-line int8 rule with it;
+        integer-only accelerators and integer interfaces need it off
+        (`odmlq.FULL_INTEGER_INT8`).
       skip: keep matched ops in float (no other field may be set).
 
     Raises:

@@ -23,7 +23,7 @@ from odmlq.graph import MATMUL_KINDS, MOVES_VALUES, Graph
 from odmlq.plan._specs_of import dynamic_input_spec
 from odmlq.rules import Rule
 
-__all__ = ["FLOAT_OUTPUT_REASON", "float_output_ops"]
+__all__ = ["FLOAT_OUTPUT_REASON", "float_output_ops", "floated"]
 
 FLOAT_OUTPUT_REASON = ("float_outputs: a model output, written from the int32 sums of a dynamic-range kernel "
                        "reading an int8 edge, unless calibration keeps it int8 (Scales.int8_outputs)")
@@ -65,3 +65,13 @@ def float_output_ops(graph: Graph, rules: Sequence[Rule], op_plans: Mapping, *, 
         out[writer.id] = dynamic_input_spec(writer, as_dynamic, rows)
         out.update({op.id: None for op in chain[:-1]})
     return out
+
+
+def floated(graph: Graph, by_edge: dict, float_outputs) -> None:
+    """The float-output ops' edges, planned as static (every pass applied), made
+    float with that static spec as their alternative (`EdgePlan.alternative`)."""
+    for edge in graph.edges.values():
+        base = by_edge.get(edge.id)
+        if edge.producer in float_outputs and base is not None and base.spec is not None:
+            by_edge[edge.id] = dataclasses.replace(base, spec=None, alternative=base.spec, reason=FLOAT_OUTPUT_REASON,
+                                                   constraint=None, fused_into=None)

@@ -37,7 +37,7 @@ from odmlq.plan._passes import (
     share_scale_of_activations_beside_others,
 )
 from odmlq.plan._spec import QuantSpec, spec_or_none as _spec_or_none
-from odmlq.plan._outputs import FLOAT_OUTPUT_REASON, float_output_ops
+from odmlq.plan._outputs import float_output_ops, floated
 from odmlq.plan._shared import share_weight_specs
 from odmlq.plan._state import check_state_specs, state_indices, state_pairs
 from odmlq.plan._specs_of import act_spec, constant_operand_spec, constant_specs, dynamic_input_spec, weight_spec
@@ -488,11 +488,7 @@ def _edge_plans(graph: Graph, rules, op_plans, constraints, *, rows: bool = Fals
     share_scale_of_activations_beside_others(graph, by_edge, constraints)
     if carrier is not None:
         carry_float_inputs(graph, by_edge, carrier)
-    for edge in graph.edges.values():  # planned as static, then kept as the alternative of a float output
-        base = by_edge.get(edge.id)
-        if edge.producer in float_outputs and base is not None and base.spec is not None:
-            by_edge[edge.id] = dataclasses.replace(base, spec=None, alternative=base.spec, reason=FLOAT_OUTPUT_REASON,
-                                                   constraint=None, fused_into=None)
+    floated(graph, by_edge, float_outputs)
     for edge in graph.edges.values():
         if edge.alias is not None:
             target = graph.resolve(edge.id)
