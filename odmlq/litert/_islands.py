@@ -56,11 +56,29 @@ def dynamic_kernel_inputs(ops, tensors, derived) -> frozenset[int]:
                                        for o in ops_reading))
 
 
-def float_island_reason(op, tensors, sources, outputs, derived, kernel_inputs=frozenset()) -> str | None:
+# Ops that only move values: after a dynamic-range kernel's float output (a
+# classifier's logits transposed to NCHW), they carry it to the graph's outputs.
+_MOVING = frozenset({"RESHAPE", "TRANSPOSE", "SQUEEZE", "EXPAND_DIMS"})
+
+
+def dynamic_kernel_outputs(ops, tensors, derived) -> frozenset[int]:
+    """Tensors a dynamic-range kernel writes, and those that only value-moving ops
+    make from them."""
+    out: set[int] = set()
+    for op in ops:  # in execution order
+        if is_dynamic_kernel(op, tensors, derived) or (op.name in _MOVING and op.inputs and op.inputs[0] in out):
+            out.update(op.outputs)
+    return frozenset(out)
+
+
+def float_island_reason(op, tensors, sources, outputs, derived, kernel_inputs=frozenset(),
+                        kernel_outputs=frozenset()) -> str | None:
     """Why `op` computes in float inside the graph, or None; the definition is in `inspect`
     (`sources`: the graph's inputs and the outputs of CASTs of integers; `kernel_inputs`:
-    `dynamic_kernel_inputs`)."""
+    `dynamic_kernel_inputs`; `kernel_outputs`: `dynamic_kernel_outputs`)."""
     if casts_integers(op, tensors) or is_dynamic_kernel(op, tensors, derived):
+        return None
+    if op.name in _MOVING and op.inputs and op.inputs[0] in kernel_outputs:
         return None
     if op.name == "DEQUANTIZE":
         if op.inputs[0] in derived:

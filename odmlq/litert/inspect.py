@@ -22,10 +22,10 @@ import numpy as np
 from ai_edge_litert import schema_py_generated as schema
 
 from odmlq.litert._mapping import INPUT_LAYOUT as _INPUT_LAYOUT
-from odmlq.plan import text_table as table
 from odmlq.errors import OdmlqError
-from odmlq.litert._islands import (constant_derived, dynamic_kernel_inputs, float_island_reason, is_dynamic_kernel,
-                                   sources)
+from odmlq.litert._summary_text import format_summary
+from odmlq.litert._islands import (constant_derived, dynamic_kernel_inputs, dynamic_kernel_outputs,
+                                   float_island_reason, is_dynamic_kernel, sources)
 
 _FILE_IDENTIFIER = b"TFL3"
 _DTYPE_NAMES = {v: k.lower() for k, v in vars(schema.TensorType).items() if not k.startswith("_")}
@@ -145,11 +145,15 @@ class ModelSummary:
         if self.schema != "static":
             return None
         derived = _constant_derived(self.ops, self.tensors)
-        return float_island_reason(op, self.tensors, sources(self.ops, self.tensors, self.inputs),
-                                   self.outputs, derived, dynamic_kernel_inputs(self.ops, self.tensors, derived))
+        return float_island_reason(op, self.tensors, sources(self.ops, self.tensors, self.inputs), self.outputs,
+                                   derived, *_dynamic_kernel_tensors(self.ops, self.tensors, derived))
 
     def __str__(self) -> str:
         return format_summary(self)
+
+
+def _dynamic_kernel_tensors(ops, tensors, derived) -> tuple[frozenset[int], frozenset[int]]:
+    return dynamic_kernel_inputs(ops, tensors, derived), dynamic_kernel_outputs(ops, tensors, derived)
 
 
 def module_path_from_tensor_name(name: str) -> str | None:
@@ -230,51 +234,6 @@ def inspect(model: bytes | str | os.PathLike) -> ModelSummary:
                              f"({e}); re-export the model") from e
 
 
-def format_summary(summary: ModelSummary) -> str:
-    """Renders a summary as aligned text tables (what `print(summary)` shows).
-
-    Example:
-      >>> print(format_summary(inspect('model.tflite')))
-    """
-    t = summary.tensors
-    sigs = "; ".join(f"signature {k!r} ({', '.join(v['inputs'])} -> {', '.join(v['outputs'])})"
-                     for k, v in summary.signatures.items()) or "no signature"
-    out = [f"LiteRT model ({_SCHEMA_WORDS[summary.schema]}): {len(summary.ops)} ops, {len(t)} tensors, "
-           f"{summary.file_bytes} bytes; {sigs}", "", "Ops"]
-    rows = [[str(op.index), op.name, ", ".join(_describe(t, i) for i in op.inputs),
-             ", ".join(_describe(t, i) for i in op.outputs), _module(op.module_path)]
-            for op in summary.ops]
-    out.append(table(["#", "op", "inputs", "outputs", "module"], rows))
-    out += ["", "Tensors"]
-    rows = [[str(x.index), _short_name(x.name), x.dtype, "x".join(map(str, x.shape)) or "scalar",
-             _quantization(x) or "-", str(x.nbytes) if x.is_constant else "-"] for x in t]
-    out.append(table(["#", "name", "dtype", "shape", "quantization", "bytes"], rows))
-    out += ["", "Op histogram",
-            table(["op", "count"], [[k, str(v)] for k, v in summary.op_histogram.items()])]
-    if summary.schema == "static":
-        out += _section("Float islands", ["#", "op", "module", "why"], [
-            [str(op.index), op.name, _module(op.module_path), summary.why_float(op) or ""]
-            for op in summary.float_islands])
-        out += _section("Dynamic-range kernels (input quantized at run time, output float)",
-                        ["#", "op", "module"], [[str(op.index), op.name, _module(op.module_path)]
-                                                for op in summary.dynamic_kernels])
-    else:
-        out += ["", f"Float islands: none counted: a {_SCHEMA_WORDS[summary.schema]} model computes in float "
-                    "by design"]
-    out += _section("Weights requantized, dequantized or transposed at run time", ["#", "op", "module", "weight"], [
-        [str(op.index), op.name, _module(op.module_path), _describe(t, op.inputs[0])]
-        for op in summary.weight_work_at_run_time])
-    islands = f"; {len(summary.float_islands)} float islands" if summary.schema == "static" else ""
-    out += ["", f"Weights: {summary.weight_bytes} bytes in {sum(x.is_constant for x in t)} constant "
-                f"tensors{islands}; file: {summary.file_bytes} bytes"]
-    return "\n".join(line.rstrip() for line in out)
-
-
-def _section(title: str, headers: list[str], rows: list[list[str]]) -> list[str]:
-    return ["", f"{title} ({len(rows)}): " + ("" if rows else "none")] + (
-        [table(headers, rows)] if rows else [])
-
-
 def _load(model: bytes | str | os.PathLike) -> tuple[bytes, str]:
     if isinstance(model, (bytes, bytearray, memoryview)):
         return bytes(model), f"the given model bytes ({len(model)} bytes)"
@@ -312,7 +271,7 @@ def _read(buf: bytes, label: str) -> ModelSummary:
     inputs, outputs = tuple(_indices(graph.InputsAsNumpy())), tuple(_indices(graph.OutputsAsNumpy()))
     schema_name = _schema(ops, tensors, derived)
     entering = sources(ops, tensors, inputs)
-    kernel_inputs = dynamic_kernel_inputs(ops, tensors, derived)
+    kernel_tensors = _dynamic_kernel_tensors(ops, tensors, derived)
     histogram = collections.Counter(op.name for op in ops)
     return ModelSummary(
         ops=tuple(ops), tensors=tuple(tensors), inputs=inputs, outputs=outputs,
@@ -320,7 +279,7 @@ def _read(buf: bytes, label: str) -> ModelSummary:
         op_histogram=dict(sorted(histogram.items(), key=lambda kv: (-kv[1], kv[0]))),
         schema=schema_name,
         float_islands=tuple(op for op in ops if schema_name == "static"
-                            and float_island_reason(op, tensors, entering, outputs, derived, kernel_inputs)),
+                            and float_island_reason(op, tensors, entering, outputs, derived, *kernel_tensors)),
         dynamic_kernels=tuple(op for op in ops if schema_name == "static" and is_dynamic_kernel(op, tensors, derived)),
         weight_bytes=sum(buffer_bytes.values()), file_bytes=len(buf))
 
@@ -373,8 +332,6 @@ def _with_block_scales(info: TensorInfo, tensor, model, graph) -> TensorInfo:
 
 
 _INTEGER_DTYPES = frozenset({"int8", "uint8", "int16"})
-_SCHEMA_WORDS = {"static": "integer activations", "dynamic": "dynamic range", "weight_only": "weight-only",
-                 "float": "float"}
 
 # The JAX primitives a LiteRT op is lowered from, to find the op's own
 # location among the fused ones its output is named after (a CONV_2D with a
@@ -470,31 +427,3 @@ def _indices(array) -> list[int]:
 def _constant_derived(ops, tensors) -> set[int]:
     """Tensors that are constants or computed from constants only (ops are in execution order)."""
     return constant_derived(((op.inputs, op.outputs) for op in ops), (x.index for x in tensors if x.is_constant))
-
-
-def _quantization(x: TensorInfo) -> str:
-    if not x.scales:
-        return ""
-    distinct = set(x.zero_points)  # an omitted zero point means 0 to the interpreter
-    zp = str(distinct.pop()) if len(distinct) == 1 else f"[{len(x.zero_points)}]" if distinct else "0"
-    if x.block_size is not None:
-        return f"s=[{len(x.scales)}] blocks of {x.block_size} zp=0"
-    if len(x.scales) == 1:
-        return f"s={x.scales[0]:.6g} zp={zp}"
-    return f"s=[{len(x.scales)}] axis={x.quantized_dimension} zp={zp}"
-
-
-def _describe(tensors, index: int) -> str:
-    if index < 0:
-        return "-"
-    x = tensors[index]
-    return " ".join(filter(None, [f"t{index}", x.dtype, _quantization(x)]))
-
-
-def _short_name(name: str) -> str:
-    first, *rest = name.split(";")
-    return f"{first} (+{len(rest)} fused)" if rest else first
-
-
-def _module(path: str | None) -> str:
-    return "-" if path is None else (path or "''")

@@ -115,13 +115,17 @@ def test_outputs_against_float_are_measured_on_held_back_rows_only(digits_mlp):
 
 
 class _Pixels(nn.Module):
-    """Per-pixel outputs from a 1x1 convolution (a segmentation head)."""
+    """Per-pixel outputs from a 1x1 convolution (a segmentation head); `nchw`:
+    transposed to channels first after it, as diffusers' decoders return them."""
+
+    nchw: bool = False
 
     @nn.compact
     def __call__(self, x):
         x = nn.relu(nn.Conv(8, (3, 3))(x))
         x = nn.relu(nn.Conv(8, (3, 3), name="mid")(x))
-        return nn.Conv(3, (1, 1), name="out")(x)
+        x = nn.Conv(3, (1, 1), name="out")(x)
+        return x.transpose(0, 3, 1, 2) if self.nchw else x
 
 
 @pytest.fixture(scope="module")
@@ -133,11 +137,16 @@ def pixels():
     return model, variables, data
 
 
-def test_a_convolution_writes_its_outputs_through_a_dynamic_range_kernel(pixels):
+@pytest.mark.parametrize("nchw", [False, True], ids=["nhwc", "transposed"])
+def test_a_convolution_writes_its_outputs_through_a_dynamic_range_kernel(pixels, nchw):
+    """The float output's TRANSPOSE to channels first only moves its values: no float
+    island (it was one, and refused, for diffusers' VAE decoder)."""
     model, variables, data = pixels
+    model = _Pixels(nchw=nchw)
     export = odmlq.export_tflite(model, odmlq.INT8, data, variables=variables, benchmark=False)
     assert export.verification.passed and not export.summary.float_islands
     assert [op.name for op in export.summary.dynamic_kernels] == ["CONV_2D"]
+    assert ("TRANSPOSE" in export.summary.op_histogram) == nchw
     assert odmlq.litert.delegation(export.tflite, export.summary).partitions == 1
 
 
