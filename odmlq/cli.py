@@ -38,8 +38,11 @@ from odmlq import _arguments
 from odmlq.errors import OdmlqError
 from odmlq.files import check_output_path, load_batches, read_arrays, read_model_file
 
-DEFAULT_RULES = ("odmlq.INT8: int8 weights (per-channel) and int8 activations everywhere, the model's outputs "
-                 "written in float by dynamic-range matmuls and convolutions (odmlq.FULL_INTEGER_INT8 keeps them int8)")
+# The one-line rule, full integer: `odmlq diff` and `odmlq compare --tflite` line a file up
+# with the model by planning it again, so the default is what files were made with before
+# odmlq.INT8 (a rules file with `float_outputs: true` asks for that).
+DEFAULT_RULES = ("int8 weights (per-channel) and int8 activations everywhere, outputs too "
+                 "(odmlq.FULL_INTEGER_INT8; --rules with float_outputs: true for odmlq.INT8)")
 
 # The repository's samples are loaded by name, as any user's module:function
 # is: odmlq itself never depends on them (an installed odmlq may lack them).
@@ -85,12 +88,12 @@ def load_model(target: str):
 
 def rules_from(path: str | None):
     """Rules from a file, or the default rule (said on stderr)."""
-    from odmlq.rules import INT8, load_rules
+    from odmlq.rules import FULL_INTEGER_INT8, load_rules
 
     if path:
         return load_rules(path)
     print(f"# no --rules given: {DEFAULT_RULES}", file=sys.stderr)
-    return list(INT8)
+    return list(FULL_INTEGER_INT8)
 
 
 def load_calibration(path: str | None):
