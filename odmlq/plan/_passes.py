@@ -11,6 +11,8 @@
 - A float model input that only float ops read is carried in a target's
   `float_input_carrier` qtype where its converter needs a quantized input
   to fuse a later convolution.
+- The activation a float op's kernel applies stays float with it
+  (`float_activations`): its output is quantized once, for its readers.
 """
 
 from __future__ import annotations
@@ -113,6 +115,41 @@ def fuse_activations(graph: Graph, by_edge: dict, constraints) -> None:
         if consumer.kind in fuses:
             by_edge[edge.id] = dataclasses.replace(plan, spec=None, reason=f"fused into {consumer.id}",
                                                    fused_into=consumer.id)
+
+
+FLOAT_ACTIVATION = "float: the activation its float producer's kernel applies"
+
+
+def float_activations(graph: Graph, rules, op_plans: dict, constraints) -> dict:
+    """`op_plans` with the activation that alone reads a float op's output
+    (a convolution a skip rule keeps in float, a weight-only matmul) kept in
+    float too, where the targets' kernel for that op applies it (relu, relu6);
+    a dynamic-range kernel's output is float too.
+
+    Quantized on its own, such an activation reads its input requantized at
+    the input's range: after a BatchNorm folded into a convolution that range
+    is many times the activation's (EfficientNet-Lite0's first depthwise
+    convolution skipped: 17 LSB of the ReLU6's grid lost, 7.9 dB at the
+    logits). In float, the producer's kernel applies it and its output is
+    quantized once at its own range, where its readers read it."""
+    out = dict(op_plans)
+    for op in graph.ops:
+        plan = op_plans[op.id]
+        rule = rules[plan.rule] if plan.rule is not None else None
+        if len(op.outputs) != 1 or not (rule is None or plan.skip or rule.act_qtype is None
+                                        or rule.act_dynamic):
+            continue
+        edge = graph.edges[graph.resolve(op.outputs[0])]
+        if edge.is_output or not edge.is_float or len(edge.consumers) != 1:
+            continue
+        consumer = graph.op(edge.consumers[0])
+        reader = op_plans[consumer.id]
+        reader_rule = rules[reader.rule] if reader.rule is not None else None
+        if (reader_rule is None or reader.skip or reader_rule.act_qtype is None or reader_rule.act_dynamic
+                or consumer.kind not in constraints(op, reader_rule.act_qtype)[1]):
+            continue
+        out[consumer.id] = dataclasses.replace(reader, skip=True)
+    return out
 
 
 def resolve_output_constraints(graph: Graph, by_edge: dict, constraints) -> None:

@@ -25,12 +25,14 @@ from odmlq.constraints import Constraint, Target, combine_targets, constraint_fr
 from odmlq.errors import PlanError, RuleError
 from odmlq.graph import MATMUL_KINDS, Graph, Op, trace
 from odmlq.plan._passes import (
+    FLOAT_ACTIVATION,
     FROM_INTEGERS,
     calibrate_masks,
     calibrate_norms,
     carry_float_inputs,
     dynamic_only_into_kernels,
     dynamic_per_row,
+    float_activations,
     float_from_integers,
     fuse_activations,
     resolve_output_constraints,
@@ -86,7 +88,8 @@ class OpPlan:
     and its constant operands (one spec or None per `Op.constants`, in order).
 
     Attributes:
-      skip: a skip rule keeps the op in float.
+      skip: a skip rule keeps the op in float, or it is the activation a float
+        op's kernel applies (`plan._passes.float_activations`).
       dynamic_input: the spec a matmul/conv kernel quantizes its float inputs
         with at run time (a dynamic rule), or None.
       dynamic_inputs_float: a target has no dynamic kernel for this op (it
@@ -370,6 +373,7 @@ def plan_graph(graph: Graph, rules: Sequence[Rule], target: Target | Sequence[Ta
                                  and not quantized_constant,
                                  inputs_float=rule is not None and not rule.skip and op.kind in float_kinds)
     share_weight_specs(op_plans)
+    op_plans = float_activations(graph, rules, op_plans, constraints := combine_targets(targets))
     float_outputs = float_output_ops(graph, rules, op_plans, rows=rows, is_depthwise=_depthwise,
                                      depthwise_float=any(t.dynamic_depthwise_float for t in targets))
     for op_id, spec in float_outputs.items():
@@ -377,12 +381,11 @@ def plan_graph(graph: Graph, rules: Sequence[Rule], target: Target | Sequence[Ta
             op_plans[op_id] = dataclasses.replace(op_plans[op_id], dynamic_input=spec)
     from_integers = float_from_integers(graph, op_plans)
     carrier = next((t.float_input_carrier for t in targets if t.float_input_carrier), None)
-    edge_plans = _edge_plans(graph, rules, op_plans, combine_targets(targets), rows=rows, carrier=carrier,
+    edge_plans = _edge_plans(graph, rules, op_plans, constraints, rows=rows, carrier=carrier,
                              from_integers=from_integers, float_outputs=frozenset(float_outputs))
     check_state_specs(graph, edge_plans, pairs)
-    unmatched = warn_unmatched(rules, matched)
     return Plan(graph=graph, rules=rules, ops=op_plans, edges=edge_plans,
-                unmatched_rules=tuple(unmatched), targets=tuple(t.name for t in targets),
+                unmatched_rules=tuple(warn_unmatched(rules, matched)), targets=tuple(t.name for t in targets),
                 target_tables=targets, state=pairs)
 
 
@@ -472,8 +475,8 @@ def _edge_plans(graph: Graph, rules, op_plans, constraints, *, rows: bool = Fals
             by_edge[edge.id] = EdgePlan(edge=edge.id, spec=None, rule=None, reason=f"no rule ({how})")
         elif op_id in from_integers:
             by_edge[edge.id] = EdgePlan(edge=edge.id, spec=None, rule=index, reason=f"{FROM_INTEGERS} ({how})")
-        elif rule.skip or rule.act_qtype is None:
-            why = "skip" if rule.skip else "no act_qtype"
+        elif rule.skip or op_plans[op_id].skip or rule.act_qtype is None:
+            why = "skip" if rule.skip else "no act_qtype" if rule.act_qtype is None else FLOAT_ACTIVATION
             by_edge[edge.id] = EdgePlan(edge=edge.id, spec=None, rule=index, reason=f"{why} ({how})")
         else:
             by_edge[edge.id] = EdgePlan(edge=edge.id, spec=act_spec(edge, rule, index),
