@@ -477,6 +477,9 @@ def sets_own_scale(plan, edge_id: str, qtype: str) -> bool:
         # FULLY_CONNECTED int8 -> int16, its scale not the plan's).
         source = plan.edges.get(inputs[0])
         return source is not None and source.spec is not None and sets_own_scale(plan, inputs[0], qtype)
-    # An average pool lowered as a depthwise convolution requantizes too.
+    # An average pool lowered as a depthwise convolution requantizes too, and so
+    # does an int16 concatenation's last ADD (`_forms.concatenated_by_padded_sums`:
+    # an int16 ADD folded the int8 conversion after it, -1.4 dB at the outputs).
     return edge.constraint is None or (
-        kind == "avg_pool" and pool_as_depthwise(plan.graph.op(producer), qtype))
+        kind == "avg_pool" and pool_as_depthwise(plan.graph.op(producer), qtype)) or (
+        kind == "concatenate" and qtype == "int16" and len(inputs) > 1)
