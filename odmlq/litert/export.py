@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tempfile
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -371,7 +372,7 @@ def _check_summary(schema: str, summary: ModelSummary, allow_float_ops: bool, fl
             + ", ".join(f"{o.name} (module {o.module_path or ''!r})" for o in slow) + ". A float op reads "
             "a weight the plan stores quantized, which runs slower than float. Give those ops an "
             f"activation qtype so an integer kernel reads the weight, or keep them in float, e.g. "
-            f"Rule({first!r}, skip=True) before your other rules, with allow_float_ops=True."
+            f"Rule({_module_of(first)!r}, skip=True) before your other rules, with allow_float_ops=True."
         )
     if static and summary.float_islands:
         listing = _float_op_listing(summary.float_islands)
@@ -382,6 +383,14 @@ def _check_summary(schema: str, summary: ModelSummary, allow_float_ops: bool, fl
             )
         warnings.warn(f"float ops in the exported model: {listing}; all of them are in "
                       "the export's summary.float_islands", stacklevel=3)
+
+
+def _module_of(scope: str) -> str:
+    """The module path a rule matches, from the scope a weight's DEQUANTIZE
+    ('dense/kernel') or an op ('dense/dot_general') is named in: its last name
+    dropped, and the scope of an unrolled loop's step ('.../scan/step_0/')."""
+    scope = re.sub(r"^.*/step_\d+/", "", scope)
+    return scope.rsplit("/", 1)[0] if "/" in scope else scope
 
 
 def _float_op_listing(ops, limit: int = 12) -> str:

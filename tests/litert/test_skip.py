@@ -101,3 +101,19 @@ def test_the_activation_of_a_skipped_convolution_stays_float_with_it():
     # Measured 40.4 dB; the relu6 quantized alone on the wide grid gave 30.2 dB. The 4 dB margin
     # is for other hosts' float rounding; the old plan fails it by 6.
     assert sqnr > 36, sqnr
+
+
+def test_a_weight_dequantized_at_run_time_is_refused_naming_the_rule_that_fixes_it():
+    """A weight-only rule inside a full-integer model leaves a DEQUANTIZE of the
+    weight (named after the parameter, 'b/kernel'); the refusal's rule names the
+    module ('b'), and following it exports."""
+    model = Net("relu")
+    variables = model.init(jax.random.PRNGKey(0), X[:1])
+    int8 = odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")
+    with pytest.raises(odmlq.litert.FloatOpsError, match=r"DEQUANTIZE \(module 'b/kernel'\).*Rule\('b', skip=True\)"):
+        odmlq.export_tflite(model, [odmlq.Rule("b", weight_qtype="int8"), int8], [X[:16], X[16:]],
+                            variables=variables)
+    with pytest.warns(UserWarning, match="float ops in the exported model"):
+        result = odmlq.export_tflite(model, [odmlq.Rule("b", skip=True), int8], [X[:16], X[16:]],
+                                     variables=variables, allow_float_ops=True)
+    assert result.verification.passed
