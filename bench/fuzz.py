@@ -8,8 +8,13 @@ signal) or silently wrong (exported, then off on unseen inputs). Seeds run in
 worker processes, so a LiteRT abort is recorded as a crash of that seed and
 the run goes on.
 
+With --mixed, each seed that exports is exported again with one or two of its
+matmuls and convolutions kept in float or int16x8 (`run_case(case,
+mixed=True)`): that export must also be right, and no further than 3 dB
+below the one-line rule's from float ('worse_with_float').
+
 Run:
-  python bench/fuzz.py [--seeds 0:300] [--json out.json]
+  python bench/fuzz.py [--seeds 0:300] [--mixed] [--json out.json]
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-def _worker(seeds: list[int]) -> None:
+def _worker(seeds: list[int], mixed: bool = False) -> None:
     """Runs seeds in order; prints 'start <seed>' before and a JSON line after each."""
     import dataclasses
     import warnings
@@ -40,15 +45,16 @@ def _worker(seeds: list[int]) -> None:
         print(f"start {seed}", flush=True)
         case = make_case(seed)
         t = time.time()
-        outcome = run_case(case)
+        outcome = run_case(case, mixed=mixed)
         row = {**dataclasses.asdict(outcome), "description": case.description, "seconds": time.time() - t}
         print("result " + json.dumps(row), flush=True)
 
 
-def run(seeds: list[int]) -> list[dict]:
+def run(seeds: list[int], mixed: bool = False) -> list[dict]:
     rows, todo = [], list(seeds)
     while todo:
-        proc = subprocess.Popen([sys.executable, __file__, "--worker", ",".join(map(str, todo))],
+        proc = subprocess.Popen([sys.executable, __file__, "--worker", ",".join(map(str, todo))]
+                                + (["--mixed"] if mixed else []),
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                 cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
         current = None
@@ -109,21 +115,22 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", default="0:300", help="start:stop")
+    parser.add_argument("--mixed", action="store_true", help="some ops in float or int16x8 (see above)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
-        _worker([int(s) for s in args.worker.split(",")])
+        _worker([int(s) for s in args.worker.split(",")], args.mixed)
         return
     start, stop = (int(x) for x in args.seeds.split(":"))
     t = time.time()
-    rows = run(list(range(start, stop)))
+    rows = run(list(range(start, stop)), args.mixed)
     print()
-    print(f"seeds {start}:{stop}, {time.time() - t:.0f} s")
+    print(f"seeds {start}:{stop}{', mixed rules' if args.mixed else ''}, {time.time() - t:.0f} s")
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
-    if any(r["kind"] in ("crash", "silently_wrong") for r in rows):
+    if any(r["kind"] in ("crash", "silently_wrong", "worse_with_float") for r in rows):
         sys.exit(1)
 
 

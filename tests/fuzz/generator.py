@@ -13,7 +13,11 @@ BatchNorm and Dropout. The same seed gives the same model, weights and data.
 
 `run_case(case)` exports it with the one-line int8 rule and no option, and
 sorts the outcome (see `OUTCOMES`); `tests/fuzz/test_fuzz.py` runs a fast
-subset, `bench/fuzz.py` the long run.
+subset, `bench/fuzz.py` the long run. `run_case(case, mixed=True)` keeps one
+or two of its matmuls and convolutions, drawn from the seed, in float (a skip
+rule) or in int16x8, before the one-line rule, as a user protecting a
+sensitive layer writes: more precision must not make the outputs worse than
+the one-line rule's (`worse_with_float`).
 """
 
 from __future__ import annotations
@@ -40,9 +44,15 @@ _COMMON_ACTS = ("relu", "relu", "relu", "relu6", "gelu", "gelu", "tanh", "sigmoi
 # How an export ended. Hard failures (a test fails on them): 'crash' (anything
 # but an odmlq error escaped) and 'silently_wrong' (exported, then off by more
 # than its kernels' tolerance on inputs calibration did not see).
+# Mixed rules add 'worse_with_float': outputs vs float more than
+# `WORSE_WITH_FLOAT_DB` under the one-line rule's on the same unseen inputs,
+# with some ops in float or int16x8.
 OUTCOMES = ("exported", "refused_before_conversion", "refused_after_conversion", "verification_error",
-            "crash", "silently_wrong")
-HARD_FAILURES = frozenset({"crash", "silently_wrong"})
+            "crash", "silently_wrong", "worse_with_float")
+HARD_FAILURES = frozenset({"crash", "silently_wrong", "worse_with_float"})
+# Keeping an op in float or int16 removes or refines its roundings and adds at
+# most one at its output's readers: 3 dB is past what that moves on these models.
+WORSE_WITH_FLOAT_DB = 3.0
 
 
 @dataclasses.dataclass
@@ -382,14 +392,59 @@ def _unseen(case: Case) -> list[tuple[np.ndarray]]:
             ((x + 0.3 * case.input_scale * rng.normal(size=x.shape)).astype(np.float32),)]
 
 
-def run_case(case: Case) -> Outcome:
+def run_case(case: Case, mixed: bool = False) -> Outcome:
+    import odmlq
+
+    one_line = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
+    if not mixed:
+        return _run(case, one_line)
+    baseline = _run(case, one_line)
+    if baseline.kind != "exported":
+        return baseline
+    rules, drawn = mixed_rules(case)
+    outcome = _run(case, rules + one_line, allow_float_ops=True)
+    outcome.detail = f"{drawn}; {outcome.detail}".rstrip("; ")
+    if outcome.kind == "exported" and outcome.sqnr_db < baseline.sqnr_db - WORSE_WITH_FLOAT_DB:
+        outcome.kind = "worse_with_float"
+        outcome.detail = (f"{drawn}: {outcome.sqnr_db:.1f} dB vs float, against {baseline.sqnr_db:.1f} "
+                          "with every op int8")
+    return outcome
+
+
+def mixed_rules(case: Case) -> tuple[list, str]:
+    """One or two matmuls or convolutions of `case`, drawn from its seed, kept
+    float (a skip rule) or in int16x8; and a line saying which."""
+    import re
+
+    import odmlq
+
+    (x,) = case.batches(1, 1, case.seed)[0]
+    graph = odmlq.trace(case.model, x, variables=case.variables)
+    paths = sorted({op.module_path for op in graph.ops if op.kind in ("conv", "dot_general") and op.weights})
+    rng = np.random.default_rng(case.seed + 30_000)
+    picked = rng.choice(paths, size=min(len(paths), int(rng.integers(1, 3))), replace=False)
+    rules, said = [], []
+    for path in picked:
+        skip = bool(rng.integers(2))
+        rules.append(odmlq.Rule(re.escape(str(path)), skip=True) if skip
+                     else odmlq.Rule(re.escape(str(path)), weight_qtype="int8", act_qtype="int16"))
+        said.append(f"{path} {'float' if skip else 'int16x8'}")
+    return rules, ", ".join(said)
+
+
+def _run(case: Case, rules: list, allow_float_ops: bool = False) -> Outcome:
+    import warnings
+
     import odmlq
     import odmlq.litert
     from odmlq.errors import OdmlqError
 
-    rules = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
     try:
-        result = odmlq.export_tflite(case.model, rules, case.batches(8, 8, case.seed), variables=case.variables)
+        with warnings.catch_warnings():
+            if allow_float_ops:
+                warnings.simplefilter("ignore")
+            result = odmlq.export_tflite(case.model, rules, case.batches(8, 8, case.seed), variables=case.variables,
+                                         allow_float_ops=allow_float_ops)
     except odmlq.VerificationError as e:
         return Outcome(case.seed, case.family, "verification_error", _first_line(e))
     except OdmlqError as e:

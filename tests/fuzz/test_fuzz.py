@@ -5,6 +5,8 @@ see (each op within its kernel's tolerance of `simulate`), or as a named odmlq
 error. A crash (anything but an odmlq error escaping) or a silently wrong
 export fails. The fast subset runs by default; `pytest -m slow` runs 300 seeds
 (`python bench/fuzz.py` prints the table, each seed in a child process).
+Mixed rules (`run_case(case, mixed=True)`: a few ops kept in float or int16x8)
+run on a fast subset of their own and, slow, on 60 seeds.
 """
 
 from __future__ import annotations
@@ -19,11 +21,18 @@ from tests.fuzz.generator import HARD_FAILURES, case_family, make_case, run_case
 # transposed convolution.
 FAST_SEEDS = (*range(24), 34, 77, 116)
 SLOW_SEEDS = tuple(s for s in range(24, 327) if s not in FAST_SEEDS)  # 300 seeds
+# Mixed rules, fast: an NNX CNN with a convolution in float and one in int16x8;
+# a CNN whose int16x8 concatenation is read as int8 (seed 11: litert-converter
+# folded the conversion into the concatenation's ADD, refused by verification
+# until the lowering read it after a separator); a CNN with a convolution in
+# float and its dense head in int16x8.
+MIXED_FAST_SEEDS = (7, 11, 14)
+MIXED_SLOW_SEEDS = tuple(s for s in range(60) if s not in MIXED_FAST_SEEDS)
 
 
-def _check(seed: int) -> str:
+def _check(seed: int, mixed: bool = False) -> str:
     case = make_case(seed)
-    outcome = run_case(case)
+    outcome = run_case(case, mixed=mixed)
     assert outcome.kind not in HARD_FAILURES, (
         f"seed {seed} ({case.family}: {case.description}): {outcome.kind}: {outcome.detail}")
     # A refusal is named by the plan check, before any calibration or conversion.
@@ -35,6 +44,24 @@ def _check(seed: int) -> str:
 @pytest.mark.parametrize("seed", FAST_SEEDS)
 def test_fuzz_fast_subset(seed, record_property):
     record_property("outcome", _check(seed))
+
+
+@pytest.mark.parametrize("seed", MIXED_FAST_SEEDS)
+def test_fuzz_mixed_rules_fast_subset(seed, record_property):
+    outcome = _check(seed, mixed=True)
+    record_property("outcome", outcome)
+    assert outcome == "exported"  # each of these exported with the one-line rule and mixed
+
+
+@pytest.mark.slow
+def test_fuzz_mixed_rules_slow_run():
+    failures = []
+    for seed in MIXED_SLOW_SEEDS:
+        try:
+            _check(seed, mixed=True)
+        except AssertionError as e:
+            failures.append(str(e))
+    assert not failures, "\n".join(failures)
 
 
 def test_the_generator_is_deterministic_and_varied():
