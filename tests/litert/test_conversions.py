@@ -237,10 +237,13 @@ def test_an_int16_mask_bias_read_by_an_int8_add_exports_and_verifies():
     - the SUB ``1 - m`` took LiteRT's power-of-two int16 path and was refused
       at allocation (``sub.cc: input1_shift <= 0``) until the export cleared
       ``pot_scale_int16``;
-    - the int16 -> int8 QUANTIZE rounds the bias's extreme, -127.498 LSB, to
-      -128 (it rounds twice); simulate rounds to -127, and the ADD reading it
-      was 2 of its own LSBs off. Verification now checks each conversion
-      within 1 LSB and feeds LiteRT's converted value to its reader."""
+    - the int16 -> int8 QUANTIZE rounded the bias's extreme, -127.498 LSB, to
+      -128 (it rounds twice); simulate rounded to -127, and the ADD reading it
+      was 2 of its own LSBs off. Verification checks each conversion within
+      1 LSB and feeds LiteRT's converted value to its reader
+      (`test_simulate_captures_and_is_fed_converted_inputs`). The conversion
+      now takes the bias's calibrated range, [-30, 0], where int16's whole
+      range put -30 at that tie: both ends are codes, and nothing rounds apart."""
     model = _Masked()
     x, m, batches = _masked_batches()
     variables = model.init(jax.random.PRNGKey(0), x[:1], m[:1])
@@ -253,8 +256,11 @@ def test_an_int16_mask_bias_read_by_an_int8_add_exports_and_verifies():
     # The conversion is checked in its own row, on its int8 grid (1 LSB allowed: the requantize's rounding).
     conversion = checks["mk/broadcast_in_dim/to_int8"]
     assert conversion.params_match and conversion.max_lsb <= conversion.allowed_lsb and conversion.op == "att/add"
-    assert conversion.max_lsb > 0.5  # the extreme -30 is the tie the two round apart
-    # Its reader, fed LiteRT's converted value, agrees exactly.
+    # On the calibrated range [-30, 0] the mask's two values are codes: no tie to round apart.
+    scale = result.scales.conversions[("mk/broadcast_in_dim", "int8")]
+    assert np.isclose(float(np.ravel(scale.scale)[0]) * 255, 30, rtol=1e-3), scale
+    assert conversion.max_lsb == 0
+    # Its reader agrees exactly.
     assert checks["att/add"].max_lsb == 0
 
 
