@@ -205,8 +205,10 @@ def _check_one_activation_type(plan: Plan, op, where: str) -> None:
     qtype is read through a conversion (`Plan.conversions`, a QUANTIZE op;
     after a same-scale separator where the converter would fold it into the
     producer: `requantized_from_producer`). Kernels that read every input at
-    their output's scale (CONCATENATION, MAXIMUM, MINIMUM) would fold that
-    QUANTIZE into their own scale, which the plan does not model: refused."""
+    their output's scale (CONCATENATION, MAXIMUM, MINIMUM) have litert-converter
+    fold the QUANTIZE and their requantization into one, so the conversion
+    writes their output's grid; refused where it cannot (another op reads the
+    same conversion, or that grid has a scale per axis)."""
     converted = [c for c in plan.conversions.values() if op.id in c.consumers]
     for c in converted:
         producer = plan.graph.edges[c.edge].producer
@@ -220,13 +222,21 @@ def _check_one_activation_type(plan: Plan, op, where: str) -> None:
                 ops=(op.id, producer))
         if c.source == "float" and kind is not None:
             _check_float_layout_between(plan, op, plan.graph.op(producer), c, where)
-    if converted and isinstance(plan.edges[op.outputs[0]].constraint, SharedWithInputs):
-        c = converted[0]
-        raise PlanError(
-            f"{where} reads {c.source} edge {c.edge!r} as {c.spec.qtype}; LiteRT's {op.kind} reads "
-            "its inputs at its output's scale, so the requantization cannot be placed before it. "
-            "Give the producer of that edge and this op the same act_qtype.",
-            ops=tuple(o for o in (op.id, plan.graph.edges[c.edge].producer) if o is not None))
+    output = plan.edges[op.outputs[0]] if len(op.outputs) == 1 else None
+    if output is not None and isinstance(output.constraint, SharedWithInputs):
+        # The conversion writes this op's grid (`scales._edges._share_with_inputs`)
+        # where this op alone reads it and that grid is one scale.
+        per_axis = output.spec is None or bool(output.spec.scale_axes)
+        shared = [c for c in converted if per_axis or c.consumers != (op.id,)]
+        if shared:
+            c = shared[0]
+            why = ("its output has a scale per axis" if per_axis else "the conversion is read by "
+                   + ", ".join(repr(o) for o in c.consumers if o != op.id) + " too")
+            raise PlanError(
+                f"{where} reads {c.source} edge {c.edge!r} as {c.spec.qtype}; LiteRT's {op.kind} reads "
+                f"its inputs at its output's scale, so the conversion must write that scale, and {why}. "
+                "Give the producer of that edge and this op the same act_qtype.",
+                ops=tuple(o for o in (op.id, plan.graph.edges[c.edge].producer) if o is not None))
 
 
 def _check_float_layout_between(plan: Plan, op, layout, c, where: str) -> None:

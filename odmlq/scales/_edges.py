@@ -57,7 +57,7 @@ def edge_scales(plan, calibration, conversions, balanced=None, weights=None) -> 
         out[edge_id] = _calibrated_scale(edge, spec, calibration, _resolution(plan, edge, out))
     for key in plan.conversions:
         _conversion_scale(plan, key, out, calibration, conversions)
-    _share_with_inputs(plan, out)
+    _share_with_inputs(plan, out, conversions)
     _share_carries(plan, out)
     for edge_id, edge in graph.edges.items():
         target = graph.resolve(edge_id)
@@ -210,14 +210,17 @@ def _conversion_scale(plan, key, edges, calibration, conversions) -> TensorScale
     return conversions[key]
 
 
-def _share_with_inputs(plan, out: dict[str, TensorScale]) -> None:
+def _share_with_inputs(plan, out: dict[str, TensorScale], conversions: dict) -> None:
     """Ops whose kernel reads every input at its output's scale (an output
     constrained `SharedWithInputs`) give that scale to each input edge they
     alone consume, where the producer can requantize to it (a free output or
     a model input) — as a converter does, folding the requantization into the
-    producer. Other inputs keep their scale and are requantized by a separate
-    op, which computes the same values. Ops are visited last to first, so
-    chains (max then min, a clip) share one scale.
+    producer — and to each conversion they alone read (an int16 or float edge
+    read by an int8 concatenation: its QUANTIZE writes the concatenation's
+    grid, which is what litert-converter makes of a QUANTIZE followed by a
+    requantization). Other inputs keep their scale and are requantized by a
+    separate op, which computes the same values. Ops are visited last to
+    first, so chains (max then min, a clip) share one scale.
     """
     graph = plan.graph
     aliased = {e.alias for e in graph.edges.values() if e.alias is not None}
@@ -230,6 +233,11 @@ def _share_with_inputs(plan, out: dict[str, TensorScale]) -> None:
         if target.scale_axes:
             continue
         for edge_id in dict.fromkeys(op.inputs):
+            conversion = plan.conversions.get((graph.resolve(edge_id), target.qtype))
+            if conversion is not None and op.id in conversion.consumers:
+                if conversion.consumers == (op.id,):
+                    conversions[conversion.key] = reshaped(target, len(graph.edges[conversion.edge].shape))
+                continue
             chain = _free_chain(plan, edge_id, op.id, out, aliased, target)
             for e in chain:
                 out[e] = reshaped(target, len(graph.edges[e].shape))
