@@ -277,6 +277,24 @@ def dynamic_per_row(graph: Graph, by_edge: dict) -> None:
 _CONVOLUTION_KERNELS = ("conv", "avg_pool")
 
 
+def _fused_only_after_a_quantized_input(graph: Graph, by_edge: dict, op) -> bool:
+    """A statically quantized op that litert-converter 0.5.0 makes an integer
+    kernel only where a quantized value precedes it, not after float ops
+    reading the model's float input (it then keeps the op float, its weight
+    dequantized and transposed at every invoke): a convolution, and a matmul
+    whose weight has more than two axes (attention's query, key, value and
+    output projections; a plain Dense is fused). A loop (nn.scan, unrolled
+    into the file) counts for the ops in its body. Found by the fuzzer's mixed
+    rules: a Dense kept float before a scan of attention blocks was refused."""
+    if op.kind == "scan":
+        return any(_fused_only_after_a_quantized_input(graph, by_edge, o) for o in graph.ops if o.region == op.id)
+    if computed_qtype(graph, by_edge, op) is None:
+        return False
+    if op.kind in _CONVOLUTION_KERNELS:
+        return True
+    return op.kind == "dot_general" and any(w.role == "weight" and len(w.shape) > 2 for w in op.operands)
+
+
 def carry_float_inputs(graph: Graph, by_edge: dict, qtype: str) -> None:
     """A float model input that only float ops read, with a statically
     quantized convolution downstream of them, is carried in `qtype`
@@ -290,7 +308,7 @@ def carry_float_inputs(graph: Graph, by_edge: dict, qtype: str) -> None:
             if op.id in seen:
                 continue
             seen.add(op.id)
-            if op.kind in _CONVOLUTION_KERNELS and computed_qtype(graph, by_edge, op) is not None:
+            if _fused_only_after_a_quantized_input(graph, by_edge, op):
                 spec = QuantSpec(qtype=qtype, symmetric=True, narrow_range=False,
                                  calibration=Rule(".*", act_qtype=qtype).resolved("act_calibration"))
                 by_edge[edge.id] = dataclasses.replace(
