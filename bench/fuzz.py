@@ -13,8 +13,13 @@ matmuls and convolutions kept in float or int16x8 (`run_case(case,
 mixed=True)`): that export must also be right, and no further than 3 dB
 below the one-line rule's from float ('worse_with_float').
 
+With --family nnx_seq, every seed builds an NNX sequence model (nnx.Linear,
+nnx.Einsum, norms, nnx.MultiHeadAttention blocks as Python layers or stacked
+by nnx.vmap and applied by nnx.scan, 1-D nnx.Conv): a family the seeded draw
+never picks, so the other families' seeds stay as measured.
+
 Run:
-  python bench/fuzz.py [--seeds 0:300] [--mixed] [--json out.json]
+  python bench/fuzz.py [--seeds 0:300] [--mixed] [--family nnx_seq] [--json out.json]
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-def _worker(seeds: list[int], mixed: bool = False) -> None:
+def _worker(seeds: list[int], mixed: bool = False, family: str | None = None) -> None:
     """Runs seeds in order; prints 'start <seed>' before and a JSON line after each."""
     import dataclasses
     import warnings
@@ -43,18 +48,18 @@ def _worker(seeds: list[int], mixed: bool = False) -> None:
 
     for seed in seeds:
         print(f"start {seed}", flush=True)
-        case = make_case(seed)
+        case = make_case(seed, family)
         t = time.time()
         outcome = run_case(case, mixed=mixed)
         row = {**dataclasses.asdict(outcome), "description": case.description, "seconds": time.time() - t}
         print("result " + json.dumps(row), flush=True)
 
 
-def run(seeds: list[int], mixed: bool = False) -> list[dict]:
+def run(seeds: list[int], mixed: bool = False, family: str | None = None) -> list[dict]:
     rows, todo = [], list(seeds)
     while todo:
         proc = subprocess.Popen([sys.executable, __file__, "--worker", ",".join(map(str, todo))]
-                                + (["--mixed"] if mixed else []),
+                                + (["--mixed"] if mixed else []) + (["--family", family] if family else []),
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                 cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
         current = None
@@ -116,17 +121,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", default="0:300", help="start:stop")
     parser.add_argument("--mixed", action="store_true", help="some ops in float or int16x8 (see above)")
+    parser.add_argument("--family", default=None,
+                        help="build every seed as this family (nnx_seq: NNX sequence models, drawn only so)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
-        _worker([int(s) for s in args.worker.split(",")], args.mixed)
+        _worker([int(s) for s in args.worker.split(",")], args.mixed, args.family)
         return
     start, stop = (int(x) for x in args.seeds.split(":"))
     t = time.time()
-    rows = run(list(range(start, stop)), args.mixed)
+    rows = run(list(range(start, stop)), args.mixed, args.family)
     print()
-    print(f"seeds {start}:{stop}{', mixed rules' if args.mixed else ''}, {time.time() - t:.0f} s")
+    print(f"seeds {start}:{stop}{', mixed rules' if args.mixed else ''}"
+          f"{', family ' + args.family if args.family else ''}, {time.time() - t:.0f} s")
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

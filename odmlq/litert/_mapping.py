@@ -53,12 +53,16 @@ def map_tensors(details: Sequence[dict], produced: set[int], plan, scales,
     copies = layout_copies(ops, details)
     order = {e: i for i, e in enumerate(plan.graph.edges)}
     candidates: dict[str, list[int]] = {}
+    first: set[int] = set()  # tensors whose first location names their edge
     for d in details:
         if d["index"] not in produced or d["dtype"] not in (np.int8, np.int16):
             continue
         named = _edges_named(d["name"], order)
         if named:
-            candidates.setdefault(max(named, key=order.get), []).append(d["index"])
+            edge = max(named, key=order.get)
+            candidates.setdefault(edge, []).append(d["index"])
+            if edge in _edges_named(d["name"].split(";")[0], order):
+                first.add(d["index"])
     by_index = {d["index"]: d for d in details}
     out = {}
     for edge, indices in candidates.items():
@@ -73,7 +77,12 @@ def map_tensors(details: Sequence[dict], produced: set[int], plan, scales,
             continue
         matching = [i for i in indices if params_match(by_index[i], scales.edges[edge])]
         pool = matching or [i for i in indices if i not in conversions] or indices
-        out[edge] = ([i for i in pool if i not in conversions] or pool)[-1]
+        pool = [i for i in pool if i not in conversions] or pool
+        # A tensor named after its own op first wins over one that names the
+        # edge only in a later location: litert-converter lists a constant's
+        # location shared by many ops (every LOGISTIC's `1 + exp(-x)` named after
+        # the first sigmoid's ADD), and the last such tensor was taken.
+        out[edge] = ([i for i in pool if i in first] or pool)[-1]
     # An edge that repeats an earlier one's computation on the same grid has
     # no tensor of its own: the converter kept one (`repeated_edges`), and the
     # ops that read the second read it.

@@ -10,6 +10,10 @@ a causal mask, residual MLPs, 1-D convolutions and pools, a flipped branch
 concatenated beside another reader of its input, a value computed twice,
 transformer blocks stacked by nn.scan), a Linen MLP, or an NNX CNN with
 BatchNorm and Dropout. The same seed gives the same model, weights and data.
+`make_case(seed, family='nnx_seq')` builds an NNX sequence model instead
+(nnx.Linear, nnx.Einsum, norms, nnx.MultiHeadAttention blocks with a gated
+MLP, as Python layers or stacked by nnx.vmap and applied by nnx.scan, 1-D
+nnx.Conv), a family the seeded draw does not pick.
 
 `run_case(case)` exports it with the one-line int8 rule and no option, and
 sorts the outcome (see `OUTCOMES`); `tests/fuzz/test_fuzz.py` runs a fast
@@ -204,6 +208,85 @@ class FuzzNnxCnn(nnx.Module):
         return self.head(self.dropout(jnp.mean(x, axis=(1, 2))))
 
 
+class _NnxBlock(nnx.Module):
+    """A pre-norm transformer block in NNX: self-attention (nnx.MultiHeadAttention,
+    causal or not) and a gated MLP written with nnx.Einsum."""
+
+    def __init__(self, width: int, heads: int, causal: bool, rms: bool, *, rngs: nnx.Rngs):
+        norm = nnx.RMSNorm if rms else nnx.LayerNorm
+        self.norm1, self.norm2 = norm(width, rngs=rngs), norm(width, rngs=rngs)
+        self.attention = nnx.MultiHeadAttention(num_heads=heads, in_features=width, decode=False,
+                                                deterministic=True, rngs=rngs)
+        self.gate_up = nnx.Einsum("btd,dkf->btkf", (width, 2, 2 * width), rngs=rngs)
+        self.down = nnx.Linear(2 * width, width, rngs=rngs)
+        self.causal = causal
+
+    def __call__(self, x):
+        mask = nnx.make_causal_mask(jnp.ones(x.shape[:2])) if self.causal else None
+        x = x + self.attention(self.norm1(x), mask=mask)
+        h = self.gate_up(self.norm2(x))
+        return x + self.down(nnx.silu(h[:, :, 0]) * h[:, :, 1])
+
+
+def _stacked_blocks(width: int, layers: int, heads: int, causal: bool, *, rngs: nnx.Rngs) -> _NnxBlock:
+    """`layers` blocks stacked by nnx.vmap (their parameters along a first axis), for nnx.scan."""
+    @nnx.split_rngs(splits=layers)
+    @nnx.vmap(axis_size=layers)
+    def create(rngs: nnx.Rngs):
+        return _NnxBlock(width, heads, causal, False, rngs=rngs)
+
+    return create(rngs)
+
+
+class FuzzNnxSeq(nnx.Module):
+    """An NNX sequence model: a projection, then blocks drawn from `_NNX_SEQ_TABLE`
+    (NNX transformer blocks, as Python layers or stacked by nnx.vmap and applied
+    by nnx.scan; nnx.Linear, nnx.Einsum, norms, activations, a 1-D nnx.Conv), a
+    mean over positions and a head."""
+
+    def __init__(self, blocks: tuple, width: int, features: int, *, rngs: nnx.Rngs):
+        self.project = nnx.Linear(features, width, rngs=rngs)
+        layers = []
+        for block in blocks:
+            kind = block[0]
+            if kind == "block":
+                layers.append(_NnxBlock(width, block[1], block[2], block[3], rngs=rngs))
+            elif kind == "scan":
+                layers.append(_stacked_blocks(width, *block[1:], rngs=rngs))
+            elif kind == "linear":
+                layers.append(nnx.Linear(width, width, rngs=rngs))
+            elif kind == "einsum":
+                layers.append(nnx.Einsum("btd,dh->bth", (width, width), (width,), rngs=rngs))
+            elif kind == "ln":
+                layers.append(nnx.LayerNorm(width, rngs=rngs))
+            elif kind == "rms":
+                layers.append(nnx.RMSNorm(width, rngs=rngs))
+            elif kind == "conv1d":
+                layers.append(nnx.Conv(width, width, (block[1],), rngs=rngs))
+            else:
+                layers.append(None)  # 'act': no parameters
+        self.layers = nnx.List(layers)
+        self.blocks = blocks
+        self.head = nnx.Linear(width, 4, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.project(x)
+        for block, layer in zip(self.blocks, self.layers):
+            if block[0] == "scan":
+                @nnx.scan
+                def step(x, layer):
+                    return layer(x), None
+
+                x = step(x, layer)[0]
+            elif block[0] == "act":
+                x = ACTIVATIONS[block[1]](x)
+            elif block[0] == "conv1d":
+                x = nnx.relu(layer(x))
+            else:
+                x = layer(x)
+        return self.head(jnp.mean(x, axis=1))
+
+
 # ---------------------------------------------------------------------------
 # Drawing architectures
 
@@ -289,6 +372,15 @@ _SEQ_TABLE = (
     (0.98, lambda rng: ("twice", _act(rng))),
     (1.0, lambda rng: ("scan", int(rng.choice([2, 3])), int(rng.choice([1, 2])))),
 )
+_NNX_SEQ_TABLE = (
+    (0.3, lambda rng: ("block", int(rng.choice([1, 2, 4])), bool(rng.random() < 0.5), bool(rng.random() < 0.3))),
+    (0.45, lambda rng: ("scan", int(rng.choice([2, 3])), int(rng.choice([1, 2])), bool(rng.random() < 0.5))),
+    (0.58, lambda rng: ("linear",)),
+    (0.68, lambda rng: ("einsum",)),
+    (0.8, lambda rng: ("ln",) if rng.random() < 0.6 else ("rms",)),
+    (0.92, lambda rng: ("act", _act(rng))),
+    (1.0, lambda rng: ("conv1d", int(rng.choice([1, 3])))),
+)
 _MLP_TABLE = (
     (0.4, lambda rng: ("dense", int(rng.choice([8, 16, 32])))),
     (0.7, lambda rng: ("act", _act(rng))),
@@ -336,10 +428,18 @@ def case_family(seed: int) -> str:
     return _family(np.random.default_rng(seed))
 
 
-def make_case(seed: int) -> Case:
+# Families `make_case` builds only when asked (`family=`): the seeded draw of
+# the four above stays as it was measured.
+EXTRA_FAMILIES = ("nnx_seq",)
+
+
+def make_case(seed: int, family: str | None = None) -> Case:
+    """The model of `seed`; `family` builds one of `EXTRA_FAMILIES` (or another
+    family) from the same seed instead of the drawn one."""
     rng = np.random.default_rng(seed)
     key = jax.random.PRNGKey(seed)
-    family = _family(rng)
+    drawn = _family(rng)
+    family = family or drawn
     if family == "cnn":
         blocks = _cnn_blocks(rng)
         model, shape = FuzzCnn(blocks), (12, 12, 3)
@@ -355,7 +455,12 @@ def make_case(seed: int) -> Case:
         model, shape = FuzzMlp(blocks), (10,)
         variables = model.init(key, np.zeros((1, *shape), np.float32))
         description = " ".join(str(b) for b in blocks)
-    else:
+    elif family == "nnx_seq":
+        blocks, width = _draw(rng, (1, 4), _NNX_SEQ_TABLE), int(rng.choice([8, 16]))
+        model, shape = FuzzNnxSeq(blocks, width, 8, rngs=nnx.Rngs(seed)), (6, 8)
+        variables = None
+        description = f"width {width}: " + " ".join(str(b) for b in blocks)
+    elif family == "nnx_cnn":
         channels = tuple(int(c) for c in rng.choice([4, 8, 12], size=int(rng.integers(1, 4))))
         act = _act(rng)
         model = FuzzNnxCnn(channels, act, rngs=nnx.Rngs(seed))
@@ -365,6 +470,8 @@ def make_case(seed: int) -> Case:
             norm.var[...] = jnp.asarray(rng.uniform(0.3, 2.0, n), jnp.float32)
         variables, shape = None, (8, 8, 3)
         description = f"channels {channels}, {act}"
+    else:
+        raise ValueError(f"make_case: no family {family!r}")
     return Case(seed=seed, family=family, description=description, model=model, variables=variables,
                 sample_shape=shape, input_scale=float(rng.choice([0.5, 1.0, 3.0])))
 

@@ -6,7 +6,9 @@ error. A crash (anything but an odmlq error escaping) or a silently wrong
 export fails. The fast subset runs by default; `pytest -m slow` runs 300 seeds
 (`python bench/fuzz.py` prints the table, each seed in a child process).
 Mixed rules (`run_case(case, mixed=True)`: a few ops kept in float or int16x8)
-run on a fast subset of their own and, slow, on 60 seeds.
+run on a fast subset of their own and, slow, on 60 seeds; NNX sequence models
+(`make_case(seed, family='nnx_seq')`) on 1 seed, and slow on 40, with the
+one-line and the mixed rules.
 """
 
 from __future__ import annotations
@@ -28,10 +30,15 @@ SLOW_SEEDS = tuple(s for s in range(24, 327) if s not in FAST_SEEDS)  # 300 seed
 # float and its dense head in int16x8.
 MIXED_FAST_SEEDS = (7, 11, 14)
 MIXED_SLOW_SEEDS = tuple(s for s in range(60) if s not in MIXED_FAST_SEEDS)
+# NNX sequence models (`make_case(seed, family='nnx_seq')`), fast: blocks
+# (causal nnx.MultiHeadAttention, an nnx.Einsum gated MLP) stacked by nnx.vmap
+# and applied by nnx.scan after a hard-swish.
+NNX_SEQ_FAST_SEEDS = (7,)
+NNX_SEQ_SLOW_SEEDS = tuple(s for s in range(40) if s not in NNX_SEQ_FAST_SEEDS)
 
 
-def _check(seed: int, mixed: bool = False) -> str:
-    case = make_case(seed)
+def _check(seed: int, mixed: bool = False, family: str | None = None) -> str:
+    case = make_case(seed, family)
     outcome = run_case(case, mixed=mixed)
     assert outcome.kind not in HARD_FAILURES, (
         f"seed {seed} ({case.family}: {case.description}): {outcome.kind}: {outcome.detail}")
@@ -53,6 +60,25 @@ def test_fuzz_mixed_rules_fast_subset(seed, record_property):
     assert outcome == "exported"  # each of these exported with the one-line rule and mixed
 
 
+@pytest.mark.parametrize("seed", NNX_SEQ_FAST_SEEDS)
+def test_fuzz_nnx_sequence_models_fast_subset(seed, record_property):
+    outcome = _check(seed, family="nnx_seq")
+    record_property("outcome", outcome)
+    assert outcome == "exported"  # and right on unseen inputs
+
+
+@pytest.mark.slow
+def test_fuzz_nnx_sequence_models_slow_run():
+    failures = []
+    for seed in NNX_SEQ_SLOW_SEEDS:
+        for mixed in (False, True):
+            try:
+                _check(seed, mixed=mixed, family="nnx_seq")
+            except AssertionError as e:
+                failures.append(f"{'mixed: ' if mixed else ''}{e}")
+    assert not failures, "\n".join(failures)
+
+
 @pytest.mark.slow
 def test_fuzz_mixed_rules_slow_run():
     failures = []
@@ -71,6 +97,9 @@ def test_the_generator_is_deterministic_and_varied():
     assert case_family(5) == a.family  # the families below are make_case's
     families = collections.Counter(case_family(s) for s in range(60))
     assert set(families) == {"cnn", "seq", "mlp", "nnx_cnn"}, families
+    # An extra family is built only when asked, from the same seed.
+    c, d = make_case(5, family="nnx_seq"), make_case(5, family="nnx_seq")
+    assert c.family == "nnx_seq" and c.description == d.description and case_family(5) == a.family
 
 
 @pytest.mark.slow

@@ -411,7 +411,8 @@ def test_an_op_reading_inputs_at_its_output_scale_reads_a_conversion_at_that_sca
     model, x = _TwoBranches(how), np.random.RandomState(1).randn(24, 10, 10, 3).astype(np.float32)
     variables = model.init(jax.random.PRNGKey(0), x[:1])
     rules = [first, R(".*", weight_qtype="int8", act_qtype="int8")]
-    result = odmlq.export_tflite(model, rules, [x[:8], x[8:16]], variables=variables, allow_float_ops=allow)
+    result = odmlq.export_tflite(model, rules, [x[:8], x[8:16]], variables=variables, allow_float_ops=allow,
+                                 benchmark=False)
     assert result.verification.passed  # every op within 1 LSB of simulate
     (join,) = [op for op in result.plan.graph.ops if op.module_path == "j"]
     read = [key for key, c in result.plan.conversions.items() if join.id in c.consumers]
@@ -420,7 +421,7 @@ def test_an_op_reading_inputs_at_its_output_scale_reads_a_conversion_at_that_sca
     assert all(result.scales.conversions[key].same_grid(out) for key in read)
     got = litert_rows(result.tflite, x[16:])
     want = np.asarray(model.apply(variables, x[16:]))
-    baseline = odmlq.export_tflite(model, rules[1:], [x[:8], x[8:16]], variables=variables)
+    baseline = odmlq.export_tflite(model, rules[1:], [x[:8], x[8:16]], variables=variables, benchmark=False)
     base = litert_rows(baseline.tflite, x[16:])
 
     def sqnr(y):
@@ -441,4 +442,4 @@ def test_a_conversion_two_shared_scale_ops_read_is_refused_by_name():
     variables = model.init(jax.random.PRNGKey(0), x[:1])
     rules = [R("p", weight_qtype="int8", act_qtype="int16"), R(".*", weight_qtype="int8", act_qtype="int8")]
     with pytest.raises(PlanError, match=r"reads int16 edge 'p/.*' as int8.*conversion is read by '.*' too"):
-        odmlq.export_tflite(model, rules, [x], variables=variables)
+        odmlq.export_tflite(model, rules, [x], variables=variables, benchmark=False)

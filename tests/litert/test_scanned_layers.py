@@ -193,3 +193,33 @@ def test_attention_blocks_after_float_ops_at_the_input_keep_integer_kernels(scan
     simulated = odmlq.simulate(model, result.plan, result.scales, x, variables=variables)
     # As the all-int8 export's floor above (measured 23.0 dB there).
     assert _sqnr_db(model.apply(variables, x), simulated) >= 20.0
+
+
+class _GatedBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return x + nn.Dense(16)(nn.silu(nn.Dense(32)(nn.LayerNorm()(x)))), None
+
+
+class _SiluThenLoop(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(16)(nn.silu(nn.Dense(32)(x)))  # the loop's sigmoid's shape: one constant for both
+        x, _ = nn.scan(_GatedBlock, variable_axes={"params": 0}, split_rngs={"params": True},
+                       length=LAYERS)(name="layers")(x, None)
+        return nn.Dense(4)(x.mean(1))
+
+
+def test_a_sigmoid_before_a_loop_is_checked_against_its_own_tensor():
+    """litert-converter names every LOGISTIC's output of one shape after the first
+    sigmoid's `1 + exp(-x)` ADD too (one constant); the loop's per-step LOGISTICs
+    name no other plan edge, so verification took the last step's tensor for the first sigmoid's
+    edge and refused a right file (163 LSB; the fuzzer's NNX sequence seed 10).
+    A tensor named after its own op first carries the edge."""
+    model = _SiluThenLoop()
+    variables = model.init(jax.random.key(0), *_batches(1, 0)[0])
+    result = odmlq.export_tflite(model, INT8, _batches(8, 0), variables=variables, benchmark=False)
+    assert result.verification.passed and result.summary.op_histogram["LOGISTIC"] == 1 + LAYERS
+    (outside,) = [op.id for op in result.plan.graph.ops if op.kind == "logistic" and op.region is None]
+    (sigmoid,) = [c for c in result.verification.checks if c.edge == outside]
+    assert sigmoid.max_lsb <= 1.0
