@@ -258,11 +258,16 @@ def map_conversions(ops: Sequence[dict], details: Sequence[dict], plan, scales) 
     of the op reading it (`odmlq.litert._annotate`); the operand edge may be an
     alias of the converted edge. Where several tensors carry one conversion,
     the one whose scale and zero point are the conversion's wins.
+
+    A conversion read inside a loop has a tensor per unrolled step, and none
+    stands for it: it is not mapped (each step's reader is checked fed that
+    step's operand; one step's tensor fed to every step was thousands of LSB
+    off, a mixed-rule NNX scan refused by verification).
     """
     graph = plan.graph
     scopes: dict[str, str] = {}  # "/<operand edge>/to_<qtype>/" -> conversion name
     for c in plan.conversions.values():
-        if c.key not in scales.conversions:
+        if c.key not in scales.conversions or any(graph.op(o).region is not None for o in c.consumers):
             continue
         for op_id in c.consumers:
             for operand in graph.op(op_id).operands:
@@ -288,8 +293,13 @@ def map_conversions(ops: Sequence[dict], details: Sequence[dict], plan, scales) 
 def float_island_outputs(ops: Sequence[dict], details: Sequence[dict], plan) -> dict[str, int]:
     """Edge id -> the float32 tensor LiteRT quantizes for a conversion from a
     float edge (`Plan.conversions`): the input of the QUANTIZE whose output is
-    named ``<edge>/to_<qtype>`` (see `odmlq.litert._annotate`)."""
-    wanted = {c.edge for c in plan.conversions.values() if c.source == "float"}
+    named ``<edge>/to_<qtype>`` (see `odmlq.litert._annotate`). Not for an
+    edge computed inside a loop: a tensor per step, none standing for it (as
+    in `map_conversions`)."""
+    graph = plan.graph
+    wanted = {c.edge for c in plan.conversions.values() if c.source == "float"
+              and (graph.edges[c.edge].producer is None or graph.op(graph.edges[c.edge].producer).region is None)
+              and all(graph.op(o).region is None for o in c.consumers)}
     by_index = {d["index"]: d for d in details}
     out: dict[str, int] = {}
     for op in ops:

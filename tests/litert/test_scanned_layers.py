@@ -223,3 +223,24 @@ def test_a_sigmoid_before_a_loop_is_checked_against_its_own_tensor():
     (outside,) = [op.id for op in result.plan.graph.ops if op.kind == "logistic" and op.region is None]
     (sigmoid,) = [c for c in result.verification.checks if c.edge == outside]
     assert sigmoid.max_lsb <= 1.0
+
+
+@pytest.mark.parametrize("rule", [odmlq.Rule("layers/.*/key", skip=True),
+                                  odmlq.Rule("layers/.*/query", weight_qtype="int8", act_qtype="int16")])
+def test_a_loop_body_with_an_op_in_float_or_int16_is_checked_step_by_step(rule):
+    """A rule inside the stacked blocks (the key projection float, or the query
+    int16x8): each step converts its output for the int8 attention, a QUANTIZE
+    per step. Verification had mapped each conversion to one step's tensor and
+    fed it to every step, and refused every such file (thousands of LSB off,
+    or a crash on the float key's laid-out tensor: the fuzzer's NNX sequence
+    seed 7). Each step is now checked on its own operands."""
+    model, variables = _model()
+    result = odmlq.export_tflite(model, [rule, *INT8], _batches(8, 0), variables=variables, benchmark=False,
+                                 allow_float_ops=True)
+    assert result.verification.passed
+    inside = [c for c in result.plan.conversions.values()
+              if all(result.plan.graph.op(o).region is not None for o in c.consumers)]
+    assert inside  # the loop's body reads converted values
+    (x,) = _batches(1, 9)[0]
+    simulated = odmlq.simulate(model, result.plan, result.scales, x, variables=variables)
+    assert _sqnr_db(model.apply(variables, x), simulated) >= 20.0  # as the all-int8 export's floor
