@@ -71,11 +71,10 @@ def test_fuzz_nnx_sequence_models_fast_subset(seed, record_property):
 def test_fuzz_nnx_sequence_models_slow_run():
     failures = []
     for seed in NNX_SEQ_SLOW_SEEDS:
-        for mixed in (False, True):
-            try:
-                _check(seed, mixed=mixed, family="nnx_seq")
-            except AssertionError as e:
-                failures.append(f"{'mixed: ' if mixed else ''}{e}")
+        try:  # the one-line rule's export first: its outcome where it is not right
+            _check(seed, mixed=True, family="nnx_seq")
+        except AssertionError as e:
+            failures.append(str(e))
     assert not failures, "\n".join(failures)
 
 
