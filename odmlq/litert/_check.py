@@ -223,10 +223,10 @@ def _check_one_activation_type(plan: Plan, op, where: str) -> None:
         if c.source == "float" and kind is not None:
             _check_float_layout_between(plan, op, plan.graph.op(producer), c, where)
     output = plan.edges[op.outputs[0]] if len(op.outputs) == 1 else None
-    if output is not None and isinstance(output.constraint, SharedWithInputs):
+    if output is not None and output.spec is not None and isinstance(output.constraint, SharedWithInputs):
         # The conversion writes this op's grid (`scales._edges._share_with_inputs`)
         # where this op alone reads it and that grid is one scale.
-        per_axis = output.spec is None or bool(output.spec.scale_axes)
+        per_axis = bool(output.spec.scale_axes)
         shared = [c for c in converted if per_axis or c.consumers != (op.id,)]
         if shared:
             c = shared[0]
