@@ -280,10 +280,10 @@ def test_a_missed_latency_budget_tries_each_group_in_float_then_stops(sensitive)
 
 class _Attention(nn.Module):
     """Matmuls with weights around ops of the attention module itself (its
-    reshapes, einsums, softmax, a concatenation and a float gain): where one
-    group is raised to int16x8, LiteRT needs its neighbours to agree (a
-    CONCATENATION reads its inputs at its output's scale, so it cannot read
-    a converted one)."""
+    reshapes, einsums, softmax, two concatenations and a float gain): where
+    one group is raised to int16x8, LiteRT needs its neighbours to agree (a
+    CONCATENATION reads its inputs at its output's scale, so one conversion
+    cannot serve two of them)."""
 
     @nn.compact
     def __call__(self, x):
@@ -291,7 +291,8 @@ class _Attention(nn.Module):
         v = nn.Dense(16, name="value")(x).reshape(x.shape[0], 4, 4)
         p = jax.nn.softmax(jnp.einsum("bij,bkj->bik", q, q), axis=-1)
         o = jnp.einsum("bik,bkj->bij", p, v).reshape(x.shape[0], 16)
-        o = jnp.concatenate([o, nn.Dense(16, name="skip")(x)], axis=-1)
+        s = nn.Dense(16, name="skip")(x)
+        o = jnp.concatenate([o, s], axis=-1) + jnp.concatenate([s, o], axis=-1)
         o = o * self.param("gain", nn.initializers.ones, (32,))
         return nn.Dense(8, name="out")(o)
 
@@ -304,8 +305,8 @@ class _WithAttention(nn.Module):
 
 def test_making_precisions_agree_never_floats_a_groups_weights():
     """Groups raised alone to int16x8 (the rest int8) conflict on LiteRT
-    with the attention module's own ops (`att/skip`, read by the int8
-    concatenation; the module's own ops, raised between int8 matmuls).
+    with the attention module's own ops (`att/skip`, read by both int8
+    concatenations; the module's own ops, raised between int8 matmuls).
     Making them agree by putting a group in float would remove noise but
     store its weights in float32 (4x the bytes the search chose): the
     agreement found stores no more bits of parameters than the configuration
