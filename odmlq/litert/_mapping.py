@@ -267,7 +267,7 @@ def map_conversions(ops: Sequence[dict], details: Sequence[dict], plan, scales) 
     graph = plan.graph
     scopes: dict[str, str] = {}  # "/<operand edge>/to_<qtype>/" -> conversion name
     for c in plan.conversions.values():
-        if c.key not in scales.conversions or any(graph.op(o).region is not None for o in c.consumers):
+        if c.key not in scales.conversions or _read_in_a_loop(graph, c):
             continue
         for op_id in c.consumers:
             for operand in graph.op(op_id).operands:
@@ -290,16 +290,20 @@ def map_conversions(ops: Sequence[dict], details: Sequence[dict], plan, scales) 
                    or indices)[-1] for name, indices in found.items()}
 
 
+def _read_in_a_loop(graph, conversion) -> bool:
+    """A conversion an op inside a loop reads: a tensor per unrolled step
+    (an edge computed inside a loop is read only there)."""
+    return any(graph.op(o).region is not None for o in conversion.consumers)
+
+
 def float_island_outputs(ops: Sequence[dict], details: Sequence[dict], plan) -> dict[str, int]:
     """Edge id -> the float32 tensor LiteRT quantizes for a conversion from a
     float edge (`Plan.conversions`): the input of the QUANTIZE whose output is
-    named ``<edge>/to_<qtype>`` (see `odmlq.litert._annotate`). Not for an
-    edge computed inside a loop: a tensor per step, none standing for it (as
+    named ``<edge>/to_<qtype>`` (see `odmlq.litert._annotate`). Not for a
+    conversion read inside a loop: a tensor per step, none standing for it (as
     in `map_conversions`)."""
-    graph = plan.graph
-    wanted = {c.edge for c in plan.conversions.values() if c.source == "float"
-              and (graph.edges[c.edge].producer is None or graph.op(graph.edges[c.edge].producer).region is None)
-              and all(graph.op(o).region is None for o in c.consumers)}
+    wanted = {c.edge for c in plan.conversions.values()
+              if c.source == "float" and not _read_in_a_loop(plan.graph, c)}
     by_index = {d["index"]: d for d in details}
     out: dict[str, int] = {}
     for op in ops:

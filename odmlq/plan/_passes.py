@@ -130,8 +130,9 @@ def float_activations(graph: Graph, rules, op_plans: dict, constraints) -> dict:
     the input's range: after a BatchNorm folded into a convolution that range
     is many times the activation's (EfficientNet-Lite0's first depthwise
     convolution skipped: 17 LSB of the ReLU6's grid lost, 9.4 dB at the
-    logits under the sample's int8 rules with float outputs). In float, the producer's kernel applies it and its output is
-    quantized once at its own range, where its readers read it."""
+    logits under the sample's int8 rules with float outputs). In float, the
+    producer's kernel applies it and its output is quantized once at its own
+    range, where its readers read it."""
     out = dict(op_plans)
     for op in graph.ops:
         plan = op_plans[op.id]

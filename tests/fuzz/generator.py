@@ -212,17 +212,13 @@ def case_family(seed: int) -> str:
     return _family(np.random.default_rng(seed))
 
 
-# Families `make_case` builds only when asked (`family=`): the seeded draw of
-# the four above stays as it was measured.
-EXTRA_FAMILIES = ("nnx_seq",)
-
-
 def make_case(seed: int, family: str | None = None) -> Case:
-    """The model of `seed`; `family` builds one of `EXTRA_FAMILIES` (or another
-    family) from the same seed instead of the drawn one."""
+    """The model of `seed`; `family` builds that family from the same seed
+    instead of the drawn one ('nnx_seq' is built only so: the seeded draw of
+    the other four stays as it was measured)."""
     rng = np.random.default_rng(seed)
     key = jax.random.PRNGKey(seed)
-    drawn = _family(rng)
+    drawn = _family(rng)  # drawn either way: the rest of the seed's stream follows it
     family = family or drawn
     if family == "cnn":
         blocks = _cnn_blocks(rng)
