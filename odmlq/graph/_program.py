@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
@@ -20,9 +21,23 @@ from odmlq.errors import TraceError
 from odmlq.graph._params import params_tree
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class _Lit:
+    """A literal operand of an equation. Equal and hashed by dtype, shape and bytes:
+    jax 0.10 gives a literal such as the 1.0 of ``1.0 / x`` as a TypedNdArray,
+    which numpy arrays' rules leave unhashable."""
+
     value: Any
+
+    def _key(self) -> tuple:
+        v = np.asarray(self.value)
+        return v.dtype.str, v.shape, v.tobytes()
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Lit) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
 
 @dataclasses.dataclass

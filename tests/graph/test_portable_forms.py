@@ -189,3 +189,19 @@ def test_an_integer_made_float_and_compared_with_zero_is_compared_as_integers(co
     assert compares and all(graph.edges[graph.resolve(e)].dtype == "int32" for op in compares for e in op.inputs)
     other = np.array([[-1, 5, 0, 0, 2, -9]], np.int32)
     np.testing.assert_array_equal(np.asarray(graph.evaluate(params, other)), np.asarray(fn(params, other)))
+
+
+def test_a_literal_dividend_is_traced_and_exported_full_integer():
+    """``1.0 / x``: jax 0.10 gives the literal 1.0 as a TypedNdArray, which numpy's
+    rules leave unhashable; the trace's rewrite of divisions hashed it and ended
+    in a bare TypeError (BigBird's ``1.0 / jnp.sqrt(...)`` did). Now it exports:
+    no float island, every op within its tolerance of simulate."""
+    model = _Between(lambda x: 1.0 / (1.0 + x * x))
+    x = np.random.default_rng(0).normal(size=(64, 12)).astype(np.float32)
+    variables = model.init(jax.random.key(0), x[:1])
+    graph = trace(model, x, variables=variables)
+    assert "div" in {op.kind for op in graph.ops}
+    np.testing.assert_allclose(graph.evaluate(variables, x), model.apply(variables, x), rtol=0, atol=0)
+    result = odmlq.export_tflite(model, INT8, [x[:32], x[32:]], variables=variables, benchmark=False)
+    assert result.summary.float_islands == (), [o.name for o in result.summary.float_islands]
+    assert result.verification.passed, str(result.verification)
