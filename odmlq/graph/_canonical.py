@@ -105,8 +105,9 @@ def portable_forms(walker, steps: list) -> None:
     MUL by ones (module doc), each ``stack`` of activations as a
     concatenation, each gather of an activation at constant positions that
     repeat or run consecutively as a repeat or a slice, and each float
-    division by a constant array as a multiplication by its reciprocal, in
-    scan bodies too."""
+    division by a constant array as a multiplication by its reciprocal, and
+    each integer ``dot_general`` that contracts no axis as a multiplication of
+    broadcasts, in scan bodies too."""
     pooled = set()  # sums of windows: divided by their counts, an average pool (`_grouping`)
     for step in list(steps):
         if isinstance(step, _Region):
@@ -115,7 +116,7 @@ def portable_forms(walker, steps: list) -> None:
         if isinstance(step, _Step) and step.kind == "reduce_window_sum":
             pooled.update(step.outs)
         if not isinstance(step, _Step) or step.eqn is None or step.kind not in ("neg", "xor", "broadcast_in_dim", "stack",
-                                                                           "gather", "div"):
+                                                                           "gather", "div", "dot_general"):
             continue
         dtype = step.eqn.outvars[0].aval.dtype
         operands = list(step.ins)
@@ -140,6 +141,11 @@ def portable_forms(walker, steps: list) -> None:
             if fn is None:
                 continue
             operands = operands[:1]  # the positions are folded into the form
+        elif step.kind == "dot_general" and not constant and len(step.ins) == 2:
+            fn = _outer_product_form(step.eqn.params, [walker.avals[r].ndim if not isinstance(r, _Lit)
+                                                       else np.ndim(r.value) for r in step.ins], dtype)
+            if fn is None:
+                continue
         elif (step.kind == "div" and step.ins[0] not in pooled
               and (reciprocal := _reciprocal_of(walker, step)) is not None):
             fn = lambda x: x * reciprocal  # noqa: E731
@@ -168,6 +174,25 @@ def _reciprocal_of(walker, step) -> np.ndarray | None:
             or not np.all(np.isfinite(value)) or np.any(value == 0)):
         return None
     return (np.float32(1) / value.astype(np.float32)).astype(value.dtype)
+
+
+def _outer_product_form(params: dict, ndims: list[int], dtype):
+    """An integer ``dot_general`` that contracts no axis (``einsum('blq,blk->blqk')``
+    of two masks, as BigBird builds its band mask) as a broadcast multiplication,
+    exact: LiteRT has no integer BATCH_MATMUL. None for any other dot_general."""
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    if lc or rc or not jnp.issubdtype(dtype, jnp.integer):
+        return None
+    lf = [d for d in range(ndims[0]) if d not in lb]
+    rf = [d for d in range(ndims[1]) if d not in rb]
+
+    def outer(a, b):
+        a = jnp.transpose(a, list(lb) + lf).astype(dtype)
+        b = jnp.transpose(b, list(rb) + rf).astype(dtype)
+        a = lax.expand_dims(a, tuple(range(a.ndim, a.ndim + len(rf))))
+        b = lax.expand_dims(b, tuple(range(len(rb), len(rb) + len(lf))))
+        return a * b
+    return outer
 
 
 def _broadcast_form(params: dict, in_shape: tuple[int, ...], dtype):

@@ -147,6 +147,11 @@ class _Walker:
             # is dropped (`drop_unread_casts`): it would be a float op.
             env[eqn.outvars[0]] = mask
             return
+        if name == "convert_element_type" and eqn.invars[0].aval.dtype == eqn.outvars[0].aval.dtype:
+            # Only the weak type changes (``x += (1.0 - mask) * -1e4``, as BigBird
+            # writes it): the same values, no op.
+            env[eqn.outvars[0]] = ins[0]
+            return
         outs = [self.new(o.aval) for o in eqn.outvars]
         for o, v in zip(eqn.outvars, outs):
             env[o] = v

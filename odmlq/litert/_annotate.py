@@ -160,6 +160,7 @@ def annotated_function(graph, plan, scales: Scales, params: Any,
 # plan cares about, and a barrier around a reshape kept the converter from
 # quantizing the matmul after it (DEQUANTIZE of its weights at run time).
 _LAYOUT_KINDS = frozenset({"reshape", "transpose", "squeeze", "broadcast_in_dim", "slice"})
+_MOVING = _LAYOUT_KINDS | {"expand_dims", "rev", "gather"}
 
 
 class Annotation(FakeQuant):
@@ -196,6 +197,23 @@ class Annotation(FakeQuant):
         self.activated: set[str] = set()  # ReLUs applied where a transposed convolution's phases are
         self.marked_in_two_dimensions: set[str] = set()
         self.carry_starts = carry_starts(graph, scales)
+        self.separators: dict[str, int] = {}  # the tensor a separator reads -> forms used on it
+
+    def _separator(self, edge_id: str) -> int:
+        """The next form of `separated` on the tensor `edge_id` moves (through
+        reshapes, slices, squeezes and transposes, which litert-converter may
+        merge where two are equal): each form once per tensor, so that no two
+        separators are merged."""
+        edge_id = self.graph.resolve(edge_id)
+        while (producer := self.graph.edges[edge_id].producer) is not None:
+            op = self.graph.op(producer)
+            moved = [e for e in op.inputs if self.graph.edges[e].is_float]
+            if op.kind not in _MOVING or len(moved) != 1:
+                break
+            edge_id = self.graph.resolve(moved[0])
+        variant = self.separators.get(edge_id, 0)
+        self.separators[edge_id] = variant + 1
+        return variant
 
     def integer_sums(self, op) -> bool:
         return False  # the converter makes the integer kernels
@@ -205,7 +223,8 @@ class Annotation(FakeQuant):
             return x
         start = self.carry_starts.pop(edge_id, None)  # a loop's first step: its carry's start
         with jax.named_scope(edge_id):
-            return fake_quant_composite(x if start is None else separated(x, start, fake_quant_composite), ts)
+            return fake_quant_composite(x if start is None else separated(x, start, fake_quant_composite,
+                                                                          self._separator(edge_id)), ts)
 
     def constant(self, op, index, value, ts):
         if op.id in self.keep_float:
@@ -245,7 +264,7 @@ class Annotation(FakeQuant):
         edge = self.graph.resolve(op.operands[index].edge)
         if (edge, str(ts.qtype)) in self.separated:  # `spec.requantized_from_producer`
             with jax.named_scope(f"{edge}/separated"):
-                x = separated(x, self.scales.edges[edge], fake_quant_composite)
+                x = separated(x, self.scales.edges[edge], fake_quant_composite, self._separator(edge))
         with jax.named_scope(f"{op.operands[index].edge}/to_{ts.qtype}"):
             return fake_quant_composite(x, ts)
 
@@ -290,14 +309,23 @@ class Annotation(FakeQuant):
 
     def _moved_beyond_five_axes(self, edge_id: str, x) -> bool:
         """A reshape or transpose output of more than 5 axes (a pixel shuffle's
-        depth-to-space: NHWC to 6 axes, transposed, back to NHWC) is left
-        unmarked: litert-converter 0.5.0 cannot lower a 6-axis quantize marker
+        depth-to-space: NHWC to 6 axes, transposed, back to NHWC), or a gather's
+        at its input's scale, is left unmarked: litert-converter 0.5.0 cannot lower a 6-axis quantize marker
         (its clamp fails to legalize), and the layout op keeps its input's
         scale anyway, so the converter carries the integers through."""
         if np.ndim(x) <= 5:
             return False
         producer = self.graph.edges[edge_id].producer
-        return producer is not None and self.graph.op(producer).kind in _LAYOUT_KINDS
+        if producer is None:
+            return False
+        op = self.graph.op(producer)
+        if op.kind in _LAYOUT_KINDS:
+            return True
+        # A gather or flip of an activation (BigBird's random key blocks, gathered to
+        # 6 axes) keeps its input's scale too: the same integers, moved.
+        moved = [e for e in op.inputs if self.graph.edges[e].is_float]
+        return (op.kind in ("gather", "rev") and len(moved) == 1
+                and self.scales.edges.get(moved[0]) == self.scales.edges.get(edge_id))
 
     def _read_after_layout(self, op) -> TensorScale | None:
         """The scale of the activation an int16 square, MUL or ADD reads twice,
@@ -345,11 +373,12 @@ class Annotation(FakeQuant):
             return list(inputs)  # applied to a transposed convolution's phases (`_phases`)
         for i, source, target in self.shared_reads.get(op.id, ()):
             with jax.named_scope(f"{op.operands[i].edge}/shared_scale"):
-                inputs[i] = fake_quant_composite(separated(inputs[i], source, fake_quant_composite), target)
+                inputs[i] = fake_quant_composite(separated(inputs[i], source, fake_quant_composite,
+                                                           self._separator(op.operands[i].edge)), target)
         if (read_at := self._read_after_layout(op)) is not None:
             at = [i for i, o in enumerate(op.operands) if o.role == "input"][-1]
             with jax.named_scope(f"{op.operands[at].edge}/separated"):
-                other = separated(inputs[at], read_at, fake_quant_composite)
+                other = separated(inputs[at], read_at, fake_quant_composite, self._separator(op.operands[at].edge))
             if op.kind == "square":
                 return [inputs[0] * other]
             inputs = [other if i == at else x for i, x in enumerate(inputs)]

@@ -307,15 +307,27 @@ def gelu_in_int16(x: jax.Array, in_ts: TensorScale, mark) -> jax.Array:
         return x * gate
 
 
-def separated(x: jax.Array, source: TensorScale, mark) -> jax.Array:
+def separated(x: jax.Array, source: TensorScale, mark, variant: int = 0) -> jax.Array:
     """`x` (quantized at `source`, per tensor) after a same-scale MAXIMUM with
     its lowest code: the identity on its grid. litert-converter
     folds a QUANTIZE of a quantized tensor into the op producing it (which then
-    reads one qtype and writes another), but not through a same-scale op."""
+    reads one qtype and writes another), but not through a same-scale op.
+
+    `variant` picks one of equal forms: a MAXIMUM with the lowest code or a
+    MINIMUM with the highest, the constant of rank 0 to ``x.ndim``, after as
+    many MAXIMUMs again as the forms run out. The converter merges equal ops on
+    one tensor, and one same-scale op read by two QUANTIZEs of other scales
+    leaves the second a float DEQUANTIZE and QUANTIZE: an edge (or the same
+    slice of it) read by two concatenations at their own scales."""
     step = float(np.asarray(source.scale).reshape(()))
     zero = 0.0 if source.zero_point is None else float(np.asarray(source.zero_point).reshape(()))
+    forms = 2 * (np.ndim(x) + 1)
+    for _ in range(variant // forms):
+        x = separated(x, source, mark)
+    variant %= forms
     # The lowest code, marked at the edge's own scale: an unmarked float constant
     # left the MAXIMUM in float where the producer read a QUANTIZE of a float op.
+    code = source.qtype.qmax if variant % 2 else source.qtype.qmin
     with jax.ensure_compile_time_eval():
-        lowest = source.fake_quant(jnp.asarray(np.float32((source.qtype.qmin - zero) * step)))
-    return mark(jnp.maximum(x, mark(lowest, source)), source)
+        bound = source.fake_quant(jnp.asarray(np.full((1,) * (variant // 2), (code - zero) * step, np.float32)))
+    return mark((jnp.minimum if variant % 2 else jnp.maximum)(x, mark(bound, source)), source)

@@ -220,3 +220,50 @@ def test_an_integer_mask_made_float_and_compared_with_zero_is_compared_as_intege
     export = odmlq.export_tflite(model, rules, [_batch(rng, 4) for _ in range(4)], variables=variables,
                                  progress=False, benchmark=False)
     assert export.verification.passed and export.summary.float_islands == (), str(export.verification)
+
+
+_BLOCKS = np.array([[2, 0], [1, 3], [0, 2]])  # random key blocks, drawn at trace time
+
+
+class BlockSparseMask(nn.Module):
+    """BigBird's block-sparse attention (transformers' FlaxBigBirdModel), its three
+    forms: a band mask that is an integer einsum contracting no axis (LiteRT has
+    no integer BATCH_MATMUL), ``scores += (1.0 - band) * -10000.0`` (the in-place
+    add casts a weak-typed float to float: a CAST to the same type), and key
+    blocks gathered to 6 axes (no 6-axis quantize marker lowers)."""
+
+    @nn.compact
+    def __call__(self, x, mask):
+        b, t, d = x.shape
+        q, k = nn.Dense(D, name="q")(x), nn.Dense(D, name="k")(x)
+        band = jnp.einsum("bq,bk->bqk", mask, mask)
+        scores = jnp.einsum("btd,bsd->bts", q, k)
+        scores += (1.0 - band) * -10000.0
+        blocks = jnp.take(k.reshape(b, 1, 4, 2, d), _BLOCKS, axis=2)  # (b, 1, 3, 2, 2, d)
+        far = jnp.einsum("btd,bsd->bts", q, blocks.reshape(b, 12, d))
+        mixed = jnp.concatenate([nn.softmax(scores, axis=-1), nn.softmax(far, axis=-1)], axis=-1)
+        return nn.Dense(D, name="out")(mixed)
+
+
+def test_block_sparse_attention_masks_export_full_integer():
+    """Before: 'no int8 kernel for convert_element_type', then the converter
+    failed on the int32 BATCH_MATMUL, then on the 6-axis gather's marker."""
+    rng = np.random.default_rng(3)
+    model = BlockSparseMask()
+    x, mask = _batch(rng, 1)
+    variables = model.init(jax.random.key(0), x, mask)
+    rules = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
+    plan = odmlq.plan(model, rules, x, mask, variables=variables)
+    same_type_casts = [op.id for op in plan.graph.ops if op.kind == "convert_element_type"
+                       and all(plan.graph.edges[e].dtype == "float32" for e in (*op.inputs, *op.outputs))]
+    assert same_type_casts == []
+    integer_matmuls = [op.id for op in plan.graph.ops if op.kind == "dot_general"
+                       and plan.graph.edges[op.outputs[0]].dtype == "int32"]
+    assert integer_matmuls == []
+    held_out = _batch(rng, 1)
+    np.testing.assert_array_equal(np.asarray(plan.graph.evaluate(variables, *held_out)),
+                                  np.asarray(model.apply(variables, *held_out)))
+    export = odmlq.export_tflite(model, rules, [_batch(rng, 4) for _ in range(4)], variables=variables,
+                                 progress=False, benchmark=False)
+    assert export.verification.passed and export.summary.float_islands == (), str(export.verification)
+    assert all(check.max_lsb <= 1.0 + 1e-3 for check in export.verification.checks), str(export.verification)

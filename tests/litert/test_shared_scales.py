@@ -111,3 +111,37 @@ def test_a_bidirectional_rnn_exports_full_integer(act_qtype):
     result = odmlq.export_tflite(model, rules, batches, variables=variables, benchmark=False)
     assert result.verification.passed, str(result.verification)
     assert result.summary.float_islands == ()
+
+
+class _ReadByConcatenations(nn.Module):
+    """One Dense output read by `readers` concatenations, each beside a Dense of
+    another range (so each reads it at a scale of its own); ``sliced``: each
+    reads the same slice of it, written out again (as BigBird's block-sparse
+    attention reads its first key block in two concatenations)."""
+
+    readers: int
+    sliced: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        y = nn.Dense(16, name="y")(x).reshape(x.shape[0], 4, 4)
+        out = 0.0
+        for i in range(self.readers):
+            read = y[:, 0] if self.sliced else y.reshape(x.shape[0], 16)
+            other = nn.Dense(4, name=f"other_{i}")(x) * (3.0 + i)  # wider than y: the scale is its
+            out = out + nn.Dense(4, name=f"out_{i}")(jnp.concatenate([read, other], axis=-1))
+        return out
+
+
+@pytest.mark.parametrize("readers,sliced", [(2, False), (2, True), (3, True), (12, False)])
+def test_an_edge_read_by_several_concatenations_at_their_own_scales_exports_full_integer(readers, sliced):
+    """Before: the second reader's requantization was a float DEQUANTIZE and
+    QUANTIZE, and the export refused itself (float islands). litert-converter
+    merged the two equal separators on one tensor (for the same slice, the
+    slices first), and one MAXIMUM read by two QUANTIZEs of other scales keeps
+    only the first in integers. Twelve readers of a rank-2 tensor use more
+    separator forms than there are (six), so chains of them too."""
+    result = _exported_full_integer(_ReadByConcatenations(readers, sliced), (8, 8), 4)
+    concatenations = [op for op in result.plan.graph.ops if op.kind == "concatenate"]
+    grids = {float(np.ravel(result.scales.edges[op.outputs[0]].scale)[0]) for op in concatenations}
+    assert len(grids) == readers  # each reads at its own scale: a requantization each
