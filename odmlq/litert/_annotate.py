@@ -197,13 +197,14 @@ class Annotation(FakeQuant):
         self.activated: set[str] = set()  # ReLUs applied where a transposed convolution's phases are
         self.marked_in_two_dimensions: set[str] = set()
         self.carry_starts = carry_starts(graph, scales)
-        self.separators: dict[str, int] = {}  # the tensor a separator reads -> forms used on it
+        self.separators: dict[str, list] = {}  # the tensor a separator reads -> the grids it leads to
 
-    def _separator(self, edge_id: str) -> int:
-        """The next form of `separated` on the tensor `edge_id` moves (through
+    def _separator(self, edge_id: str, target: TensorScale) -> int:
+        """The form of `separated` on the tensor `edge_id` moves (through
         reshapes, slices, squeezes and transposes, which litert-converter may
-        merge where two are equal): each form once per tensor, so that no two
-        separators are merged."""
+        merge where two are equal) that requantizes it to `target`: one form
+        per grid, so that the converter merges separators only where their
+        requantizations are one and the same too."""
         edge_id = self.graph.resolve(edge_id)
         while (producer := self.graph.edges[edge_id].producer) is not None:
             op = self.graph.op(producer)
@@ -211,9 +212,12 @@ class Annotation(FakeQuant):
             if op.kind not in _MOVING or len(moved) != 1:
                 break
             edge_id = self.graph.resolve(moved[0])
-        variant = self.separators.get(edge_id, 0)
-        self.separators[edge_id] = variant + 1
-        return variant
+        grids = self.separators.setdefault(edge_id, [])
+        found = next((i for i, grid in enumerate(grids) if grid.same_grid(target)), None)
+        if found is None:
+            grids.append(target)
+            return len(grids) - 1
+        return found
 
     def integer_sums(self, op) -> bool:
         return False  # the converter makes the integer kernels
@@ -224,7 +228,7 @@ class Annotation(FakeQuant):
         start = self.carry_starts.pop(edge_id, None)  # a loop's first step: its carry's start
         with jax.named_scope(edge_id):
             return fake_quant_composite(x if start is None else separated(x, start, fake_quant_composite,
-                                                                          self._separator(edge_id)), ts)
+                                                                          self._separator(edge_id, ts)), ts)
 
     def constant(self, op, index, value, ts):
         if op.id in self.keep_float:
@@ -264,7 +268,7 @@ class Annotation(FakeQuant):
         edge = self.graph.resolve(op.operands[index].edge)
         if (edge, str(ts.qtype)) in self.separated:  # `spec.requantized_from_producer`
             with jax.named_scope(f"{edge}/separated"):
-                x = separated(x, self.scales.edges[edge], fake_quant_composite, self._separator(edge))
+                x = separated(x, self.scales.edges[edge], fake_quant_composite, self._separator(edge, ts))
         with jax.named_scope(f"{op.operands[index].edge}/to_{ts.qtype}"):
             return fake_quant_composite(x, ts)
 
@@ -310,9 +314,10 @@ class Annotation(FakeQuant):
     def _moved_beyond_five_axes(self, edge_id: str, x) -> bool:
         """A reshape or transpose output of more than 5 axes (a pixel shuffle's
         depth-to-space: NHWC to 6 axes, transposed, back to NHWC), or a gather's
-        at its input's scale, is left unmarked: litert-converter 0.5.0 cannot lower a 6-axis quantize marker
-        (its clamp fails to legalize), and the layout op keeps its input's
-        scale anyway, so the converter carries the integers through."""
+        or flip's at its input's scale, is left unmarked: litert-converter 0.5.0
+        cannot lower a 6-axis quantize marker (its clamp fails to legalize), and
+        the op keeps its input's scale anyway, so the converter carries the
+        integers through."""
         if np.ndim(x) <= 5:
             return False
         producer = self.graph.edges[edge_id].producer
@@ -324,8 +329,8 @@ class Annotation(FakeQuant):
         # A gather or flip of an activation (BigBird's random key blocks, gathered to
         # 6 axes) keeps its input's scale too: the same integers, moved.
         moved = [e for e in op.inputs if self.graph.edges[e].is_float]
-        return (op.kind in ("gather", "rev") and len(moved) == 1
-                and self.scales.edges.get(moved[0]) == self.scales.edges.get(edge_id))
+        return (op.kind in ("gather", "rev") and len(moved) == 1 and (ts := self.scales.edges.get(edge_id))
+                is not None and ts.same_grid(self.scales.edges.get(self.graph.resolve(moved[0]))))
 
     def _read_after_layout(self, op) -> TensorScale | None:
         """The scale of the activation an int16 square, MUL or ADD reads twice,
@@ -374,11 +379,12 @@ class Annotation(FakeQuant):
         for i, source, target in self.shared_reads.get(op.id, ()):
             with jax.named_scope(f"{op.operands[i].edge}/shared_scale"):
                 inputs[i] = fake_quant_composite(separated(inputs[i], source, fake_quant_composite,
-                                                           self._separator(op.operands[i].edge)), target)
+                                                           self._separator(op.operands[i].edge, target)), target)
         if (read_at := self._read_after_layout(op)) is not None:
             at = [i for i, o in enumerate(op.operands) if o.role == "input"][-1]
             with jax.named_scope(f"{op.operands[at].edge}/separated"):
-                other = separated(inputs[at], read_at, fake_quant_composite, self._separator(op.operands[at].edge))
+                other = separated(inputs[at], read_at, fake_quant_composite,
+                                  self._separator(op.operands[at].edge, read_at))
             if op.kind == "square":
                 return [inputs[0] * other]
             inputs = [other if i == at else x for i, x in enumerate(inputs)]

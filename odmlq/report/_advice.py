@@ -196,6 +196,14 @@ def propose(plan, edges, *, weights=(), calibration=None, floats=None, litert: b
     return advice, notes
 
 
+def int16_twin(base: Rule, **changes) -> Rule:
+    """`base` with int16 activations and int8 weights (where it had weights):
+    symmetric as int16 is, and without `float_outputs`, which is for int8
+    edges (`odmlq.INT8` has it: its twin was refused by the Rule itself)."""
+    return dataclasses.replace(base, act_qtype="int16", act_symmetric=None, float_outputs=False,
+                               weight_qtype="int8" if base.weight_qtype is not None else None, **changes)
+
+
 def _spread(plan, edges, output_sqnr_db: float):
     """(rule, why) for an error spread over many edges: where the outputs are
     under `ADVICE_BELOW_DB` and no edge alone carries their error (none is a
@@ -222,8 +230,7 @@ def _spread(plan, edges, output_sqnr_db: float):
     index = max(noise, key=noise.get)
     base = plan.rules[index]
     total = 10 ** (-output_sqnr_db / 10)
-    rule = dataclasses.replace(base, act_qtype="int16", act_symmetric=None,
-                               weight_qtype="int8" if base.weight_qtype is not None else None)
+    rule = int16_twin(base)
     why = (f"the error is spread: no edge alone costs the outputs within {CONTRIBUTION_DB:g} dB of all "
            f"together ({output_sqnr_db:.1f} dB; the costliest alone leaves {lowest:.1f} dB); this rule's int8 "
            f"edges alone add up to {min(noise[index] / total, 1.0):.0%} of the error, and int16 steps are 256x finer")
@@ -256,10 +263,7 @@ def _suggestions(e, op, base: Rule, spec, plan, by_param, calibration, floats):
                         f"the error is rounding on a range set by rare large values (peak {peak:.0f}x "
                         "the RMS); clipping them gives finer steps to the rest"))
         if clipped < CLIPPED and spec.qtype == "int8":
-            weight = "int8" if base.weight_qtype is not None else None
-            out.append(("act_qtype='int16' (int16x8)",
-                        dataclasses.replace(base, module_path=path, act_qtype="int16", act_symmetric=None,
-                                            weight_qtype=weight),
+            out.append(("act_qtype='int16' (int16x8)", int16_twin(base, module_path=path),
                         f"the error is rounding (up to {local.lsb or 0:.1f} LSB); int16 steps are 256x finer"))
     for w in plan.ops[op.id].weights:
         found = by_param.get(w.param)

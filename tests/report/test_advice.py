@@ -120,3 +120,16 @@ def test_a_clean_model_gets_no_advice():
                            calibration=calibration, try_fixes=True)
     assert report.advice == () and "Advice" not in str(report)
     assert np.isfinite(report.outputs["output_0"].sqnr_db)
+
+
+@pytest.mark.parametrize("base", [odmlq.INT8[0], odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8"),
+                                  odmlq.Rule("dense", act_qtype="int8", act_symmetric=False)])
+def test_the_int16_twin_of_any_int8_rule_is_a_rule(base):
+    """Advice for an error spread over a model quantized by `odmlq.INT8` built
+    its int16x8 twin with float_outputs=True, which the Rule refuses: compare
+    raised a RuleError instead of reporting (transformers' CLIP vision tower)."""
+    from odmlq.report._advice import int16_twin
+
+    twin = int16_twin(base, module_path="dense/.*")
+    assert twin.act_qtype == "int16" and twin.module_path == "dense/.*" and not twin.float_outputs
+    assert twin.weight_qtype == ("int8" if base.weight_qtype is not None else None)
