@@ -34,6 +34,12 @@ _MASK_CARRIERS = frozenset({"select_n", "add", "sub", "max", "min", "broadcast_i
                             "transpose", "squeeze", "convert_element_type", "mul"})
 
 
+# A smaller "minus infinity" than `MASK_SENTINEL`: ``(1.0 - mask) * -10000.0``, as
+# BigBird and code written for float16 add it. It seeds a mask only where the op
+# reads a value computed from the model's integer inputs (the mask itself).
+MASK_PENALTY = 1e3
+
+
 def calibrate_masks(graph: Graph, by_edge: dict) -> None:
     """Edges an attention mask's sentinel reaches are calibrated with `Masked`:
     the sentinel is no data, and masked positions sit at the bottom of the
@@ -42,33 +48,48 @@ def calibrate_masks(graph: Graph, by_edge: dict) -> None:
 
     The sentinel's sign is followed from the constant that seeds it: a
     ``mul`` seeds with its constant's sign (a mask's ``1 - m`` is not
-    negative), and a ``sub`` that subtracts a masked edge flips it."""
-    masked: dict[str, bool] = {}  # edge -> its sentinels are positive
+    negative), and a ``sub`` that subtracts a masked edge flips it. A
+    constant of `MASK_SENTINEL` or more seeds wherever it is; one of
+    `MASK_PENALTY` or more where the op reads a value computed from integer
+    inputs only, and its edges leave out values of half its size or more."""
+    integer = {e for e in graph.inputs if not graph.edges[graph.resolve(e)].is_float}
+    masked: dict[str, tuple[bool, float]] = {}  # edge -> (its sentinels are positive, their least size)
     for op in graph.ops:
-        big = [float(np.asarray(c.value, np.float64).flat[np.argmax(np.abs(np.asarray(c.value, np.float64)))])
-               for c in op.constants if c.value is not None and np.size(c.value)
-               and str(c.dtype).startswith(("float", "bfloat"))
-               and float(np.max(np.abs(np.asarray(c.value, np.float64)))) >= MASK_SENTINEL]
         inputs = [graph.resolve(e) for e in op.inputs]
+        from_integers = bool(inputs) and all(e in integer for e in inputs)
+        if from_integers and op.region is None and op.kind != "scan" and not op.weights:
+            integer.update(graph.resolve(e) for e in op.outputs)
+        reads_integers = any(e in integer for e in inputs)
+        big, sentinel = [], MASK_SENTINEL
+        for c in op.constants:
+            if c.value is None or not np.size(c.value) or not str(c.dtype).startswith(("float", "bfloat")):
+                continue
+            value = np.asarray(c.value, np.float64)
+            largest = float(np.max(np.abs(value)))
+            if largest >= MASK_SENTINEL or (largest >= MASK_PENALTY and reads_integers):
+                big.append(float(value.flat[np.argmax(np.abs(value))]))
+                sentinel = min(sentinel, largest / 2)
         carried = [i for i, e in enumerate(inputs) if e in masked]
         if op.kind not in _MASK_CARRIERS or not (big or carried):
             continue
         if op.kind == "mul" and not big:
             continue  # a product of a masked edge with data: no sentinel of known sign
         if carried:
-            positive = masked[inputs[carried[0]]]
+            positive = masked[inputs[carried[0]]][0]
+            sentinel = min([sentinel] + [masked[inputs[i]][1] for i in carried])
             if op.kind == "sub" and carried == [1]:
                 positive = not positive
             if op.kind == "mul" and big[0] < 0:
                 positive = not positive
         else:
             positive = big[0] > 0 if op.kind == "mul" else False
-        masked.update((e, positive) for e in op.outputs)
-    for edge_id, positive in masked.items():
+        masked.update((e, (positive, sentinel)) for e in op.outputs)
+    for edge_id, (positive, sentinel) in masked.items():
         plan = by_edge.get(edge_id)
         if plan is None or plan.spec is None or plan.spec.dynamic or isinstance(plan.spec.calibration, Masked):
             continue
-        spec = dataclasses.replace(plan.spec, calibration=Masked(plan.spec.calibration, top=positive))
+        spec = dataclasses.replace(plan.spec, calibration=Masked(plan.spec.calibration, sentinel=sentinel,
+                                                                 top=positive))
         by_edge[edge_id] = dataclasses.replace(plan, spec=spec, reason=plan.reason + "; masked")
 
 

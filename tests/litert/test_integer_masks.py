@@ -267,3 +267,55 @@ def test_block_sparse_attention_masks_export_full_integer():
                                  progress=False, benchmark=False)
     assert export.verification.passed and export.summary.float_islands == (), str(export.verification)
     assert all(check.max_lsb <= 1.0 + 1e-3 for check in export.verification.checks), str(export.verification)
+
+
+class PenaltyMask(nn.Module):
+    """An additive mask of ``(1.0 - mask) * -10000.0``: the "minus infinity" of
+    BERT's original code, BigBird's and code written for float16."""
+
+    penalty: float = -10000.0
+
+    @nn.compact
+    def __call__(self, x, mask):
+        q, k, v = (nn.Dense(D, name=n)(x) for n in ("q", "k", "v"))
+        scores = jnp.einsum("btd,bsd->bts", q, k) / np.sqrt(D)
+        scores += (1.0 - mask[:, None, :]) * self.penalty
+        return nn.Dense(D, name="out")(jnp.einsum("bts,bsd->btd", nn.softmax(scores, axis=-1), v))
+
+
+def test_a_mask_penalty_of_minus_ten_thousand_is_calibrated_as_a_mask():
+    """Before: the scores' edge was calibrated over [-10000, 10] as data, one int8
+    step of 40 for scores of a few units: 4.2 dB against float. A penalty of 1e3
+    or more seeds a mask where the op reads a value computed from integer inputs
+    only; the edge then leaves out values of half the penalty or more (measured:
+    30.8 dB; the floor is the zoo's for transformers)."""
+    rng = np.random.default_rng(0)
+    model = PenaltyMask()
+    x, mask = _batch(rng, 1)
+    variables = model.init(jax.random.key(0), x, mask)
+    rules = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
+    export = odmlq.export_tflite(model, rules, [_batch(rng, 4) for _ in range(4)], variables=variables,
+                                 progress=False, benchmark=False)
+    assert export.verification.passed and export.summary.float_islands == (), str(export.verification)
+    calibration = export.plan.edges["q/add"].spec.calibration
+    assert isinstance(calibration, Masked) and calibration.sentinel == 5000.0, calibration
+    held_out = _batch(rng, 16)
+    simulated = odmlq.simulate(model, export.plan, export.scales, *held_out, variables=variables)
+    assert _sqnr_db(model.apply(variables, *held_out), simulated) >= 25.0
+
+
+def test_a_large_constant_on_data_alone_is_no_mask():
+    """The penalty seeds a mask only beside a value computed from integer inputs:
+    data scaled by 1e4 is calibrated as data."""
+    class Scaled(nn.Module):
+        @nn.compact
+        def __call__(self, x, mask):
+            return nn.Dense(D, name="out")(nn.Dense(D, name="a")(x) * 1e4)
+
+    rng = np.random.default_rng(0)
+    x, mask = _batch(rng, 1)
+    model = Scaled()
+    variables = model.init(jax.random.key(0), x, mask)
+    plan = odmlq.plan(model, [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")], x, mask,
+                      variables=variables)
+    assert not any(isinstance(p.spec.calibration, Masked) for p in plan.edges.values() if p.spec is not None)
