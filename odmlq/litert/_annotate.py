@@ -48,7 +48,7 @@ from odmlq.litert._weights import annotated_weight, native_layouts, weight_place
 from odmlq.litert._forms import (EXPONENTIAL_LINEAR, added_at_one_shape, avg_pool_padded_with_zeros,
                                 concatenated_by_padded_sums, exponential_linear, gathered_in_fill_mode, gathered_without_fill,
                                 gelu_erf, gelu_in_int16, max_pool_padded_with_zeros, pool_as_depthwise_conv,
-                                reciprocal_scale, scattered_as_sums, separated)
+                                reciprocal_scale, rsqrt_in_pieces, scattered_as_sums, separated)
 
 
 class Annotated(NamedTuple):
@@ -63,7 +63,7 @@ class Annotated(NamedTuple):
 
 
 def annotated_function(graph, plan, scales: Scales, params: Any,
-                       float_ops=(), *, external_weights: bool = False) -> Annotated:
+                       float_ops=(), *, external_weights: bool = False, rsqrt_pieces=None) -> Annotated:
     """A function of the model inputs only (weights are constants in it), and
     what the converted file needs put in afterwards (`Annotated`).
 
@@ -71,7 +71,8 @@ def annotated_function(graph, plan, scales: Scales, params: Any,
     integer kernel), besides those no rule matched.
     `external_weights`: quantized weights of two or more dimensions become
     placeholders (zeros of their shape: see `_external`), written after the
-    flatbuffer once converted."""
+    flatbuffer once converted.
+    `rsqrt_pieces`: int16 RSQRT ops exported in pieces (op id -> `_tables.RsqrtPieces`)."""
     converted = {edge for edge, _ in scales.conversions}
     separated = frozenset(c.key for c in plan.conversions.values() if requantized_from_producer(plan, c))
     shared_reads = read_at_shared_scale(plan, scales)
@@ -150,7 +151,7 @@ def annotated_function(graph, plan, scales: Scales, params: Any,
 
         # The graph evaluated may be a re-trace of the plan's at other input shapes:
         # full-shape int16 operands take its shapes.
-        annotation = Annotation(scales, graph, keep_float, host_grid, separated, shared_reads)
+        annotation = Annotation(scales, graph, keep_float, host_grid, separated, shared_reads, rsqrt_pieces)
         return PlanHooks(plan, scales, annotation).evaluate(graph, qparams, *inputs)
 
     return Annotated(fn, payloads, list(placeholders.values()))
@@ -189,8 +190,9 @@ class Annotation(FakeQuant):
     host_folds = True  # a folded BatchNorm's bias as a constant (`hooks`)
 
     def __init__(self, scales: Scales, graph, keep_float=frozenset(), grid=None, separated=frozenset(),
-                 shared_reads=None):
+                 shared_reads=None, rsqrt_pieces=None):
         self.scales, self.graph, self.keep_float = scales, graph, keep_float
+        self.rsqrt_pieces = rsqrt_pieces or {}  # int16 RSQRTs as pieces (`_tables.RsqrtPieces`)
         self.separated = separated  # conversions read after a same-scale MAXIMUM (`converted_input`)
         self.shared_reads = shared_reads or {}  # `spec.read_at_shared_scale`, read after one too
         self.grid = grid  # param -> its values on its grid (host), for kernels laid out here
@@ -415,6 +417,8 @@ class Annotation(FakeQuant):
             if any(o.role == "input" and tuple(o.shape) != tuple(shape) for o in op.operands):
                 return [added_at_one_shape(op, inputs, shape, [self._read_at(o) for o in op.operands],
                                            fake_quant_composite)]
+        if op.kind == "rsqrt" and op.id in self.rsqrt_pieces and (into := self._read_at(op.operands[0])):
+            return [rsqrt_in_pieces(inputs[0], into, self.rsqrt_pieces[op.id], fake_quant_composite)]
         if op.kind == "rsqrt" and op.id in self.keep_float and len(inputs) == 1 and _qtype(scales, op):
             # A zero code dequantizes to 0, and 1/sqrt(0) = inf (or, floored at a
             # tiny value, past int32), which QUANTIZE casts to the lowest code;

@@ -307,6 +307,38 @@ def gelu_in_int16(x: jax.Array, in_ts: TensorScale, mark) -> jax.Array:
         return x * gate
 
 
+def rsqrt_in_pieces(x: jax.Array, in_ts: TensorScale, pieces, mark) -> jax.Array:
+    """An int16 1/sqrt(x) as `_tables.RsqrtPieces` computes it: per piece a
+    same-scale MAXIMUM (the last piece: MINIMUM) with its bound, a QUANTIZE to
+    the piece's step (saturating at its upper bound) and an RSQRT over the
+    piece's own table; the pieces ADDed, then the constant subtracted (a
+    full-shape int16 operand: litert-converter takes only same-shaped int16
+    ADD operands). The same-scale op before each QUANTIZE also keeps the
+    converter from folding it into x's producer, which the other pieces read."""
+    steps = pieces.piece_scales(float(np.max(in_ts.scale)))
+    bounds, last = pieces.bounds, len(pieces.bounds)
+
+    def on_input_grid(value):
+        with jax.ensure_compile_time_eval():
+            bound = in_ts.fake_quant(jnp.asarray(np.float32(value)))
+        return mark(bound, in_ts)
+
+    with jax.named_scope("rsqrt_pieces"):
+        total, top = None, 0.0
+        for i, step in enumerate(steps):
+            clip = jnp.minimum if i == last else jnp.maximum
+            clamped = mark(clip(x, on_input_grid(bounds[min(i, last - 1)])), in_ts)
+            if i > 0:
+                clamped = mark(clamped, TensorScale(qtype="int16", scale=np.asarray(step, np.float32)))
+            piece = mark(jax.lax.rsqrt(clamped), _int16(pieces.tops[i]))
+            top += pieces.tops[i]
+            total = piece if total is None else mark(total + piece, _int16(top))
+        offset = _int16(pieces.constant)
+        with jax.ensure_compile_time_eval():
+            constant = offset.fake_quant(jnp.full(x.shape, -pieces.constant, jnp.float32))
+        return total + mark(constant, offset)
+
+
 def separated(x: jax.Array, source: TensorScale, mark, variant: int = 0) -> jax.Array:
     """`x` (quantized at `source`, per tensor) after a same-scale MAXIMUM with
     its lowest code: the identity on its grid. litert-converter

@@ -17,7 +17,8 @@ from odmlq.calibration import Calibration, calibrate, calibrated_edges, needs_ca
 from odmlq.errors import CalibrationError, PlanError
 from odmlq.graph import GraphCache, check_finite_params, is_keras, keras_input_names, params_for
 from odmlq.litert._check import check_io_dtype, check_plan
-from odmlq.litert._tables import rsqrt_kept_float
+from odmlq.litert._multipliers import check_add_multipliers
+from odmlq.litert._tables import int16_rsqrt_forms
 from odmlq.litert.spec import TARGET
 from odmlq.plan import Plan, plan as make_plan
 from odmlq.scales import Scales, compute_scales
@@ -77,6 +78,7 @@ class Prepared:
     held_back: list
     float_ops: Any
     schema: str
+    rsqrt_pieces: dict = dataclasses.field(default_factory=dict)  # op id -> `_tables.RsqrtPieces`
     io_dtype: str
     input_names: list[str]
     output_names: list[str]
@@ -123,14 +125,16 @@ def prepare(model: Any, rules: Sequence | Plan, rep_dataset, *, variables: Any =
     else:
         scales = dataclasses.replace(compute_scales(plan, calibration, params, weight_scales=weights.weights),
                                      weight_values=weights.weight_values)
-    float_ops = [*float_ops, *rsqrt_kept_float(plan, scales, calibration, allow_float_ops, float_ops)]
+    check_add_multipliers(plan, scales)
+    kept, rsqrt_pieces = int16_rsqrt_forms(plan, scales, calibration, allow_float_ops, float_ops)
+    float_ops = [*float_ops, *kept]
     # A plan traced for other input shapes (another batch size) is traced again for these.
     graph = GraphCache(model, plan, variables).graph_for(example_inputs) if plan.graph.program is not None else None
     if graph is None:
         graph = make_plan(model, plan.rules, *example_inputs, variables=variables, method=plan.graph.method,
                           target=TARGET).graph
     return Prepared(plan=plan, calibration=calibration, scales=scales, graph=graph, example_inputs=example_inputs,
-                    held_back=held_back, float_ops=float_ops, schema=schema, io_dtype=io_dtype,
+                    held_back=held_back, float_ops=float_ops, rsqrt_pieces=rsqrt_pieces, schema=schema, io_dtype=io_dtype,
                     input_names=list(input_names or _input_names(model, example_inputs, plan.graph.method)),
                     output_names=list(output_names or [f"output_{i}" for i in range(len(graph.outputs))]))
 

@@ -13,9 +13,16 @@ above code 2,560, and up to 5,036 LSB off in the lowest interval. A norm over ro
 loudness) reads the table there. `numpy` here reproduces the kernel's
 table bit for bit (tests/litert/test_tables.py checks every code against the
 interpreter).
+
+Such an RSQRT is exported in pieces (`RsqrtPieces`): each piece reads the
+input clamped to a range of 8x, requantized so that range fills its table,
+and the pieces' sum, less a constant, is 1/sqrt (within a few LSB).
 """
 
 from __future__ import annotations
+
+import dataclasses
+import math
 
 import numpy as np
 
@@ -112,22 +119,91 @@ def inaccurate_rsqrt_tables(plan, scales, calibration, skip=()) -> list[tuple]:
     return found
 
 
-def rsqrt_kept_float(plan, scales, calibration, allow_float_ops: bool, float_ops) -> list[str]:
-    """The int16 RSQRT ops to keep in float (`inaccurate_rsqrt_tables`), with
-    `allow_float_ops`; without it, the first is refused before conversion
-    (it failed verification after it, as "the converter produced a kernel
-    that does not compute what the plan says")."""
+_PIECE_RATIO = 8.0  # each piece's input range: its table reads codes 4,096 and up (4 LSB off at most)
+_INTERVAL = 128  # codes per table interval
+
+
+@dataclasses.dataclass(frozen=True)
+class RsqrtPieces:
+    """An int16 RSQRT as pieces whose tables are each exact to a few LSB.
+
+    `bounds` b_1 > ... > b_k are input values on the input's grid. Piece 0
+    reads max(x, b_1) at the input's scale; piece i (1 <= i < k) reads
+    max(x, b_(i+1)) requantized to b_i / 32767 (the requantization saturates
+    at b_i); piece k reads min(x, b_k) requantized so: below every calibrated
+    input, where the one table was too (a zero code reads the output's top).
+    For x between b_(j+1) and b_j, the pieces above read their lower bounds and
+    those below their upper ones, so the pieces' sum is
+    1/sqrt(x) + sum_j 1/sqrt(b_j): `constant`. `tops` is each piece's output
+    range (1/sqrt at the start of the table interval holding its lower bound:
+    an entry past the output's top would clip, and the interval's
+    interpolation with it), `lsb` the most, in the op's output LSB, any piece's
+    table is off on the inputs it reads."""
+
+    bounds: tuple[float, ...]
+    tops: tuple[float, ...]
+    constant: float
+    lsb: float
+
+    def piece_scales(self, in_scale: float) -> list[float]:
+        """Each piece's input step (piece 0: the input's own)."""
+        return [in_scale, *(b / 32767.0 for b in self.bounds)]
+
+
+def rsqrt_pieces(in_scale: float, out_scale: float, low: float) -> RsqrtPieces | None:
+    """The pieces (`RsqrtPieces`) of an int16 RSQRT from input step `in_scale`
+    to output step `out_scale` whose calibrated inputs start at `low`; None
+    where the inputs span less than 8x (one table is as exact)."""
+    bounds, value = [], 32767.0 * in_scale
+    # Inputs below the lowest nonzero code read code 0, 1/sqrt's top in both.
+    while value > max(low, in_scale):
+        code = max(1, round(value / _PIECE_RATIO / in_scale))
+        value = code * in_scale
+        bounds.append(value)
+    if not bounds:
+        return None
+    scales = [in_scale, *(b / 32767.0 for b in bounds)]
+    lowers = [*bounds, None]
+    tops, lsb = [], 0.0
+    for i, (step, lower) in enumerate(zip(scales, lowers)):
+        if lower is None:  # the last piece: the op's own output range, or its bound's 1/sqrt if above
+            top = max(32767.0 * out_scale, 1.0 / math.sqrt(bounds[-1]) * (1.0 + 1.0 / 32767.0))
+        else:
+            start = math.floor(lower / step / _INTERVAL) * _INTERVAL
+            top = 1.0 / math.sqrt(max(start, 1) * step)
+            error, _ = rsqrt_table_error(step, top / 32767.0, max(lower, low))
+            lsb = max(lsb, error * top / (32767.0 * out_scale))
+        tops.append(top)
+    return RsqrtPieces(tuple(bounds), tuple(tops), float(sum(1.0 / math.sqrt(b) for b in bounds)), lsb)
+
+
+def int16_rsqrt_forms(plan, scales, calibration, allow_float_ops: bool, float_ops) -> tuple[list[str], dict]:
+    """How each int16 RSQRT whose one table misses simulate (`inaccurate_rsqrt_tables`)
+    is exported: in pieces (op id -> `RsqrtPieces`) where they are within the op
+    table's tolerance; otherwise kept in float with `allow_float_ops` (the
+    ids), and without it the first is refused before conversion (it failed
+    verification after it, as "the converter produced a kernel that does not
+    compute what the plan says")."""
     from odmlq.litert._check import FloatOpsError
 
-    found = inaccurate_rsqrt_tables(plan, scales, calibration, skip=set(float_ops))
-    if found and not allow_float_ops:
-        op, lsb, at, low, high = found[0]
-        where = (f"Rule({op.module_path!r}, weight_qtype='int8', act_qtype='int8') before your rules"
-                 if op.module_path else "a rule for its module with act_qtype='int8'")
-        raise FloatOpsError(
-            f"op {op.id!r} (module {op.module_path!r}): LiteRT's int16 RSQRT reads a 513-entry table, which is "
-            f"{lsb:.0f} int16 LSB from 1/sqrt at {at:.3g} (allowed {OP_SPEC['rsqrt'].tolerance_lsb['int16']:g}); "
-            f"its calibrated inputs span {low:.3g} to {high:.3g}, and the table is exact only within about a "
-            "decade of the top. Keep it in float with allow_float_ops=True (the export then computes it in "
-            f"float between int16 tensors), or give it int8 activations ({where}).")
-    return [op.id for op, *_ in found]
+    tolerance = OP_SPEC["rsqrt"].tolerance_lsb["int16"]
+    kept, pieces = [], {}
+    for op, lsb, at, low, high in inaccurate_rsqrt_tables(plan, scales, calibration, skip=set(float_ops)):
+        into, out = scales.edges[plan.graph.resolve(op.inputs[0])], scales.edges[op.outputs[0]]
+        split = rsqrt_pieces(float(np.max(into.scale)), float(np.max(out.scale)), low)
+        # Requantizations and sums add about 2 LSB to the tables' own error.
+        if split is not None and split.lsb + 2.0 <= tolerance:
+            pieces[op.id] = split
+            continue
+        if not allow_float_ops:
+            where = (f"Rule({op.module_path!r}, weight_qtype='int8', act_qtype='int8') before your rules"
+                     if op.module_path else "a rule for its module with act_qtype='int8'")
+            raise FloatOpsError(
+                f"op {op.id!r} (module {op.module_path!r}): LiteRT's int16 RSQRT reads a 513-entry table, which is "
+                f"{lsb:.0f} int16 LSB from 1/sqrt at {at:.3g} (allowed {tolerance:g}); its calibrated inputs span "
+                f"{low:.3g} to {high:.3g}, and neither the table nor tables over pieces of that range are exact "
+                "there (the input's int16 grid is too coarse for the pieces). Keep it in float with "
+                "allow_float_ops=True (the export then computes it in float between int16 tensors), or give it "
+                f"int8 activations ({where}).")
+        kept.append(op.id)
+    return kept, pieces

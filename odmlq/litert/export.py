@@ -190,7 +190,7 @@ def annotated(model: Any, prepared: Prepared, *, variables: Any = None,
     if external_weights is None:
         external_weights = uses_external_weights(prepared.scales, params)
     return _annotate.annotated_function(prepared.graph, prepared.plan, prepared.scales, params, prepared.float_ops,
-                                        external_weights=external_weights)
+                                        external_weights=external_weights, rsqrt_pieces=prepared.rsqrt_pieces)
 
 
 def uses_external_weights(scales: Scales, params: Any) -> bool:

@@ -139,7 +139,7 @@ def compute_scales(plan, calibration: Calibration | None, params: Any, *,
     scales = dataclasses.replace(scales, weights=weights)
     biases, op_biases = _bias_scales(plan, scales, weights)
     constants = _constant_scales(plan, edges)
-    derived = _derived_scales(plan, params)
+    derived = _derived_scales(plan, params, edges)
     return dataclasses.replace(scales, biases=biases, constants=constants, op_biases=op_biases,
                                derived=derived, weight_values=weight_values, shifts=shifts)
 
@@ -161,7 +161,7 @@ def folded_weights(graph, params: Any, scales: Scales) -> Any:
     return replace_params(folded, scales.weight_values) if scales.weight_values else folded
 
 
-def _derived_scales(plan, params: Any) -> dict[tuple[str, int], TensorScale]:
+def _derived_scales(plan, params: Any, edges: Mapping[str, TensorScale]) -> dict[tuple[str, int], TensorScale]:
     """Scales of derived operands read as constants, from their values (one
     float run: they depend on parameters only)."""
     wanted: dict[str, list[tuple[int, Any]]] = {}
@@ -181,8 +181,23 @@ def _derived_scales(plan, params: Any) -> dict[tuple[str, int], TensorScale]:
     params = jax.tree_util.tree_map(lambda x: x.dequantize() if isinstance(x, QArray) else x, params,
                                     is_leaf=lambda x: isinstance(x, QArray))
     values = operand_values(plan.graph, params, set(wanted))
-    return {(op_id, index): constant_scale(values[op_id][index], spec.qtype)
+    return {(op_id, index): _zero_at_output(plan, op_id, values[op_id][index], spec.qtype, edges)
+            or constant_scale(values[op_id][index], spec.qtype)
             for op_id, items in wanted.items() for index, spec in items}
+
+
+def _zero_at_output(plan, op_id: str, value, qtype, edges: Mapping[str, TensorScale]) -> TensorScale | None:
+    """An operand all zeros (a freshly initialized table) read at its op's
+    output scale, where the op writes one per-tensor scale of its qtype: any
+    scale holds zeros exactly, and the default of 1 (a zero range) broke
+    LiteRT's ADD, whose multiplier from an input of scale 1 to a fine output
+    was over 1 (an abort loading BEiT's file at int16: `litert/_multipliers`)."""
+    op = plan.graph.op(op_id)
+    output = edges.get(op.outputs[0]) if len(op.outputs) == 1 else None
+    if (output is None or output.qtype != qtype or output.scale_axes or value is None
+            or np.any(np.asarray(value) != 0)):
+        return None
+    return reshaped(output, np.ndim(value))
 
 
 def _weight_scales(plan, values: Mapping[str, Any]) -> dict[str, TensorScale]:

@@ -44,7 +44,7 @@ class _Stack(nn.Module):
 
 class _ClassToken(nn.Module):
     """A ViT-like embedding: a class token concatenated, a scaling. (Its LayerNorm
-    is left out: over these rows the int16 RSQRT's table is refused, `test_tables`.)"""
+    is left out: int16 RSQRT over these rows is `test_tables`'.)"""
 
     @nn.compact
     def __call__(self, x):
@@ -197,8 +197,7 @@ class _Int16Block(nn.Module):
 
 
 def test_an_int16_transformer_block_with_float_ops_allowed_exports_and_verifies():
-    """int16x8 ops without a LiteRT kernel (LOG), or whose kernel would miss
-    simulate on the calibrated inputs (RSQRT's table), stay float under
+    """int16x8 ops without a LiteRT kernel (LOG) stay float under
     allow_float_ops; the weights and constants only they read are
     stored as their plan values in float, not dequantized at every invocation;
     every int16 ADD and MUL gets same-shaped int16 operands."""
@@ -211,10 +210,10 @@ def test_an_int16_transformer_block_with_float_ops_allowed_exports_and_verifies(
     assert result.verification.passed, str(result.verification)
     computing = {o.name for o in result.summary.float_islands} - {"QUANTIZE", "DEQUANTIZE"}
     # CONCATENATION (as PAD + ADD), DIV and the hard-swish's ADD and MULs are
-    # int16; RSQRT is float: its calibrated variances span 33x, where LiteRT's
-    # int16 table is 251 LSB off (`_tables`), and MAXIMUM floors its input where
-    # 1/sqrt clips.
-    assert computing == {"LOG", "RSQRT", "MAXIMUM"}, computing
+    # int16; so is RSQRT, in pieces: its calibrated variances span 33x, where
+    # one LiteRT int16 table is 251 LSB off (`_tables`; it was kept float).
+    assert computing == {"LOG"}, computing
+    assert result.summary.op_histogram["RSQRT"] >= 2
     assert result.summary.weight_work_at_run_time == ()
     reference = np.asarray(model.apply(variables, batches[-1]))
     simulated = np.asarray(odmlq.simulate(model, result.plan, result.scales, batches[-1], variables=variables))

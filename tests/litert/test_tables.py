@@ -2,9 +2,9 @@
 
 The table is reproduced bit for bit here, so the export knows, from the
 calibrated inputs, where it would miss simulate: an int16 RSQRT whose table is
-off by more than the op table's tolerance on those inputs is refused before
-conversion (it used to fail verification after it, blamed on the converter),
-or, with allow_float_ops, computed in float between its int16 tensors."""
+off by more than the op table's tolerance on those inputs (it used to fail
+verification, blamed on the converter; then it was refused before conversion)
+is exported in pieces whose tables each read a range of 8x."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import pytest
 from ai_edge_litert.interpreter import Interpreter
 
 import odmlq
-from odmlq.litert import FloatOpsError
 from odmlq.litert._tables import _rsqrt, int16_table, lookup, rsqrt_table_error
 
 INT16 = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int16")]
@@ -70,20 +69,54 @@ def _loud_and_quiet(n=64, seed=0):
     return (rng.normal(size=(n, 16)) * np.exp(rng.uniform(-4, 2, size=(n, 1)))).astype(np.float32)
 
 
-def test_an_int16_rsqrt_its_table_misses_is_refused_before_conversion_or_kept_float():
+def test_an_int16_rsqrt_its_table_misses_is_exported_in_pieces_and_verified():
+    """Rows of loudness spanning 3 decades: one table was 14,984 LSB off on
+    them (refused, or kept in float with allow_float_ops); in pieces each
+    table reads its top eighth, and the export is full integer."""
     model, x = _RmsNorm(), _loud_and_quiet()
     batches = [x[i:i + 8] for i in range(0, 64, 8)]
     variables = model.init(jax.random.key(0), x[:1])
-    with pytest.raises(FloatOpsError, match=r"op 'fc/rsqrt' .* 513-entry table, which is \d+ int16 LSB from "
-                                            r"1/sqrt .* allow_float_ops=True"):
-        odmlq.export_tflite(model, INT16, batches, variables=variables, benchmark=False)
-    with pytest.warns(UserWarning, match="float ops in the exported model"):
-        result = odmlq.export_tflite(model, INT16, batches, variables=variables, benchmark=False,
-                                     allow_float_ops=True)
+    result = odmlq.export_tflite(model, INT16, batches, variables=variables, benchmark=False)
     report = result.verification
     assert report.passed, str(report)
-    # Computed in float, between int16 tensors: within 1 LSB of simulate (it
-    # was 14,984 LSB off as the int16 table), zero variances included.
+    assert result.summary.float_islands == ()
+    assert result.summary.op_histogram["RSQRT"] >= 3  # pieces of 8x over 3 decades
+    # Within 4 LSB of simulate (measured 2), zero variances included; the op
+    # table allows 64 (a quarter of an int8 step).
     check = next(c for c in report.checks if c.edge == "fc/rsqrt")
-    assert check.max_lsb <= 1.0 and {o.name for o in result.summary.float_islands} >= {"RSQRT"}
+    assert check.max_lsb <= 4.0
     assert abs(report.litert_float_sqnr_db - report.simulate_float_sqnr_db) < 0.5
+
+
+def test_rsqrt_pieces_over_four_decades_are_within_a_few_lsb_of_one_over_sqrt_for_every_code():
+    """Every input code through the interpreter against the rounded 1/sqrt:
+    within 5 LSB from the calibrated low up (measured 5: each piece's table
+    is up to 4 LSB of its own step off, and the sums round), and inputs below
+    it read 1/sqrt's top as simulate clips them."""
+    model = _Rsqrt()
+    x = np.geomspace(1e-3, 10.0, 64, dtype=np.float32)[None]
+    variables = model.init(jax.random.key(0), x)
+    # verify=False: the held-back perturbations move inputs below zero, where
+    # RSQRT is undefined (LiteRT's kernel stops with an error).
+    result = odmlq.export_tflite(model, INT16, [x, x], variables=variables, benchmark=False, verify=False)
+    graph = result.plan.graph
+    in_scale = float(np.max(result.scales.edges[graph.inputs[0]].scale))
+    out_scale = float(np.max(result.scales.edges[graph.outputs[0]].scale))
+    interpreter = Interpreter(model_content=result.tflite)
+    interpreter.allocate_tensors()
+    into, out = interpreter.get_input_details()[0], interpreter.get_output_details()[0]
+    codes = np.arange(32768 - 32768 % 64).reshape(-1, 64)
+    got = []
+    for row in codes:
+        interpreter.set_tensor(into["index"], (row * np.float32(in_scale)).astype(np.float32)[None])
+        interpreter.invoke()
+        got.append(np.round(interpreter.get_tensor(out["index"])[0] / np.float32(out_scale)))
+    codes, got = codes.reshape(-1), np.concatenate(got)
+    with np.errstate(divide="ignore"):
+        exact = np.clip(np.round(1.0 / np.sqrt(codes * np.float32(in_scale)) / out_scale), -32768, 32767)
+    error = np.abs(got - exact)
+    low = int(np.ceil(1e-3 / in_scale))
+    assert error[codes >= low].max() <= 5.0
+    assert error[codes < low].max() <= 1.0
+    # One table over the same scales: thousands of LSB off from the low up.
+    assert rsqrt_table_error(in_scale, out_scale, 1e-3)[0] > 1000.0
