@@ -201,25 +201,38 @@ class LogicalAndMask(nn.Module):
         return nn.Dense(D, name="out")(jnp.einsum("bts,bsd->btd", nn.softmax(scores, axis=-1), x))
 
 
-def test_an_integer_mask_made_float_and_compared_with_zero_is_compared_as_integers():
-    rng = np.random.default_rng(2)
-    model = LogicalAndMask()
+_INT8 = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
+
+
+def _planned(model, seed: int):
+    """(rng, the model's int8 plan at batch 1, its variables)."""
+    rng = np.random.default_rng(seed)
     x, mask = _batch(rng, 1)
     variables = model.init(jax.random.key(0), x, mask)
-    rules = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
-    plan = odmlq.plan(model, rules, x, mask, variables=variables)
+    return rng, odmlq.plan(model, _INT8, x, mask, variables=variables), variables
+
+
+def _traced_and_exported(model, plan, variables, rng):
+    """The plan's graph computes the model exactly; the int8 export verifies, full integer."""
+    held_out = _batch(rng, 1)  # (the plan's batch size)
+    np.testing.assert_array_equal(np.asarray(plan.graph.evaluate(variables, *held_out)),
+                                  np.asarray(model.apply(variables, *held_out)))
+    export = odmlq.export_tflite(model, _INT8, [_batch(rng, 4) for _ in range(4)], variables=variables,
+                                 progress=False, benchmark=False)
+    assert export.verification.passed and export.summary.float_islands == (), str(export.verification)
+    return export
+
+
+def test_an_integer_mask_made_float_and_compared_with_zero_is_compared_as_integers():
+    model = LogicalAndMask()
+    rng, plan, variables = _planned(model, 2)
     # The comparison reads the int32 mask: nothing float (let alone quantized) is compared.
     compares = [op for op in plan.graph.ops if op.kind in ("ne", "gt", "lt")]
     assert compares and all(plan.graph.edges[plan.graph.resolve(e)].dtype == "int32"
                             for op in compares for e in op.inputs), [(op.id, op.inputs) for op in compares]
     assert not any(op.kind == "convert_element_type" and plan.graph.edges[op.outputs[0]].dtype == "float32"
                    for op in plan.graph.ops)
-    held_out = _batch(rng, 1)  # (the plan's batch size)
-    np.testing.assert_array_equal(np.asarray(plan.graph.evaluate(variables, *held_out)),
-                                  np.asarray(model.apply(variables, *held_out)))
-    export = odmlq.export_tflite(model, rules, [_batch(rng, 4) for _ in range(4)], variables=variables,
-                                 progress=False, benchmark=False)
-    assert export.verification.passed and export.summary.float_islands == (), str(export.verification)
+    _traced_and_exported(model, plan, variables, rng)
 
 
 _BLOCKS = np.array([[2, 0], [1, 3], [0, 2]])  # random key blocks, drawn at trace time
@@ -248,24 +261,15 @@ class BlockSparseMask(nn.Module):
 def test_block_sparse_attention_masks_export_full_integer():
     """Before: 'no int8 kernel for convert_element_type', then the converter
     failed on the int32 BATCH_MATMUL, then on the 6-axis gather's marker."""
-    rng = np.random.default_rng(3)
     model = BlockSparseMask()
-    x, mask = _batch(rng, 1)
-    variables = model.init(jax.random.key(0), x, mask)
-    rules = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")]
-    plan = odmlq.plan(model, rules, x, mask, variables=variables)
+    rng, plan, variables = _planned(model, 3)
     same_type_casts = [op.id for op in plan.graph.ops if op.kind == "convert_element_type"
                        and all(plan.graph.edges[e].dtype == "float32" for e in (*op.inputs, *op.outputs))]
     assert same_type_casts == []
     integer_matmuls = [op.id for op in plan.graph.ops if op.kind == "dot_general"
                        and plan.graph.edges[op.outputs[0]].dtype == "int32"]
     assert integer_matmuls == []
-    held_out = _batch(rng, 1)
-    np.testing.assert_array_equal(np.asarray(plan.graph.evaluate(variables, *held_out)),
-                                  np.asarray(model.apply(variables, *held_out)))
-    export = odmlq.export_tflite(model, rules, [_batch(rng, 4) for _ in range(4)], variables=variables,
-                                 progress=False, benchmark=False)
-    assert export.verification.passed and export.summary.float_islands == (), str(export.verification)
+    export = _traced_and_exported(model, plan, variables, rng)
     assert all(check.max_lsb <= 1.0 + 1e-3 for check in export.verification.checks), str(export.verification)
 
 
