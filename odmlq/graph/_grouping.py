@@ -9,7 +9,8 @@ from collections import Counter
 import numpy as np
 
 from odmlq.graph import _patterns
-from odmlq.graph._program import _Lit, _OpSteps, _OpRec, _Program, _Region, _Step, scattered_rows_axis
+from odmlq.graph._program import (_Lit, _OpSteps, _OpRec, _Program, _Region, _Step, gathered_rows_axes,
+                                  scattered_rows_axis)
 from odmlq.graph._walk import _map_axes, _Walker
 from odmlq.graph._linear import pointwise, transposed_by_phases
 from odmlq.graph._loops import _LoopLayout
@@ -348,6 +349,9 @@ class _Builder(_LoopLayout):
         if rec.kind == "gather":
             mode = rec.steps[0].eqn.params.get("mode")
             attributes["mode"] = getattr(mode, "name", str(mode)).lower()  # fill_or_drop, clip, ...
+            gather = next((st for st in rec.steps if st.kind == "gather"), None)
+            # None: not whole rows
+            attributes["rows_at"] = None if gather is None else gathered_rows_axes(gather.eqn)
         if rec.kind == "scatter-add":  # None: not whole rows along one axis
             attributes["rows_along"] = scattered_rows_axis(next(st for st in rec.steps if st.kind == "scatter-add").eqn)
         if rec.kind == "concatenate":

@@ -332,6 +332,25 @@ def scattered_rows_axis(eqn) -> int | None:
     return axis
 
 
+def gathered_rows_axes(eqn) -> tuple[int, ...] | None:
+    """The operand axes a gather indexes where it picks whole rows: each index
+    vector names one position along those axes (sliced to one and dropped),
+    every other axis is read whole (``nodes[senders]``, CLIP's
+    ``x[jnp.arange(b), ids.argmax(-1)]``), batching axes (a gather under
+    vmap) aside; None for any other gather."""
+    if len(eqn.invars) != 2:
+        return None
+    shape = eqn.invars[0].aval.shape
+    dn, sizes = eqn.params["dimension_numbers"], eqn.params["slice_sizes"]
+    axes = tuple(int(a) for a in dn.start_index_map)
+    batching = tuple(getattr(dn, "operand_batching_dims", ()))
+    if (not axes or sorted(dn.collapsed_slice_dims) != sorted(axes)
+            or any(sizes[a] != 1 for a in (*axes, *batching))
+            or any(sizes[d] != shape[d] for d in range(len(shape)) if d not in (*axes, *batching))):
+        return None
+    return axes
+
+
 def scattered_row_dims(eqn) -> list[int]:
     """The axes of a scatter's updates that run over its indices (the rest are windows)."""
     windows = eqn.params["dimension_numbers"].update_window_dims

@@ -46,7 +46,8 @@ from odmlq.litert._conv_transpose import annotated_phases
 from odmlq.litert._loops import annotated_layers, carry_starts, stacked_weights
 from odmlq.litert._weights import annotated_weight, native_layouts, weight_placeholder, zeros
 from odmlq.litert._forms import (EXPONENTIAL_LINEAR, added_at_one_shape, avg_pool_padded_with_zeros,
-                                concatenated_by_padded_sums, exponential_linear, gathered_in_fill_mode, gathered_without_fill,
+                                concatenated_by_padded_sums, exponential_linear, gathered_as_one_hot, gathered_in_fill_mode,
+                                gathered_without_fill,
                                 gelu_erf, gelu_in_int16, max_pool_padded_with_zeros, pool_as_depthwise_conv,
                                 reciprocal_scale, rsqrt_in_pieces, scattered_as_sums, separated)
 
@@ -408,6 +409,12 @@ class Annotation(FakeQuant):
         if op.kind == "scatter-add" and (summed := scattered_as_sums(
                 compute, inputs, _qtype(scales, op), fake_quant_composite)) is not None:
             return summed
+        if (op.kind == "gather" and _qtype(scales, op) == "int16" and op.attributes.get("rows_at") is not None
+                and (source := next((o for o in op.operands if o.role == "input"
+                                     and o.dtype.startswith(("float", "bfloat"))), None)) is not None
+                and (rows := gathered_as_one_hot(compute, inputs, self._read_at(source),
+                                                 fake_quant_composite)) is not None):
+            return rows  # an activation's rows: a one-hot int16 matmul
         if op.kind == "gather" and _qtype(scales, op) == "int16":  # ``table[ids]``: as mode 'fill'
             return gathered_in_fill_mode(compute, inputs)
         if op.kind == "gather" and self._quantized_table(op):

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from odmlq.graph import evaluate_replacing, scattered_row_dims, scattered_rows_axis
+from odmlq.graph import evaluate_replacing, gathered_rows_axes, scattered_row_dims, scattered_rows_axis
 from odmlq.litert.spec import pool_pads_with_zeros
 from odmlq.qtypes import qtype as lookup_qtype
 from odmlq.scales import TensorScale
@@ -183,6 +183,72 @@ def _summed_rows(eqn, ins, one: TensorScale | None = None, mark=None) -> list:
     if not isinstance(operand, jax.core.Tracer) and not np.any(np.asarray(operand)):
         return [sums]  # segment_sum's zeros: nothing to add
     return [operand + sums]
+
+
+def gathered_as_one_hot(compute, inputs: list, rows_ts: TensorScale, mark) -> list | None:
+    """An int16 gather of an activation's whole rows (`graph.gathered_rows_axes`:
+    ``nodes[senders]``, CLIP's ``x[jnp.arange(b), ids.argmax(-1)]``) as a
+    one-hot match of each index, flattened over the indexed axes, times the
+    rows: an int16 matmul whose every output is one row's value times 1,
+    exact at the rows' scale (the gather's output keeps it). litert-converter
+    0.5.0 makes no int16 GATHER_ND ('tfl.gather_nd' op operand #0 must be ...
+    8-bit). Modes 'clip' and 'promise_in_bounds' clamp each index first (as
+    XLA does); in mode 'fill' an index out of bounds matches no row: zeros,
+    where a float gather fills NaN, which no integer holds. `rows_ts`: the
+    rows' scale, the gather's output's too. None: `compute` holds no such gather."""
+    closed = jax.make_jaxpr(compute)(*inputs)
+    found = {i: functools.partial(_one_hot_rows, rows_ts=rows_ts, mark=mark) for i, e in enumerate(closed.jaxpr.eqns)
+             if e.primitive.name == "gather" and gathered_rows_axes(e) is not None}
+    return evaluate_replacing(closed, inputs, found) if found else None
+
+
+def _one_hot_rows(eqn, ins, rows_ts: TensorScale, mark) -> list:
+    operand, indices = ins
+    axes, dn = gathered_rows_axes(eqn), eqn.params["dimension_numbers"]
+    batching = tuple(getattr(dn, "operand_batching_dims", ()))  # a gather under vmap: one per batch
+    index_batching = tuple(getattr(dn, "start_indices_batching_dims", ()))
+    sizes = np.asarray([operand.shape[a] for a in axes], np.int64)
+    # Indices as (batches, picks, axes) and the operand as (batches, rows, row).
+    others = [d for d in range(indices.ndim - 1) if d not in index_batching]
+    ids = jnp.transpose(indices, (*index_batching, *others, indices.ndim - 1))
+    count, batches = int(np.prod(sizes)), int(np.prod([operand.shape[d] for d in batching]))
+    ids = ids.reshape(batches, -1, len(axes))
+    inside = None
+    if getattr(eqn.params["mode"], "name", "") in ("CLIP", "PROMISE_IN_BOUNDS"):
+        ids = jnp.clip(ids, 0, (sizes - 1).astype(ids.dtype))
+    else:
+        inside = jnp.all((ids >= 0) & (ids < sizes.astype(ids.dtype)), axis=-1)
+    strides = np.cumprod(np.concatenate([[1], sizes[::-1][:-1]]))[::-1].astype(np.dtype(ids.dtype))
+    flat = jnp.sum(ids * strides, axis=-1)
+    if inside is not None:
+        flat = jnp.where(inside, flat, -1)
+    rest = [d for d in range(operand.ndim) if d not in (*batching, *axes)]
+    rows = jnp.transpose(operand, (*batching, *axes, *rest)).reshape(batches, count, -1)
+    # (count, picks) per batch, as `_summed_rows` matches: the other orientation
+    # became a float ONE_HOT and a QUANTIZE.
+    positions = jnp.arange(count, dtype=flat.dtype)
+    # 1 as code 2^14: the kernel's rescaling by 2^-14 is exact (at 1/32767 it was 1 LSB off).
+    one = TensorScale(qtype="int16", scale=np.asarray(2.0 ** -14, np.float32), zero_point=np.zeros((), np.int64))
+    # A batch axis even of 1: as a 2-D matmul, a one-hot matrix of constant indices
+    # (BigBird's blocks, a resize) was transposed at every invocation.
+    hit = (positions[None, :, None] == flat[:, None, :]).astype(rows.dtype)
+    picked = jax.lax.dot_general(mark(hit, one), rows, (((1,), (1,)), ((0,), (0,))))
+    # The gather's output: the whole axes at `offset_dims`, the indices' batch axes elsewhere, in order.
+    index_dims = [*index_batching, *others]
+    shape = (*(indices.shape[d] for d in index_dims), *(operand.shape[d] for d in rest))
+    rank = len(index_dims) + len(rest)
+    slots = [p for p in range(rank) if p not in dn.offset_dims]  # output positions of the indices' axes, in order
+    source = {slots[d]: index_dims.index(d) for d in range(len(slots))}
+    source |= {p: len(index_dims) + j for j, p in enumerate(dn.offset_dims)}
+    order = [source[p] for p in range(rank)]
+    if picked.shape == shape and order == sorted(order):
+        return [picked]
+    # Laid out after the matmul: litert-converter 0.5.0 moves a reshape or transpose
+    # past an int16 ADD that reads it, which then wrote at the layout's scale, not its
+    # own (6,743 LSB off); after a same-scale MAXIMUM it stays in place (LiteRT's
+    # MAXIMUM takes at most 5 axes: BigBird's 6-axis blocks are read as they are).
+    picked = jnp.transpose(mark(picked, rows_ts).reshape(shape), order)
+    return [separated(picked, rows_ts, mark) if picked.ndim <= 5 else picked]
 
 
 def _gather_in_bounds(eqn, ins) -> list:

@@ -156,19 +156,36 @@ def _transposed_conv(op, qtype: str, graph) -> str | None:
             "1-D or 2-D), or upsample another way (jax.image.resize, then a convolution)")
 
 
+# Entries of an int16 gather's one-hot matmul (`_forms.gathered_as_one_hot`), made at every invoke:
+# CLIP's pooling, hundreds; a nearest resize of 64 to 96 rows, 6,144; 2,048 picks of 4,096, 8.4 M.
+MAX_ONE_HOT_ENTRIES = 1 << 22
+
+
+def _one_hot_entries(op, source) -> int:
+    indices = next((o for o in op.operands if o is not source), None)
+    picks = int(np.prod(indices.shape[:-1])) if indices is not None and len(indices.shape) else 1
+    return int(np.prod([source.shape[a] for a in op.attributes["rows_at"]])) * picks  # (an upper bound)
+
+
 def _int16_gather(op, qtype: str, graph) -> str | None:
     """An embedding table (a weight) gathered is int16 in mode 'fill' (nn.Embed,
     jnp.take's default), and in modes 'clip' and 'promise_in_bounds' (``table[ids]``)
     as its indices clamped, then gathered in mode 'fill' (`_forms.gathered_in_fill_mode`:
-    litert-converter 0.5.0 makes no int16 GATHER_ND of those modes). A gather of an
-    activation (a nearest resize by a factor that is not an integer) is not int16; a
-    nearest resize by an integer factor is copies, not a gather (`graph/_canonical`)."""
+    litert-converter 0.5.0 makes no int16 GATHER_ND of those modes). An activation's
+    whole rows are a one-hot int16 matmul (`_forms.gathered_as_one_hot`); no other
+    gather of an activation is int16 (a nearest resize by an integer factor is copies)."""
     if qtype != "int16":
         return None
     if op.attributes.get("mode", "fill_or_drop") not in ("fill_or_drop", "clip", "promise_in_bounds"):
         what = f"in mode {op.attributes['mode']!r} (jnp.take's modes 'fill' and 'clip' convert)"
-    elif any(o.role == "input" and o.dtype.startswith(("float", "bfloat")) for o in op.operands):
-        what = "of an activation (a nearest resize by a factor that is not an integer gathers so)"
+    elif (source := next((o for o in op.operands if o.role == "input" and o.dtype.startswith(("float", "bfloat"))),
+                         None)) is None:
+        return None  # a table's rows
+    elif op.attributes.get("rows_at") is None:
+        what = "of an activation other than whole rows (whole rows, ``nodes[senders]``, are a one-hot int16 matmul)"
+    elif (entries := _one_hot_entries(op, source)) > MAX_ONE_HOT_ENTRIES:
+        what = (f"of an activation as a one-hot int16 matmul of {entries:,} entries (positions times picks; at "
+                f"most {MAX_ONE_HOT_ENTRIES:,}, computed and multiplied at every invocation)")
     else:
         return None
     return (f"litert-converter 0.5.0 takes no int16 GATHER_ND {what}: 'tfl.gather_nd' op operand #0 "
@@ -306,11 +323,9 @@ OP_SPEC: dict[str, OpSpec] = {
     # LayerNorm, RMSNorm and L2-norm pieces (x * x, 1 / sqrt, sqrt): MUL,
     # RSQRT and SQRT. x * x and SQRT are int16 kernels too (exact).
     "square": OpSpec(_BOTH, becomes="MUL"),
-    # LiteRT's int16 RSQRT approximates 1/sqrt: measured up to 8 int16 LSB
-    # (mean ~1) on BERT's and the TransformerLM's LayerNorms, 20 on GPT-2's,
-    # whose factor range the plan calibrates for relative error without
-    # zero-variance rows (74 LSB when such rows set the range). Allowed: 64
-    # int16 LSB, a quarter of one int8 step.
+    # LiteRT's int16 RSQRT is a table (`_tables`): up to 8 int16 LSB from 1/sqrt (mean ~1) on
+    # BERT's LayerNorms, 20 on GPT-2's; inputs spanning more than a decade, in pieces (5).
+    # Allowed: 64 int16 LSB, a quarter of one int8 step.
     "rsqrt": OpSpec(_BOTH, becomes="RSQRT", tolerance_lsb={"int16": 64.0}),
     "sqrt": OpSpec(_BOTH, becomes="SQRT"),
     # An embedding lookup: GATHER_ND picks rows of the table, so its output
@@ -318,7 +333,7 @@ OP_SPEC: dict[str, OpSpec] = {
     # scale, litert-converter requantizes the whole table before the gather
     # at every invoke (a QUANTIZE of 11.7 M values in MiniLM: +40% latency).
     "gather": OpSpec(_BOTH, SAME_AS_INPUT, limitation=_int16_gather, becomes="GATHER_ND",
-                     note="the output keeps the table's scale; int16: embedding tables only (table[ids] and mode 'clip' as clamped indices and mode 'fill')"),
+                     note="the output keeps the table's scale; int16: embedding tables (table[ids] and mode 'clip' as clamped indices and mode 'fill') and an activation's whole rows (a one-hot int16 matmul, exact)"),
     # int16: litert-converter 0.5.0 takes no int16 CONCATENATION; it is written
     # as PADs and ADDs (`_forms.concatenated_by_padded_sums`), exact at the shared scale.
     "concatenate": OpSpec(_BOTH, SHARED, becomes="CONCATENATION (int8), PAD + ADD (int16)",

@@ -280,14 +280,22 @@ def test_gelu_kernel_computes_the_traced_form(approximate):
     assert [op.builtinOptions.approximate for op in gelus] == [approximate]
 
 
+def _windows(x):
+    """Rows 3-4 and 0-1 of axis 1, as one gather of windows of two."""
+    numbers = jax.lax.GatherDimensionNumbers(offset_dims=(0, 2, 3), collapsed_slice_dims=(), start_index_map=(1,))
+    return jax.lax.gather(x, jnp.asarray([[3], [0]]), numbers, (x.shape[0], 2, x.shape[2]),
+                          mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+
+
 _REFUSED = {
     # GREATER and ARG_MAX run on dequantized values (litert-converter 0.5.0, measured).
     "where": (_Fn(lambda x: jnp.where(x > 0, x, 0.1 * x)), (8,), "int8",
               r"op 'fc/gt' .* reads quantized 'fc/dot_general' and writes bool"),
     "argmax": (_Fn(lambda x: jnp.argmax(x, axis=-1)), (8,), "int8",
                r"op 'fc/argmax' .* writes int32; LiteRT has no integer kernel for 'argmax'"),
-    "resize_nearest_int16": (CASES["resize_nearest_by_3_2"].model, (6, 5, 3), "int16",
-                             r"op 'fc/gather' .* no int16 GATHER_ND of an activation"),
+    # Windows of two rows: not whole rows (those are a one-hot int16 matmul, tests/litert/test_int16_gathers.py).
+    "gather_windows_int16": (_Fn(_windows, features=4), (6, 3), "int16",
+                             r"op 'fc/gather' .* no int16 GATHER_ND of an activation other than whole rows"),
 }
 
 
