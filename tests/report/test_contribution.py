@@ -66,8 +66,9 @@ def test_advice_follows_the_outputs(sensitive):
 def test_contributions_read_back_from_json_and_can_be_left_out(sensitive):
     model, variables, plan, scales, held_out, report = sensitive
     again = odmlq.Report.from_json(report.to_json())
-    assert [(e.edge, e.alone_sqnr_db, e.float_gain_db) for e in again.edges] == pytest.approx(
-        [(e.edge, e.alone_sqnr_db, e.float_gain_db) for e in report.edges])
+    assert [e.edge for e in again.edges] == [e.edge for e in report.edges]
+    for key in ("alone_sqnr_db", "float_gain_db"):  # (pytest 9.2's approx takes no tuples of a name and numbers)
+        assert [getattr(e, key) for e in again.edges] == pytest.approx([getattr(e, key) for e in report.edges])
     assert "cost the outputs most" in str(report)
     plain = odmlq.compare(model, plan, scales, held_out, variables=variables, contributions=False)
     assert all(e.alone_sqnr_db is None and e.float_gain_db is None for e in plain.edges)
