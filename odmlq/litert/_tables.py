@@ -104,7 +104,7 @@ def inaccurate_rsqrt_tables(plan, scales, calibration, skip=()) -> list[tuple]:
         if op.kind != "rsqrt" or op.id in skip or len(op.inputs) != 1:
             continue
         edge = plan.graph.resolve(op.inputs[0])
-        into, out = scales.edges.get(edge), scales.edges.get(op.outputs[0])
+        into, out = scales.input_scale(plan, op, edge), scales.edges.get(op.outputs[0])  # (a conversion's, if read so)
         if into is None or out is None or str(into.qtype) != "int16" or str(out.qtype) != "int16":
             continue
         in_scale, out_scale = float(np.max(into.scale)), float(np.max(out.scale))
@@ -189,7 +189,7 @@ def int16_rsqrt_forms(plan, scales, calibration, allow_float_ops: bool, float_op
     tolerance = OP_SPEC["rsqrt"].tolerance_lsb["int16"]
     kept, pieces = [], {}
     for op, lsb, at, low, high in inaccurate_rsqrt_tables(plan, scales, calibration, skip=set(float_ops)):
-        into, out = scales.edges[plan.graph.resolve(op.inputs[0])], scales.edges[op.outputs[0]]
+        into, out = scales.input_scale(plan, op, op.inputs[0]), scales.edges[op.outputs[0]]
         split = rsqrt_pieces(float(np.max(into.scale)), float(np.max(out.scale)), low)
         # Requantizations and sums add about 2 LSB to the tables' own error.
         if split is not None and split.lsb + 2.0 <= tolerance:
