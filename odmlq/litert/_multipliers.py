@@ -27,7 +27,9 @@ def _operand_scale(plan, scales, op, index: int, operand):
         derived = scales.derived.get((op.id, index))  # computed from parameters, read as a constant
         return (derived or scales.weights.get(operand.param),
                 f"{'a value derived from ' if derived else ''}parameter {operand.param!r}")
-    return scales.constants.get((op.id, index)), f"constant operand {index}"
+    # Constants are keyed by their index among the op's constants, not its operands.
+    position = sum(1 for o in op.operands[:index] if o.role == "constant")
+    return scales.constants.get((op.id, position)), f"constant operand {index}"
 
 
 def check_add_multipliers(plan, scales) -> None:

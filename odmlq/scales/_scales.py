@@ -187,8 +187,8 @@ def _derived_scales(plan, params: Any, edges: Mapping[str, TensorScale]) -> dict
 
 
 def _zero_at_output(plan, op_id: str, value, qtype, edges: Mapping[str, TensorScale]) -> TensorScale | None:
-    """An operand all zeros (a freshly initialized table) read at its op's
-    output scale, where the op writes one per-tensor scale of its qtype: any
+    """An operand all zeros (a freshly initialized table, or a constant bias
+    folded from a mask of ones) read at its op's output scale, where the op writes one per-tensor scale of its qtype: any
     scale holds zeros exactly, and the default of 1 (a zero range) broke
     LiteRT's ADD, whose multiplier from an input of scale 1 to a fine output
     was over 1 (an abort loading BEiT's file at int16: `litert/_multipliers`)."""
@@ -235,6 +235,8 @@ def _constant_scales(plan, edges: Mapping[str, TensorScale]) -> dict:
             if shared and output is not None and output.qtype == spec.qtype and not output.scale_axes:
                 # The kernel reads the constant at the output's scale, like its inputs.
                 out[(op.id, index)] = reshaped(output, len(operand.shape))
+            elif (zero := _zero_at_output(plan, op.id, operand.value, spec.qtype, edges)) is not None:
+                out[(op.id, index)] = zero  # (a cross-attention's bias of zeros, folded from a mask of ones)
             else:
                 out[(op.id, index)] = constant_scale(_saturating(plan, op, operand.value, edges), spec.qtype)
     return out

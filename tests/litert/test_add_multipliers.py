@@ -64,3 +64,45 @@ def test_an_int16_add_whose_multiplier_would_abort_litert_is_refused_by_name():
     result = odmlq.export_tflite(model, [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int8")], batches,
                                  variables=variables, benchmark=False)
     assert result.verification.passed, str(result.verification)
+
+
+class _ZeroBias(nn.Module):
+    """Small scores plus a constant bias of zeros: what a cross-attention's mask of
+    ones folds to (transformers' GPT-2 decoder under a ViT encoder at int16)."""
+
+    @nn.compact
+    def __call__(self, x):
+        scores = nn.Dense(8, name="scores")(x) * 1e-3
+        return scores + jnp.where(jnp.ones((1, 8)) > 0, 0.0, jnp.finfo(jnp.float32).min)
+
+
+def test_a_constant_bias_of_zeros_added_in_int16_reads_at_the_output_scale_and_exports():
+    model, batches = _ZeroBias(), _batches()
+    variables = model.init(jax.random.key(0), batches[0][:1])
+    result = odmlq.export_tflite(model, INT16, batches, variables=variables, benchmark=False)
+    assert result.verification.passed, str(result.verification)
+    add = next(op for op in result.plan.graph.ops if op.kind == "add")
+    assert [o.role for o in add.operands] == ["input", "constant"]
+    # Read at the ADD's output scale (it was 1, a constant's default for zeros, and
+    # LiteRT aborted loading the file).
+    np.testing.assert_allclose(result.scales.constants[(add.id, 0)].scale.ravel(),
+                               result.scales.edges[add.outputs[0]].scale.ravel())
+
+
+def test_the_multiplier_check_reads_a_constant_operand_by_its_index_among_constants():
+    """The refusal looks the constant up as the scales key it (its index among the
+    op's constants, 0 here, where it is operand 1): at scale 1 it must be refused."""
+    import dataclasses
+
+    from odmlq.litert._multipliers import check_add_multipliers
+
+    model, batches = _ZeroBias(), _batches()
+    variables = model.init(jax.random.key(0), batches[0][:1])
+    result = odmlq.export_tflite(model, INT16, batches, variables=variables, benchmark=False, verify=False)
+    add = next(op for op in result.plan.graph.ops if op.kind == "add")
+    check_add_multipliers(result.plan, result.scales)  # as exported: in range
+    unit = dataclasses.replace(result.scales.constants[(add.id, 0)],
+                               scale=np.ones_like(result.scales.constants[(add.id, 0)].scale))
+    scales = dataclasses.replace(result.scales, constants={**result.scales.constants, (add.id, 0): unit})
+    with pytest.raises(odmlq.PlanError, match=r"its input constant operand 1 has scale 1 over an output scale"):
+        check_add_multipliers(result.plan, scales)

@@ -317,6 +317,7 @@ def cnn_nnx() -> ZooModel:
 from tests.zoo.hf_models import (hf_bert, hf_bloom, hf_distilbert, hf_gpt2, hf_gpt_neo, hf_gptj,  # noqa: E402
                                   hf_llama, hf_marian, hf_resnet, hf_vit, hf_wav2vec2)
 from tests.zoo.hf_more import MORE  # noqa: E402
+from tests.zoo.hf_composite import COMPOSITE  # noqa: E402
 from tests.zoo.diffusion import vae_decoder_diffusers  # noqa: E402
 from tests.zoo.gemma import gemma_nnx  # noqa: E402
 from tests.zoo.lm1b import transformer_lm_linen  # noqa: E402
@@ -345,10 +346,11 @@ ZOO: dict[str, Callable[[], ZooModel]] = {
     "hf_wav2vec2": hf_wav2vec2,
     "vae_decoder_diffusers": vae_decoder_diffusers,
     **MORE,
+    **COMPOSITE,
 }
 # Models whose every zoo test runs with -m slow (the default run exports the first
 # zoo; `tests.zoo.hf_more`'s forms are each tested alone where one needed a fix).
-SLOW_ZOO = frozenset(MORE)
+SLOW_ZOO = frozenset(MORE) | frozenset(COMPOSITE)
 
 NEEDS_TRANSFORMERS = frozenset(name for name in ZOO if name.startswith("hf_"))
 NEEDS_DIFFUSERS = frozenset(name for name in ZOO if name.endswith("_diffusers"))
