@@ -171,7 +171,7 @@ def hf_vision_text_dual_encoder() -> ZooModel:
             out.append((ids, mask, pixels))
         return out
     return ZooModel("hf_vision_text_dual_encoder", DualEncoder(hf.module), _hf_variables(params),
-                    make(1, 1, SEED + 1)[0], make, "transformer")
+                    make(1, 1, SEED + 1)[0], make, "class_token")
 
 
 COMPOSITE = {f.__name__: f for f in (

@@ -74,7 +74,7 @@ class ZooModel:
     variables: Any
     example_inputs: tuple[np.ndarray, ...]
     make_batches: Callable[[int, int, int], list[tuple[np.ndarray, ...]]]
-    family: str  # 'cnn', 'mobile', 'transformer', 'audio', 'vae', 'class_token', 'mean_pooled' (floors: tests/zoo/test_zoo.py)
+    family: str  # 'cnn', 'mobile', 'transformer', 'audio', 'vae', 'diffusion', 'class_token', 'mean_pooled' (floors: tests/zoo/test_zoo.py)
 
     def apply(self, *inputs):
         """The float model's output on `inputs`."""
@@ -318,7 +318,7 @@ from tests.zoo.hf_models import (hf_bert, hf_bloom, hf_distilbert, hf_gpt2, hf_g
                                   hf_llama, hf_marian, hf_resnet, hf_vit, hf_wav2vec2)
 from tests.zoo.hf_more import MORE  # noqa: E402
 from tests.zoo.hf_composite import COMPOSITE  # noqa: E402
-from tests.zoo.diffusion import vae_decoder_diffusers  # noqa: E402
+from tests.zoo.diffusion import controlnet_diffusers, unet_diffusers, vae_decoder_diffusers  # noqa: E402
 from tests.zoo.gemma import gemma_nnx  # noqa: E402
 from tests.zoo.lm1b import transformer_lm_linen  # noqa: E402
 from tests.zoo.mobilenet import mobilenet_v3_linen  # noqa: E402
@@ -345,12 +345,14 @@ ZOO: dict[str, Callable[[], ZooModel]] = {
     "hf_marian": hf_marian,
     "hf_wav2vec2": hf_wav2vec2,
     "vae_decoder_diffusers": vae_decoder_diffusers,
+    "unet_diffusers": unet_diffusers,
+    "controlnet_diffusers": controlnet_diffusers,
     **MORE,
     **COMPOSITE,
 }
 # Models whose every zoo test runs with -m slow (the default run exports the first
 # zoo; `tests.zoo.hf_more`'s forms are each tested alone where one needed a fix).
-SLOW_ZOO = frozenset(MORE) | frozenset(COMPOSITE)
+SLOW_ZOO = frozenset(MORE) | frozenset(COMPOSITE) | {"unet_diffusers", "controlnet_diffusers"}
 
 NEEDS_TRANSFORMERS = frozenset(name for name in ZOO if name.startswith("hf_"))
 NEEDS_DIFFUSERS = frozenset(name for name in ZOO if name.endswith("_diffusers"))

@@ -84,12 +84,27 @@ def _sqnr_db(reference, value) -> float:
 # token, whose embedding values are about 5x smaller than the patch tokens' in one
 # per-tensor int8 scale, and a LayerNorm per token (pre_layrnorm) divides each token's
 # rounding by its own spread. int16x8 on the embeddings and that LayerNorm: 39.0 dB.
+# The ViT + BERT dual encoder ("class_token") measures 24.7 dB at int8 (simulate, 32
+# held-out pairs): its image tower's pooler is a tanh of the class token, whose int8
+# output grid the kernel fixes at 1/128, over the small values of a freshly initialized
+# Dense; that tanh in float gives 31.5 dB (the image half: 22.5 -> 35.5 dB).
 # BEiT ("mean_pooled") measures 25.2 dB at int8: its head averages the patch tokens and
 # normalizes that one 64-feature vector with a LayerNorm, whose squared deviations alone
 # cost 30.2 dB (a few features carry most of the variance in one per-tensor int8 scale).
 # int16x8 on the pooler: 28.3 dB.
+# The diffusion denoisers (diffusers' UNet and ControlNet) measure 19.5 and XX dB at int8:
+# like the VAE decoder, they attend over every latent position through an int8 softmax,
+# and GroupNorm/SiLU blocks follow.
 FLOOR_DB = {"cnn": 30.0, "transformer": 25.0, "audio": 20.0, "mobile": 25.0, "vae": 18.0, "class_token": 20.0,
-            "mean_pooled": 22.0}
+            "mean_pooled": 22.0, "diffusion": 18.0}
+
+# Models whose timestep embedding (SIN and COS of an integer input times constant
+# frequencies) has no integer kernel: exported with allow_float_ops, and only those ops,
+# their CAST and MUL and the QUANTIZE of their results, may be float: exact functions of
+# the integer timestep (`tests/plan/test_from_integers.py`). Without the option the export
+# refuses the COS by name, with the rule that keeps it float.
+TIMESTEP_FLOAT = frozenset({"unet_diffusers", "controlnet_diffusers"})
+TIMESTEP_OPS = frozenset({"CAST", "MUL", "SIN", "COS", "QUANTIZE", "CONCATENATION"})
 
 
 @functools.cache
@@ -98,8 +113,18 @@ def _exported(name: str):
     # verify): with 12, MinMax ranges of 1x1 feature maps and logits, seen a
     # dozen times per channel, were far narrower than unseen data's.
     z = _zoo_model(name)
-    result = odmlq.export_tflite(z.model, RULES, z.make_batches(8, 8, 0), variables=z.variables)
+    result = odmlq.export_tflite(z.model, RULES, z.make_batches(8, 8, 0), variables=z.variables,
+                                 allow_float_ops=name in TIMESTEP_FLOAT)
     return z, result
+
+
+def _assert_integer_but_the_timestep(name: str, summary) -> None:
+    if name not in TIMESTEP_FLOAT:
+        assert summary.float_islands == (), [o.name for o in summary.float_islands]
+        return
+    islands = {(o.name, o.module_path) for o in summary.float_islands}
+    assert {"SIN", "COS"} <= {kind for kind, _ in islands}, islands
+    assert all(kind in TIMESTEP_OPS and path is not None and "time_proj" in path for kind, path in islands), islands
 
 
 @pytest.mark.parametrize("name", _params())
@@ -109,7 +134,7 @@ def test_int8_export_is_full_integer_verifies_and_meets_its_floor(name):
     every op has an integer kernel and nothing stays float."""
     z, result = _exported(name)
     assert result.verification.passed, str(result.verification)
-    assert result.summary.float_islands == (), [o.name for o in result.summary.float_islands]
+    _assert_integer_but_the_timestep(name, result.summary)
     (held_out,) = z.make_batches(1, 32, 99)
     reference = np.asarray(z.apply(*held_out))
     simulated = odmlq.simulate(z.model, result.plan, result.scales, *held_out, variables=z.variables)
@@ -199,9 +224,11 @@ INT16X8_RULES = [odmlq.Rule(".*", weight_qtype="int8", act_qtype="int16")]
 # Wav2Vec2's, over raw audio features, 2,693 (`odmlq/litert/_tables.py`: pieces
 # now). CLIP's text pooling and BigBird's blocks gather an activation's rows (no
 # int16 GATHER_ND: a one-hot int16 matmul now). The rest of the zoo's int16x8
-# exports: bench/zoo.py --schemas int16x8.
+# exports: bench/zoo.py --schemas int16x8. The ViT -> GPT-2 and Wav2Vec2 -> BART
+# encoder-decoders' cross-attention adds a constant bias of zeros (their masks of ones,
+# folded): read at the default scale of a zero range (1), it made LiteRT abort.
 INT16X8_ZOO = ("hf_vit", "hf_wav2vec2", "hf_beit", "hf_opt", "hf_clip_vision", "hf_dinov2", "hf_clip_text",
-               "hf_bigbird")
+               "hf_bigbird", "hf_vision_encoder_decoder", "hf_speech_encoder_decoder")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, id=n, marks=[pytest.mark.slow] if n in SLOW_ZOO else [])
@@ -212,9 +239,9 @@ def test_int16x8_export_is_full_integer_and_verifies(name):
     int8 floors' 20-30 dB assume)."""
     z = _zoo_model(name)
     result = odmlq.export_tflite(z.model, INT16X8_RULES, z.make_batches(8, 8, 0), variables=z.variables,
-                                 benchmark=False)
+                                 benchmark=False, allow_float_ops=name in TIMESTEP_FLOAT)
     assert result.verification.passed, str(result.verification)
-    assert result.summary.float_islands == (), [o.name for o in result.summary.float_islands]
+    _assert_integer_but_the_timestep(name, result.summary)
     (held_out,) = z.make_batches(1, 16, 99)
     reference = np.asarray(z.apply(*held_out))
     simulated = odmlq.simulate(z.model, result.plan, result.scales, *held_out, variables=z.variables)
