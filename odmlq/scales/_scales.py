@@ -188,10 +188,12 @@ def _derived_scales(plan, params: Any, edges: Mapping[str, TensorScale]) -> dict
 
 def _zero_at_output(plan, op_id: str, value, qtype, edges: Mapping[str, TensorScale]) -> TensorScale | None:
     """An operand all zeros (a freshly initialized table, or a constant bias
-    folded from a mask of ones) read at its op's output scale, where the op writes one per-tensor scale of its qtype: any
-    scale holds zeros exactly, and the default of 1 (a zero range) broke
-    LiteRT's ADD, whose multiplier from an input of scale 1 to a fine output
-    was over 1 (an abort loading BEiT's file at int16: `litert/_multipliers`)."""
+    folded from a mask of ones) read at its op's output scale, where the op
+    writes one per-tensor scale of its qtype: any scale holds zeros exactly,
+    and the default of 1 (a zero range) broke LiteRT's ADD, whose multiplier
+    from an input of scale 1 to a fine output was over 1 (an abort loading
+    BEiT's file at int16, and transformers' encoder-decoders' cross-attention
+    biases: `litert/_multipliers`)."""
     op = plan.graph.op(op_id)
     output = edges.get(op.outputs[0]) if len(op.outputs) == 1 else None
     if (output is None or output.qtype != qtype or output.scale_axes or value is None

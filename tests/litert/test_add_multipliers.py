@@ -42,10 +42,14 @@ def _batches(n=64, seed=0):
     return [x[i:i + 8] for i in range(0, n, 8)]
 
 
-def test_a_zero_table_added_in_int16_reads_at_the_output_scale_and_exports():
-    model, batches = _ZeroTable(), _batches()
+def _int16_export(model, **options):
+    batches = _batches()
     variables = model.init(jax.random.key(0), batches[0][:1])
-    result = odmlq.export_tflite(model, INT16, batches, variables=variables, benchmark=False)
+    return odmlq.export_tflite(model, INT16, batches, variables=variables, benchmark=False, **options)
+
+
+def test_a_zero_table_added_in_int16_reads_at_the_output_scale_and_exports():
+    result = _int16_export(_ZeroTable())
     assert result.verification.passed, str(result.verification)
     add = next(op for op in result.plan.graph.ops if op.kind == "add")
     derived = [ts for (op_id, _), ts in result.scales.derived.items() if op_id == add.id]
@@ -77,9 +81,7 @@ class _ZeroBias(nn.Module):
 
 
 def test_a_constant_bias_of_zeros_added_in_int16_reads_at_the_output_scale_and_exports():
-    model, batches = _ZeroBias(), _batches()
-    variables = model.init(jax.random.key(0), batches[0][:1])
-    result = odmlq.export_tflite(model, INT16, batches, variables=variables, benchmark=False)
+    result = _int16_export(_ZeroBias())
     assert result.verification.passed, str(result.verification)
     add = next(op for op in result.plan.graph.ops if op.kind == "add")
     assert [o.role for o in add.operands] == ["input", "constant"]
@@ -96,9 +98,7 @@ def test_the_multiplier_check_reads_a_constant_operand_by_its_index_among_consta
 
     from odmlq.litert._multipliers import check_add_multipliers
 
-    model, batches = _ZeroBias(), _batches()
-    variables = model.init(jax.random.key(0), batches[0][:1])
-    result = odmlq.export_tflite(model, INT16, batches, variables=variables, benchmark=False, verify=False)
+    result = _int16_export(_ZeroBias(), verify=False)
     add = next(op for op in result.plan.graph.ops if op.kind == "add")
     check_add_multipliers(result.plan, result.scales)  # as exported: in range
     unit = dataclasses.replace(result.scales.constants[(add.id, 0)],

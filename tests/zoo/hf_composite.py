@@ -11,8 +11,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
-from tests.zoo.hf_models import _audio_batches, _hf_init, _hf_variables, _seq2seq_batches, HFSeq2SeqModel
-from tests.zoo.hf_more import _positions, _text
+from tests.zoo.hf_models import _audio_batches, _hf_variables, _seq2seq_batches
+from tests.zoo.hf_more import _bart_family, _positions, _text
 from tests.zoo.models import SEED, ZooModel, _image_batches, _tokens
 
 _SMALL_BERT = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -35,14 +35,7 @@ def hf_blenderbot() -> ZooModel:
     """Blenderbot (the full one: pre-norm layers and a final LayerNorm, unlike BlenderbotSmall)."""
     from transformers import BlenderbotConfig, FlaxBlenderbotForConditionalGeneration
 
-    config = BlenderbotConfig(vocab_size=1000, d_model=64, encoder_layers=2, decoder_layers=2,
-                              encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
-                              decoder_ffn_dim=128, max_position_embeddings=64, decoder_start_token_id=1,
-                              pad_token_id=0)
-    hf, params = _hf_init(FlaxBlenderbotForConditionalGeneration, config)
-    make = _seq2seq_batches(16, 8, config.vocab_size)
-    return ZooModel("hf_blenderbot", HFSeq2SeqModel(hf.module), _hf_variables(params), make(1, 1, SEED + 1)[0],
-                    make, "transformer")
+    return _bart_family("hf_blenderbot", FlaxBlenderbotForConditionalGeneration, BlenderbotConfig)
 
 
 def _hf_composite_init(model_cls, config, **kwargs):
@@ -52,9 +45,13 @@ def _hf_composite_init(model_cls, config, **kwargs):
     return hf, hf.params
 
 
-def _target_ids(rng: np.random.Generator, batch_size: int, target: int, vocab: int) -> np.ndarray:
-    ids, _ = _tokens(rng, batch_size, target, vocab, min_len=target, lengths=[target] * batch_size)
-    return ids
+def _with_targets(make_inputs):
+    """`make_inputs`'s batches, each with 8 decoder input ids (of 1000) after its input."""
+    def make(n_batches: int, batch_size: int, seed: int):
+        rng = np.random.default_rng(seed + 1000)
+        return [(x, _tokens(rng, batch_size, 8, 1000, min_len=8, lengths=[8] * batch_size)[0])
+                for (x,) in make_inputs(n_batches, batch_size, seed)]
+    return make
 
 
 class ImageToText(nn.Module):
@@ -75,11 +72,7 @@ def hf_vision_encoder_decoder() -> ZooModel:
     config = VisionEncoderDecoderConfig.from_encoder_decoder_configs(
         ViTConfig(**_SMALL_VIT), GPT2Config(vocab_size=1000, n_embd=64, n_layer=2, n_head=4, n_positions=64))
     hf, params = _hf_composite_init(FlaxVisionEncoderDecoderModel, config)
-    images = _image_batches(32, 32, 3, nchw=True, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
-
-    def make(n_batches: int, batch_size: int, seed: int):
-        rng = np.random.default_rng(seed + 1000)
-        return [(pixels, _target_ids(rng, batch_size, 8, 1000)) for (pixels,) in images(n_batches, batch_size, seed)]
+    make = _with_targets(_image_batches(32, 32, 3, nchw=True, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5)))
     return ZooModel("hf_vision_encoder_decoder", ImageToText(hf.module), _hf_variables(params),
                     make(1, 1, SEED + 1)[0], make, "transformer")
 
@@ -109,11 +102,7 @@ def hf_speech_encoder_decoder() -> ZooModel:
                          decoder_ffn_dim=128, max_position_embeddings=64, decoder_start_token_id=1, pad_token_id=0)
     config = SpeechEncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
     hf, params = _hf_composite_init(FlaxSpeechEncoderDecoderModel, config, input_shape=((1, 1600), (1, 8)))
-    waves = _audio_batches(1600)
-
-    def make(n_batches: int, batch_size: int, seed: int):
-        rng = np.random.default_rng(seed + 1000)
-        return [(wave, _target_ids(rng, batch_size, 8, 1000)) for (wave,) in waves(n_batches, batch_size, seed)]
+    make = _with_targets(_audio_batches(1600))
     return ZooModel("hf_speech_encoder_decoder", SpeechToText(hf.module), _hf_variables(params),
                     make(1, 1, SEED + 1)[0], make, "audio")
 

@@ -74,7 +74,8 @@ class ZooModel:
     variables: Any
     example_inputs: tuple[np.ndarray, ...]
     make_batches: Callable[[int, int, int], list[tuple[np.ndarray, ...]]]
-    family: str  # 'cnn', 'mobile', 'transformer', 'audio', 'vae', 'diffusion', 'class_token', 'mean_pooled' (floors: tests/zoo/test_zoo.py)
+    # 'cnn', 'mobile', 'transformer', 'audio', 'vae', 'diffusion', 'class_token', 'mean_pooled'
+    family: str  # (floors: tests/zoo/test_zoo.py)
 
     def apply(self, *inputs):
         """The float model's output on `inputs`."""
