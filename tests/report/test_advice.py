@@ -2,11 +2,14 @@
 
 import dataclasses
 import re
+import warnings
 
 import numpy as np
 import pytest
 
 import odmlq
+from odmlq.litert.verify import verify
+from odmlq.rules import UnmatchedRuleWarning
 from samples.digits import batches
 from tests.report.test_report import INT8, planted_fault, trained_cnn
 
@@ -75,9 +78,14 @@ def test_with_a_tflite_fixes_are_exported_int16_reading_an_int8_pool_included():
     convolution on LiteRT) through a requantization, which the LiteRT lowering
     keeps apart from the pool with a same-scale MAXIMUM (the converter would
     fold it into the pool): offered, re-exported, and the .tflite computes what
-    simulate does, whatever the gain (here negative: conv2's int16 output is
-    read back as int8 at the planted range) (0.5 dB: the outputs' SQNR over 32 images, where LiteRT and
-    simulate differ by at most 1 LSB per op)."""
+    simulate does, whatever the gain. LiteRT and simulate differ by at most 1
+    LSB per op (the re-export's verification on the 32 images asserts it).
+    The outputs' SQNR against float may differ by up to 1 dB: LiteRT's QUANTIZE
+    from int16 to int8 rounds twice (a rounding high multiply, then a rounding
+    shift right by 2, reproduced on all 512 of conv2's values), so 9% of the
+    int8 copy is 1 LSB above simulate's one rounding, which moves the logits,
+    whose error against float is about 1 LSB rms at 40 dB (measured: 39.3 dB
+    in LiteRT, 40.0 in simulate)."""
     digits, model, variables, plan, calibration = trained_cnn()
     method, stats = calibration["conv2/relu"]
     wide = odmlq.Calibration({**dict(calibration),
@@ -88,7 +96,15 @@ def test_with_a_tflite_fixes_are_exported_int16_reading_an_int8_pool_included():
                            calibration=wide, tflite=result.tflite, try_fixes=True)
     int16 = next(a for a in report.advice if "int16" in a.change)
     assert int16.edge == "conv2/relu" and int16.measured.size_bytes is not None, str(report)
-    assert int16.measured.litert_output_sqnr_db == pytest.approx(int16.measured.output_sqnr_db, abs=0.5)
+    assert int16.measured.litert_output_sqnr_db == pytest.approx(int16.measured.output_sqnr_db, abs=1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnmatchedRuleWarning)
+        replanned = plan.replan((int16.rule, *plan.rules))
+    again = odmlq.export_tflite(model, replanned, None, variables=variables, calibration=wide,
+                                example_inputs=(digits.x_test[:1],), verify=False, benchmark=False)
+    check = verify(again.tflite, model, replanned, again.scales, [digits.x_test[:32]],
+                   variables=variables, raise_on_failure=False)
+    assert check.passed, str(check)
     skip = next(a for a in report.advice if a.rule.skip)
     m = skip.measured
     assert m.size_bytes == len(result.tflite) + m.size_delta_bytes and m.size_delta_bytes > 0  # float conv2
