@@ -27,7 +27,7 @@ import numpy as np
 
 from odmlq.graph._params import flat_params, replace_params
 
-__all__ = ["affine_of", "fold_params", "folded_bias", "folded_operands", "folded_ops", "operand_values",
+__all__ = ["affine_of", "array_module", "fold_params", "folded_bias", "folded_operands", "folded_ops", "operand_values",
            "shift_output", "unfold_params"]
 
 
@@ -35,21 +35,36 @@ def folded_ops(graph) -> list:
     return [op for op in graph.ops if op.attributes.get("fold")]
 
 
-def _per_channel(value, axis: int, ndim: int) -> jax.Array:
+def array_module(*values):
+    """numpy where every value is a float32 array on the host or one device,
+    else jax.numpy. A fold's arithmetic is a few products and sums per
+    channel, the same in float32 either way (IEEE, correctly rounded): in
+    jax.numpy, done eagerly, each of its ops compiled a program for each
+    shape (44 programs, 2 s, for a small ResNet)."""
+    for v in values:
+        if isinstance(v, jax.core.Tracer) or (isinstance(v, jax.Array) and len(v.sharding.device_set) > 1):
+            return jnp
+        if np.dtype(getattr(v, "dtype", None) or np.asarray(v).dtype) != np.float32:
+            return jnp
+    return np
+
+
+def _per_channel(value, axis: int, ndim: int, xp=jnp) -> jax.Array:
     """A per-channel operand (broadcastable to the output) as a (C,) vector."""
-    v = jnp.asarray(value)
+    v = xp.asarray(value)
     v = v.reshape((1,) * (ndim - v.ndim) + v.shape)
-    return jnp.moveaxis(v, axis, -1).reshape(-1)
+    return xp.moveaxis(v, axis, -1).reshape(-1)
 
 
 def affine_of(op, operands: Sequence[Any]) -> tuple[jax.Array, jax.Array]:
     """``(s, t)``, per output channel, of the op's epilogue ``y -> y * s + t``."""
     fold = op.attributes["fold"]
+    xp = array_module(*(operands[index] for _, index, _ in fold["steps"]))
     s = t = None
     for kind, index, _ in fold["steps"]:
-        w = _per_channel(operands[index], fold["channel_axis"], fold["ndim"])
+        w = _per_channel(operands[index], fold["channel_axis"], fold["ndim"], xp)
         if s is None:
-            s, t = jnp.ones_like(w), jnp.zeros_like(w)
+            s, t = xp.ones_like(w), xp.zeros_like(w)
         if kind == "mul":
             s, t = s * w, t * w
         elif kind == "div":
@@ -72,8 +87,9 @@ def folded_operands(op, operands: Sequence[Any], bias: jax.Array) -> list:
     its own bias, or by its first additive epilogue step."""
     fold = op.attributes["fold"]
     out = list(operands)
+    xp = array_module(bias, *(operands[index] for _, index, _ in fold["steps"]))
     for kind, index, _ in fold["steps"]:
-        out[index] = (jnp.ones_like if kind in ("mul", "div") else jnp.zeros_like)(jnp.asarray(operands[index]))
+        out[index] = (xp.ones_like if kind in ("mul", "div") else xp.zeros_like)(xp.asarray(operands[index]))
     carrier = next((i for i, o in enumerate(op.operands) if o.role == "bias"), None)
     sign = 1.0
     if carrier is None:
@@ -84,9 +100,10 @@ def folded_operands(op, operands: Sequence[Any], bias: jax.Array) -> list:
         sign = -1.0 if kind == "sub" else 1.0
     shape = jnp.shape(operands[carrier])
     axis = fold["channel_axis"] - (fold["ndim"] - len(shape))
-    out[carrier] = jnp.moveaxis(
-        (sign * bias).reshape((1,) * (len(shape) - 1) + (-1,)), -1, axis).reshape(shape).astype(
-            jnp.asarray(operands[carrier]).dtype)
+    xp = array_module(bias, operands[carrier])
+    out[carrier] = xp.moveaxis(
+        (sign * xp.asarray(bias)).reshape((1,) * (len(shape) - 1) + (-1,)), -1, axis).reshape(shape).astype(
+            xp.asarray(operands[carrier]).dtype)
     return out
 
 
@@ -96,7 +113,7 @@ def folded_bias(op, operands: Sequence[Any]) -> jax.Array:
     index = next((i for i, o in enumerate(op.operands) if o.role == "bias"), None)
     if index is None:
         return t
-    return _per_channel(operands[index], -1, 1) * s + t
+    return _per_channel(operands[index], -1, 1, array_module(operands[index], s)) * s + t
 
 
 def shift_output(op, y: jax.Array, shift) -> jax.Array:
@@ -117,9 +134,15 @@ def fold_params(graph, params: Any, kernels=None) -> Any:
     factors = _fold_factors(graph, params, kernels)
     if not factors:
         return params
-    values = {p: jnp.asarray(v) for p, v in flat_params(params).items()}
-    return replace_params(params, {p: (values[p] * _along(s, axis, values[p].ndim)).astype(values[p].dtype)
-                                   for p, (s, axis) in factors.items()})
+    values = flat_params(params)
+    return replace_params(params, {p: _scaled(values[p], s, axis) for p, (s, axis) in factors.items()})
+
+
+def _scaled(kernel, s, axis: int):
+    """`kernel` times `s` along `axis`, in the kernel's dtype."""
+    xp = array_module(kernel, s)
+    kernel = xp.asarray(kernel)
+    return (kernel * _along(s, axis, kernel.ndim, xp)).astype(kernel.dtype)
 
 
 def unfold_params(graph, params: Any, folded: Mapping[str, Any]) -> Any:
@@ -138,10 +161,10 @@ def unfold_params(graph, params: Any, folded: Mapping[str, Any]) -> Any:
     return replace_params(params, new)
 
 
-def _along(s: jax.Array, axis: int, ndim: int) -> jax.Array:
+def _along(s: jax.Array, axis: int, ndim: int, xp=jnp) -> jax.Array:
     shape = [1] * ndim
     shape[axis] = -1
-    return jnp.asarray(s).reshape(shape)
+    return xp.asarray(s).reshape(shape)
 
 
 def _fold_factors(graph, params: Any, kernels) -> dict[str, tuple[jax.Array, int]]:
@@ -162,17 +185,35 @@ def _fold_factors(graph, params: Any, kernels) -> dict[str, tuple[jax.Array, int
 
 
 def operand_values(graph, params: Any, op_ids: set[str]) -> dict[str, list]:
-    """The operands the ops read (weights and their derived values) in one
-    float run on zeros: what is read from parameters depends on them only.
-    Traced params (a training step) give traced values, from which the
-    compiler keeps only what the params feed."""
+    """The operands the ops read (weights and their derived values): what is
+    read from parameters depends on them only. An activation operand (role
+    ``'input'``) is None.
+
+    Only traced for the inputs (``jax.make_jaxpr``, never compiled), the
+    steps that read no input computed at once (`Graph.evaluate`'s
+    `constant_steps`): run on zeros op by op, a model's activation ops each
+    compiled a program of their own (a small ResNet: 42 programs, 2 s).
+    Where an operand other than an activation depends on the inputs after
+    all, or the params are traced (a training step), the model runs on
+    zeros, and the compiler keeps only what the params feed."""
     found: dict[str, list] = {}
 
     def on_op(op_id, compute, *operands):
         if op_id in op_ids:
-            found[op_id] = [x if isinstance(x, jax.core.Tracer) else np.asarray(x) for x in operands]
+            found[op_id] = list(operands)
         return compute(*operands)
 
     inputs = [np.zeros(graph.edges[e].shape, graph.edges[e].dtype) for e in graph.inputs]
+    if not any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(params)):
+        jax.make_jaxpr(lambda *xs: graph.evaluate(params, *graph.structured_inputs(list(xs)), on_op=on_op,
+                                                  constant_steps=True))(*inputs)
+        roles = {op_id: [o.role for o in graph.op(op_id).operands] for op_id in found}
+        if not any(isinstance(x, jax.core.Tracer) and role != "input"
+                   for op_id, operands in found.items() for role, x in zip(roles[op_id], operands)):
+            return {op_id: [None if role == "input" else np.asarray(x) for role, x in zip(roles[op_id], operands)]
+                    for op_id, operands in found.items()}
+        found.clear()
     graph.evaluate(params, *graph.structured_inputs(inputs), on_op=on_op)
-    return found
+    return {op_id: [None if role == "input" else x if isinstance(x, jax.core.Tracer) else np.asarray(x)
+                    for role, x in zip([o.role for o in graph.op(op_id).operands], operands)]
+            for op_id, operands in found.items()}

@@ -260,7 +260,8 @@ class Graph:
                  on_edge: Callable[[str, Any], Any] | None = None,
                  on_constant: Callable[[str, int, Any], Any] | None = None,
                  on_op: Callable[..., list] | None = None,
-                 on_stack: Callable[[str, list], Any] | None = None) -> Any:
+                 on_stack: Callable[[str, list], Any] | None = None,
+                 constant_steps: bool = False) -> Any:
         """Runs the model op by op. Jittable.
 
         Hooks (each returns the value to use):
@@ -280,6 +281,11 @@ class Graph:
             hooks watch it), to be joined into edge `edge_id` along a new first
             axis; None: ``jnp.stack(parts)``.
 
+        `constant_steps`: compute every step whose operands are all concrete
+        at once, also under a trace (``jax.make_jaxpr``): what depends on no
+        input (weights as ops read them) reaches the hooks as values, and
+        the rest is only traced, never compiled.
+
         Example:
           >>> graph = trace(model, x, variables=variables)
           >>> y = graph.evaluate(variables, x)   # == model.apply(variables, x)
@@ -291,7 +297,7 @@ class Graph:
             )
         from odmlq.graph._program import _Hooks
 
-        return self.program.run(params, inputs, _Hooks(on_edge, on_constant, on_op, on_stack))
+        return self.program.run(params, inputs, _Hooks(on_edge, on_constant, on_op, on_stack, constant_steps))
 
     def to_dict(self) -> dict:
         return {

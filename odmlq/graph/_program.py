@@ -84,6 +84,9 @@ class _Hooks:
     on_constant: Any = None
     on_op: Any = None
     on_stack: Any = None
+    # Run every step whose operands are all concrete now, also under a trace
+    # (`Graph.evaluate`'s `constant_steps`).
+    constant_steps: bool = False
 
 
 @dataclasses.dataclass
@@ -149,7 +152,7 @@ class _Program:
         # constants; LiteRT's converter folds few of them (a gather's bounds
         # check stays as float ops). Steps on literals alone are left to the
         # converter, which matches some of them (an average pool's counts).
-        eager = (scoped and id(step) in self.from_params and id(step) not in self.op_of
+        eager = ((hooks.constant_steps or (scoped and id(step) in self.from_params and id(step) not in self.op_of))
                  and not any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(ins)))
         with (jax.ensure_compile_time_eval() if eager else contextlib.nullcontext()), \
                 (jax.named_scope(scope) if scope else contextlib.nullcontext()):
@@ -170,7 +173,7 @@ class _Program:
 
     def _compute(self, op: _OpSteps, hooks: _Hooks):
         """The op as a function of its operands (no edges inside it to hook)."""
-        inner = _Hooks(on_constant=hooks.on_constant)
+        inner = _Hooks(on_constant=hooks.on_constant, constant_steps=hooks.constant_steps)
 
         def compute(*xs):
             # A literal operand is read from its step (replace it with on_constant).

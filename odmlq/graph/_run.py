@@ -19,6 +19,7 @@ import numpy as np
 from odmlq.errors import CalibrationError, PlanError
 from odmlq.graph._keras import is_keras, keras_state
 from odmlq.graph._graph import Graph
+from odmlq.graph._params import params_tree
 from odmlq.graph._trace import trace
 
 
@@ -61,6 +62,7 @@ class GraphCache:
         self.model, self.plan, self.variables = model, plan, variables
         self._graphs: dict[tuple, Graph] = {}
         self._split: set[tuple] = set()  # input shapes run in parts of the plan's batch size
+        self._float: dict[tuple, Any] = {}  # input shapes -> the float model's graph, jitted
         if plan.graph.program is not None:
             self._graphs[self._key(plan.graph)] = plan.graph
 
@@ -111,6 +113,16 @@ class GraphCache:
                             "plan's, and its outputs do not lead with the batch axis; run it in batches of "
                             "the plan's batch size.")
         return jax.tree.map(lambda *xs: jax.numpy.concatenate(xs), *runs)
+
+    def float_run(self, params: Any, inputs: tuple) -> Any:
+        """The float model's outputs on `inputs`, its graph for their shape
+        jitted once (a graph evaluated eagerly compiles each of its ops'
+        primitives on its first run: 42 programs, 3 s, for a small ResNet)."""
+        key = self._key_of(inputs)
+        if key not in self._float:
+            graph = self.graph_for(inputs)
+            self._float[key] = jax.jit(lambda tree, *xs: graph.evaluate(tree, *xs))
+        return self._float[key](params_tree(params), *inputs)
 
     @staticmethod
     def _batch_size(graph: Graph) -> int | None:

@@ -305,7 +305,7 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
         out_noise += float(np.sum((got - expected).astype(np.float64) ** 2))
         if against_float:
             reference = np.concatenate([np.asarray(o, np.float64).reshape(-1) for o in jax.tree_util.tree_leaves(
-                graphs.graph_for(tuple(inputs)).evaluate(params, *inputs))])
+                graphs.float_run(params, tuple(inputs)))])
             float_sig += float(np.sum(reference ** 2))
             float_noise_litert += float(np.sum((got - reference) ** 2))
             float_noise_sim += float(np.sum((expected - reference) ** 2))
