@@ -110,6 +110,9 @@ class PlanHooks:
       feed: edge id (or conversion name) -> a value that replaces the edge (or
         the converted input) after it is captured, so each op can be fed
         another run's tensors.
+      feeding: a boolean scalar (traced, where the run is jitted): False
+        leaves every edge its own value, as if nothing were fed, so one
+        compiled program makes both runs.
 
     An edge computed inside a loop (or a loop's carry) takes a value at every
     step: it is captured as their stack (steps first, in the order they run)
@@ -118,8 +121,9 @@ class PlanHooks:
 
     def __init__(self, plan, scales: Scales, materializer: Materializer | None = None, *,
                  capture: bool = False, capture_conversions: bool = False,
-                 feed: Mapping[str, Any] | None = None):
+                 feed: Mapping[str, Any] | None = None, feeding: Any = True):
         self.plan, self.scales = plan, scales
+        self._feeding = feeding
         self.materializer = FakeQuant() if materializer is None else materializer
         self.capture, self.feed = capture, dict(feed or {})
         self.capture_conversions = capture_conversions
@@ -143,10 +147,16 @@ class PlanHooks:
             if self.capture:
                 self.captured.setdefault(edge_id, []).append(x)
             fed = self.feed.get(edge_id)  # the steps' stack, or {step: value} for some of them
-            return x if fed is None else fed.get(step, x) if isinstance(fed, Mapping) else fed[step]
+            return self._fed(None if fed is None else fed.get(step) if isinstance(fed, Mapping) else fed[step], x)
         if self.capture:
             self.captured[edge_id] = x
-        return self.feed.get(edge_id, x)
+        return self._fed(self.feed.get(edge_id), x)
+
+    def _fed(self, fed: Any, x: Any) -> Any:
+        """`fed` in place of `x` (None: `x`), where `feeding`."""
+        if fed is None or self._feeding is True:
+            return x if fed is None else fed
+        return jnp.where(self._feeding, jnp.asarray(fed, jnp.result_type(x)).reshape(jnp.shape(x)), x)
 
     def on_stack(self, edge_id: str, parts: list) -> Any:
         return self.materializer.stacked(edge_id, parts, self.scales.edges.get(edge_id))
@@ -231,7 +241,7 @@ class PlanHooks:
         name = conversion_name(self.graph.resolve(op.operands[index].edge), str(ts.qtype))
         if self.capture_conversions:
             self.captured[name] = x
-        return self.feed.get(name, x)
+        return self._fed(self.feed.get(name), x)
 
     def _exact(self, op, compute: Callable, operands: list, grids: dict) -> Callable:
         """`compute` with its matmul of two quantized operands summed on the codes."""

@@ -47,27 +47,31 @@ class Simulator:
         self._jitted: dict = {}
 
     def __call__(self, *inputs: Any, capture: bool = False, capture_conversions: bool = False,
-                 feed: Mapping[str, Any] | None = None) -> Any:
-        return self._graphs.run(inputs, lambda *xs: self._run(xs, capture, capture_conversions, feed),
+                 feed: Mapping[str, Any] | None = None, use_feed: bool = True) -> Any:
+        """Runs the model on `inputs` (see `simulate`). `use_feed=False`:
+        every edge keeps its own value, as without `feed`, computed by the
+        program compiled for the fed run (one compile for both runs; a
+        small BERT's takes about 3 s)."""
+        return self._graphs.run(inputs, lambda *xs: self._run(xs, capture, capture_conversions, feed, use_feed),
                                 capturing=capture or capture_conversions or bool(feed))
 
-    def _run(self, inputs: tuple, capture: bool, capture_conversions: bool, feed) -> Any:
+    def _run(self, inputs: tuple, capture: bool, capture_conversions: bool, feed, use_feed: bool) -> Any:
         graph = self._graphs.graph_for(inputs)
         feed_values = jax.tree_util.tree_map(jnp.asarray, dict(feed or {}))  # a loop's edge: {step: value}
         key = (id(graph), capture, capture_conversions, tuple(sorted(feed_values)))
         if key not in self._jitted:
             self._jitted[key] = jax.jit(self._runner(graph, capture, capture_conversions))
-        outputs, captured = self._jitted[key](self._qparams, feed_values, *inputs)
+        outputs, captured = self._jitted[key](self._qparams, feed_values, jnp.asarray(use_feed), *inputs)
         return (outputs, captured) if capture or capture_conversions else outputs
 
     def _runner(self, graph, capture: bool, capture_conversions: bool):
         plan, scales = self.plan, self.scales
 
-        def run(qparams, feed_values, *xs):
+        def run(qparams, feed_values, feeding, *xs):
             qparams = jax.tree.map(lambda leaf: leaf.dequantize() if isinstance(leaf, _Stored) else leaf,
                                    qparams, is_leaf=lambda leaf: isinstance(leaf, _Stored))
             hooks = PlanHooks(plan, scales, FakeQuant(), capture=capture,
-                              capture_conversions=capture_conversions, feed=feed_values)
+                              capture_conversions=capture_conversions, feed=feed_values, feeding=feeding)
             return hooks.evaluate(graph, qparams, *xs), hooks.captured
 
         return run

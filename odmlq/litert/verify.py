@@ -17,6 +17,7 @@ largest value of the op's output or inputs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import warnings
 from collections.abc import Sequence
@@ -268,8 +269,9 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
             litert[e] = np.stack(list(values.values()))
             laid_out = {k: as_edge(x, shapes[e]) for k, x in values.items()}
             feed[e] = {k: x for k, x in laid_out.items() if x is not None} or None
-        _, fed = simulator(*inputs, capture=True, capture_conversions=bool(conversions),
-                           feed={e: x for e, x in feed.items() if x is not None})
+        run = functools.partial(simulator, *inputs, capture=True, capture_conversions=bool(conversions),
+                                feed={e: x for e, x in feed.items() if x is not None})
+        _, fed = run()
         for e in [*mapping, *step_mapping]:
             want = np.asarray(fed[e])[list(step_mapping[e])] if e in step_mapping else np.asarray(fed[e])
             if litert[e].size != want.size:
@@ -290,7 +292,7 @@ def verify(tflite: bytes, model: Any, plan, scales, samples: Sequence[Any], *, v
             s = float_stats[e]
             s[0], s[1], s[2] = max(s[0], float(relative.max())), s[1] + float(relative.sum()), s[2] + relative.size
         expected = np.concatenate([np.asarray(o, np.float32).reshape(-1)
-                                   for o in jax.tree_util.tree_leaves(simulator(*inputs))])
+                                   for o in jax.tree_util.tree_leaves(run(use_feed=False)[0])])
         got = np.concatenate([from_output(interpreter.get_tensor(d["index"]), d).reshape(-1)
                               for d in output_details(interpreter)])
         if got.size != expected.size:
