@@ -52,3 +52,23 @@ def test_feed_runs_each_op_on_the_fed_tensors():
     # b reads zeros: its output is its bias (rounded to its int32 grid, then to b's edge grid).
     lsb = float(np.asarray(scales.edges["b/dot_general"].scale).reshape(-1)[0])
     np.testing.assert_allclose(np.asarray(y), np.broadcast_to(bias, (16, 4)), atol=lsb)
+
+
+def test_a_fed_program_with_feeding_off_gives_the_unfed_run_bit_for_bit():
+    """verify compiles one program per row shape: the fed run's, with feeding
+    switched off for the end-to-end outputs. Off, no fed value may leak in."""
+    from odmlq.simulate import Simulator
+
+    model, variables, plan, calibration = _setup()
+    scales = odmlq.compute_scales(plan, calibration, variables)
+    simulator = Simulator(model, plan, scales, variables=variables)
+    fed = {"a/relu": np.zeros((16, 16), np.float32)}
+    plain = np.asarray(simulator(X))
+    fed_y, _ = simulator(X, capture=True, feed=fed)
+    off_y, off_edges = simulator(X, capture=True, feed=fed, use_feed=False)
+    assert not np.array_equal(np.asarray(fed_y), plain)  # the feed changes the outputs
+    np.testing.assert_array_equal(np.asarray(off_y), plain)
+    _, edges = simulator(X, capture=True)
+    for edge_id, value in edges.items():
+        np.testing.assert_array_equal(np.asarray(off_edges[edge_id]), np.asarray(value), err_msg=edge_id)
+    assert len(simulator._jitted) == 3  # plain, fed (on and off), captured
