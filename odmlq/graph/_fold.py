@@ -26,8 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from odmlq.graph._params import flat_params, replace_params
+from odmlq.sharding import is_sharded
 
-__all__ = ["affine_of", "array_module", "fold_params", "folded_bias", "folded_operands", "folded_ops", "operand_values",
+__all__ = ["affine_of", "fold_params", "folded_bias", "folded_operands", "folded_ops", "operand_values",
            "shift_output", "unfold_params"]
 
 
@@ -35,7 +36,7 @@ def folded_ops(graph) -> list:
     return [op for op in graph.ops if op.attributes.get("fold")]
 
 
-def array_module(*values):
+def _array_module(*values):
     """numpy where every value is a float32 array on the host or one device,
     else jax.numpy: for products, sums and layouts, which are the same bits
     either way (IEEE, correctly rounded; XLA run op by op fuses no
@@ -44,7 +45,7 @@ def array_module(*values):
     division: XLA's float32 quotient differs from numpy's in the last bit
     (26% of random quotients on an AMD EPYC host)."""
     for v in values:
-        if isinstance(v, jax.core.Tracer) or (isinstance(v, jax.Array) and len(v.sharding.device_set) > 1):
+        if isinstance(v, jax.core.Tracer) or is_sharded(v):
             return jnp
         if np.dtype(getattr(v, "dtype", None) or np.asarray(v).dtype) != np.float32:
             return jnp
@@ -61,7 +62,7 @@ def _per_channel(value, axis: int, ndim: int, xp=jnp) -> jax.Array:
 def affine_of(op, operands: Sequence[Any]) -> tuple[jax.Array, jax.Array]:
     """``(s, t)``, per output channel, of the op's epilogue ``y -> y * s + t``."""
     fold = op.attributes["fold"]
-    xp = jnp if any(kind == "div" for kind, _, _ in fold["steps"]) else array_module(
+    xp = jnp if any(kind == "div" for kind, _, _ in fold["steps"]) else _array_module(
         *(operands[index] for _, index, _ in fold["steps"]))
     s = t = None
     for kind, index, _ in fold["steps"]:
@@ -90,7 +91,7 @@ def folded_operands(op, operands: Sequence[Any], bias: jax.Array) -> list:
     its own bias, or by its first additive epilogue step."""
     fold = op.attributes["fold"]
     out = list(operands)
-    xp = array_module(bias, *(operands[index] for _, index, _ in fold["steps"]))
+    xp = _array_module(bias, *(operands[index] for _, index, _ in fold["steps"]))
     for kind, index, _ in fold["steps"]:
         out[index] = (xp.ones_like if kind in ("mul", "div") else xp.zeros_like)(xp.asarray(operands[index]))
     carrier = next((i for i, o in enumerate(op.operands) if o.role == "bias"), None)
@@ -103,7 +104,7 @@ def folded_operands(op, operands: Sequence[Any], bias: jax.Array) -> list:
         sign = -1.0 if kind == "sub" else 1.0
     shape = jnp.shape(operands[carrier])
     axis = fold["channel_axis"] - (fold["ndim"] - len(shape))
-    xp = array_module(bias, operands[carrier])
+    xp = _array_module(bias, operands[carrier])
     out[carrier] = xp.moveaxis(
         (sign * xp.asarray(bias)).reshape((1,) * (len(shape) - 1) + (-1,)), -1, axis).reshape(shape).astype(
             xp.asarray(operands[carrier]).dtype)
@@ -116,7 +117,7 @@ def folded_bias(op, operands: Sequence[Any]) -> jax.Array:
     index = next((i for i, o in enumerate(op.operands) if o.role == "bias"), None)
     if index is None:
         return t
-    return _per_channel(operands[index], -1, 1, array_module(operands[index], s)) * s + t
+    return _per_channel(operands[index], -1, 1, _array_module(operands[index], s)) * s + t
 
 
 def shift_output(op, y: jax.Array, shift) -> jax.Array:
@@ -143,7 +144,7 @@ def fold_params(graph, params: Any, kernels=None) -> Any:
 
 def _scaled(kernel, s, axis: int):
     """`kernel` times `s` along `axis`, in the kernel's dtype."""
-    xp = array_module(kernel, s)
+    xp = _array_module(kernel, s)
     kernel = xp.asarray(kernel)
     return (kernel * _along(s, axis, kernel.ndim, xp)).astype(kernel.dtype)
 
@@ -206,17 +207,18 @@ def operand_values(graph, params: Any, op_ids: set[str]) -> dict[str, list]:
             found[op_id] = list(operands)
         return compute(*operands)
 
+    def values() -> dict[str, list]:
+        return {op_id: [None if o.role == "input" else x if isinstance(x, jax.core.Tracer) else np.asarray(x)
+                        for o, x in zip(graph.op(op_id).operands, operands)]
+                for op_id, operands in found.items()}
+
     inputs = [np.zeros(graph.edges[e].shape, graph.edges[e].dtype) for e in graph.inputs]
     if not any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(params)):
         jax.make_jaxpr(lambda *xs: graph.evaluate(params, *graph.structured_inputs(list(xs)), on_op=on_op,
                                                   constant_steps=True))(*inputs)
-        roles = {op_id: [o.role for o in graph.op(op_id).operands] for op_id in found}
-        if not any(isinstance(x, jax.core.Tracer) and role != "input"
-                   for op_id, operands in found.items() for role, x in zip(roles[op_id], operands)):
-            return {op_id: [None if role == "input" else np.asarray(x) for role, x in zip(roles[op_id], operands)]
-                    for op_id, operands in found.items()}
+        traced = values()
+        if not any(isinstance(x, jax.core.Tracer) for operands in traced.values() for x in operands):
+            return traced
         found.clear()
     graph.evaluate(params, *graph.structured_inputs(inputs), on_op=on_op)
-    return {op_id: [None if role == "input" else x if isinstance(x, jax.core.Tracer) else np.asarray(x)
-                    for role, x in zip([o.role for o in graph.op(op_id).operands], operands)]
-            for op_id, operands in found.items()}
+    return values()
